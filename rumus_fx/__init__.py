@@ -1,0 +1,40 @@
+"""rumus_fx: tape-based reverse-mode autodiff on JAX, built like the rumus engine."""
+
+from . import autograd as autograd
+from . import debug as debug
+from . import ops as ops
+from .autograd.engine import GradientStore as GradientStore
+from .autograd.errors import AutogradError as AutogradError
+from .autograd.errors import ShapeError as ShapeError
+from .autograd.errors import VersionMismatch as VersionMismatch
+from .autograd.record import VersionSnapshot as VersionSnapshot
+from .autograd.tape import Tape as Tape
+from .autograd.tape import TapeEntry as TapeEntry
+from .autograd.tape import no_grad as no_grad
+from .autograd.transforms import grad as grad
+from .autograd.transforms import value_and_grad as value_and_grad
+from .autograd.transforms import vjp as vjp
+from .ops import add as add
+from .ops import add_bias as add_bias
+from .ops import bmm as bmm
+from .ops import div as div
+from .ops import exp as exp
+from .ops import flatten as flatten
+from .ops import log as log
+from .ops import matmul as matmul
+from .ops import mean as mean
+from .ops import mse_loss as mse_loss
+from .ops import mul as mul
+from .ops import neg as neg
+from .ops import relu as relu
+from .ops import reshape as reshape
+from .ops import sub as sub
+from .ops import sum as sum  # noqa: A004
+from .ops import transpose as transpose
+from .storage import Layout as Layout
+from .storage import StorageHandle as StorageHandle
+from .storage import WeakStorageHandle as WeakStorageHandle
+from .tensor import Tensor as Tensor
+from .tensor import tensor as tensor
+
+__version__ = "0.1.0"

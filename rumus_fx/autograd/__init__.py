@@ -1,0 +1,27 @@
+"""The autograd core: records, snapshots, tape, engine, transforms, errors."""
+
+from typing import Any, Union
+
+from .engine import GradientStore as GradientStore
+from .errors import AutogradError as AutogradError
+from .errors import ShapeError as ShapeError
+from .errors import VersionMismatch as VersionMismatch
+from .record import Aval as Aval
+from .record import Record as Record
+from .record import VersionSnapshot as VersionSnapshot
+from .record import record_types as record_types
+from .tape import Tape as Tape
+from .tape import TapeEntry as TapeEntry
+from .tape import no_grad as no_grad
+from .transforms import grad as grad
+from .transforms import value_and_grad as value_and_grad
+from .transforms import vjp as vjp
+
+
+def __getattr__(name: str) -> Any:
+    # BackwardOp: the union of every record type (known once the ops are imported)
+    if name == "BackwardOp":
+        from .. import ops  # noqa: F401  (defines the record types)
+
+        return Union[record_types()]  # noqa: UP007
+    raise AttributeError(name)

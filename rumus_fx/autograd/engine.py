@@ -1,0 +1,117 @@
+"""The backward engine: a reverse walk over tape entries.
+
+Note [Backward walk]
+~~~~~~~~~~~~~~~~~~~~
+Entries are appended in execution order, so every entry comes after the entries
+that produced its inputs; walking the list backwards is a topological order of
+the reverse graph (the same order rumus derives with Kahn's algorithm). For each
+entry whose output received a gradient we (1) check the record's version
+snapshots, (2) call its hand-written backward rule, (3) check that it returned
+one gradient per input with that input's shape and dtype, and (4) accumulate the
+gradients by grad id. Entries whose output got no gradient are dead branches and
+are skipped. Nothing here calls JAX's autodiff: records are plain jnp/lax/Pallas.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import AutogradError
+from .tape import TapeEntry
+
+# anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
+# mode string ("eager-or-callback")
+ANOMALY: contextvars.ContextVar[bool] = contextvars.ContextVar("rumus_fx_anomaly", default=False)
+
+
+def run_backward(entries: Sequence[TapeEntry], seeds: dict[int, jax.Array]) -> dict[int, jax.Array]:
+    """Walk ``entries`` in reverse from the seed gradients; gradients by grad id."""
+    grads: dict[int, jax.Array] = dict(seeds)
+    anomaly = ANOMALY.get()
+    for index in range(len(entries) - 1, -1, -1):
+        entry = entries[index]
+        grad_out = grads.get(entry.outputs[0])
+        if grad_out is None:
+            continue  # dead branch: nothing downstream needs this op
+        op = entry.op
+        op.check_versions()
+        needs = tuple(i is not None for i in entry.inputs)
+        in_grads = op.backward(grad_out, needs)
+        if len(in_grads) != len(entry.inputs):
+            raise AutogradError(f"{op.name} returned {len(in_grads)} gradients for {len(entry.inputs)} inputs")
+        for k, (gid, g) in enumerate(zip(entry.inputs, in_grads)):
+            if gid is None or g is None:
+                continue
+            _validate(op.name, k, g, entry.input_avals[k] if entry.input_avals else None)
+            if anomaly:
+                from ..debug import check_finite
+
+                check_finite(g, op.name, index, entry)
+            prev = grads.get(gid)
+            grads[gid] = g if prev is None else prev + g
+    return grads
+
+
+def _validate(name: str, k: int, g: Any, aval: Any) -> None:
+    if aval is None:
+        return
+    shape, dtype = aval
+    if tuple(g.shape) != tuple(shape) or np.dtype(g.dtype) != np.dtype(dtype):
+        raise AutogradError(
+            f"{name} returned a gradient of {np.dtype(g.dtype).name}{list(g.shape)} for its "
+            f"input {k}, which is {np.dtype(dtype).name}{list(shape)} (a bug in {name})"
+        )
+
+
+class GradientStore(Mapping):
+    """Gradients by grad id, returned by ``Tape.backward``.
+
+    ``grads[tensor]`` gives the gradient of a tracked tensor (zeros of its shape
+    when it received none, as ``jax.grad`` gives for unused inputs);
+    ``grads.get(grad_id)`` gives it by id, or None when there is no gradient.
+    """
+
+    def __init__(self, grads: dict[int, jax.Array]):
+        self._grads = grads
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        from ..tensor import Tensor
+
+        if isinstance(key, Tensor):
+            if key.grad_id is None:
+                raise KeyError("this Tensor is not tracked (requires_grad=False), so it has no gradient")
+            g = self._grads.get(key.grad_id)
+            if g is None:
+                return jnp.zeros(key.shape, key.dtype)
+            return g
+        return self._grads[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        from ..tensor import Tensor
+
+        if isinstance(key, Tensor):
+            key = key.grad_id
+        return self._grads.get(key, default)
+
+    def __contains__(self, key: Any) -> bool:
+        from ..tensor import Tensor
+
+        if isinstance(key, Tensor):
+            key = key.grad_id
+        return key in self._grads
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._grads)
+
+    def __len__(self) -> int:
+        return len(self._grads)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}: {np.dtype(v.dtype).name}{list(v.shape)}" for k, v in self._grads.items())
+        return f"GradientStore({{{inner}}})"

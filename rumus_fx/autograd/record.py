@@ -1,0 +1,136 @@
+"""Backward records: the base class, version snapshots, and saved-data accounting.
+
+Every differentiable op appends one record to the tape. A record is a frozen
+dataclass named ``<Op>Backward`` that holds only what its backward rule reads:
+static metadata (shapes, axes, dtypes), the immutable arrays it needs, and one
+``VersionSnapshot`` per storage whose *current* contents it would read. No
+closures: ``dataclasses.fields(record)`` shows everything it keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import numpy as np
+
+from ..storage import StorageHandle, WeakStorageHandle, nbytes_of
+from .errors import VersionMismatch
+
+
+class Aval(NamedTuple):
+    """Shape and dtype of an operand: what a gradient must be cast back to."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VersionSnapshot:
+    """The version of a storage at record time.
+
+    ``check()`` raises ``VersionMismatch`` when the storage was written since.
+    It holds a weak handle, so recording never keeps a storage alive; the
+    version cell inside the weak handle survives the storage, so a storage
+    written and then dropped is still caught (see ``storage.py``).
+    """
+
+    grad_id: int | None
+    weak_storage: WeakStorageHandle
+    recorded_version: int
+
+    @classmethod
+    def of(cls, grad_id: int | None, storage: StorageHandle) -> VersionSnapshot:
+        return cls(grad_id, storage.downgrade(), storage.version)
+
+    def check(self, op: str | None = None) -> None:
+        found = self.weak_storage.version
+        if found != self.recorded_version:
+            raise VersionMismatch(self.grad_id, self.recorded_version, found, op)
+
+
+_RECORD_TYPES: list[type[Record]] = []
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Record:
+    """Base of all backward records.
+
+    Subclasses implement ``backward(grad_out, needs)``: given the gradient of the
+    op's output and, per input, whether it needs a gradient, return one gradient
+    (or ``None`` for "no gradient") per input, each of the input's shape and dtype.
+    """
+
+    _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
+    _array_fields: ClassVar[tuple[str, ...] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__.endswith("Backward"):
+            _RECORD_TYPES.append(cls)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def backward(self, grad_out: jax.Array, needs: tuple[bool, ...]) -> tuple[jax.Array | None, ...]:
+        raise NotImplementedError(f"{self.name}.backward")
+
+    @classmethod
+    def _classify_fields(cls) -> None:
+        snaps, arrays = [], []
+        for f in dataclasses.fields(cls):
+            kind = str(f.type)
+            if "VersionSnapshot" in kind:
+                snaps.append(f.name)
+            elif "Array" in kind:
+                arrays.append(f.name)
+        cls._snapshot_fields = tuple(snaps)
+        cls._array_fields = tuple(arrays)
+
+    def snapshots(self) -> tuple[VersionSnapshot, ...]:
+        """Every version snapshot this record holds."""
+        cls = type(self)
+        if cls.__dict__.get("_snapshot_fields") is None:
+            cls._classify_fields()
+        out: list[VersionSnapshot] = []
+        for name in cls._snapshot_fields:
+            value = getattr(self, name)
+            if isinstance(value, VersionSnapshot):
+                out.append(value)
+            elif isinstance(value, tuple):
+                out.extend(v for v in value if isinstance(v, VersionSnapshot))
+        return tuple(out)
+
+    def check_versions(self) -> None:
+        for snap in self.snapshots():
+            snap.check(self.name)
+
+    def saved_arrays(self) -> dict[str, Any]:
+        """The arrays this record keeps for backward, by field name."""
+        cls = type(self)
+        if cls.__dict__.get("_array_fields") is None:
+            cls._classify_fields()
+        out = {}
+        for name in cls._array_fields:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (int, float, bool)):
+                out[name] = value
+        return out
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of array data this record keeps alive for backward."""
+        total = 0
+        for value in self.saved_arrays().values():
+            if isinstance(value, tuple):
+                total += sum(nbytes_of(v) for v in value)
+            else:
+                total += nbytes_of(value)
+        return total
+
+
+def record_types() -> tuple[type[Record], ...]:
+    """All record classes defined so far (imported op modules)."""
+    return tuple(_RECORD_TYPES)

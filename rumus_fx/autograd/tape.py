@@ -1,0 +1,249 @@
+"""The tape: recording context (per thread and per asyncio task), entries, no_grad."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import AutogradError
+from .record import Record
+
+if TYPE_CHECKING:
+    from .engine import GradientStore
+
+_TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("rumus_fx_tape", default=None)
+_NO_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("rumus_fx_no_grad", default=False)
+
+
+def current_tape() -> Tape | None:
+    """The innermost active tape of this thread/task, or None (also under no_grad)."""
+    if _NO_GRAD.get():
+        return None
+    return _TAPE.get()
+
+
+def is_recording() -> bool:
+    return current_tape() is not None
+
+
+class no_grad(contextlib.ContextDecorator):
+    """Context manager (and decorator) inside which no op records.
+
+    Nestable; per thread and per asyncio task. In-place ops inside only mutate.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> no_grad:
+        self._tokens.append(_NO_GRAD.set(True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _NO_GRAD.reset(self._tokens.pop())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TapeEntry:
+    """One recorded op: its record, the grad ids of its inputs (None for inputs
+    that are not tracked) and of its outputs, and the inputs'/outputs' avals."""
+
+    op: Record
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int, ...]
+    input_avals: tuple[tuple[tuple[int, ...], Any] | None, ...] = ()
+    output_avals: tuple[tuple[tuple[int, ...], Any], ...] = ()
+
+
+class Tape:
+    """Records one ``TapeEntry`` per differentiable op run inside ``with Tape():``.
+
+    Example::
+
+        with rf.Tape() as tape:
+            w = rf.tensor(w0, requires_grad=True)
+            loss = rf.mse_loss(x @ w, y)
+        grads = tape.backward(loss)
+        grads[w]
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[TapeEntry] = []
+        self._tokens: list[contextvars.Token] = []
+        self._consumed = False
+
+    # -- recording -----------------------------------------------------------
+    def __enter__(self) -> Tape:
+        self._tokens.append(_TAPE.set(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _TAPE.reset(self._tokens.pop())
+
+    def append(
+        self,
+        op: Record,
+        inputs: tuple[int | None, ...],
+        outputs: tuple[int, ...],
+        input_avals: tuple = (),
+        output_avals: tuple = (),
+    ) -> None:
+        self._entries.append(TapeEntry(op, inputs, outputs, input_avals, output_avals))
+
+    # -- inspection ----------------------------------------------------------
+    @property
+    def entries(self) -> tuple[TapeEntry, ...]:
+        return tuple(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[TapeEntry]:
+        return iter(tuple(self._entries))
+
+    @property
+    def consumed(self) -> bool:
+        return self._consumed
+
+    @property
+    def saved_bytes(self) -> int:
+        """Total bytes of array data held by all records on this tape."""
+        return sum(e.op.saved_bytes for e in self._entries)
+
+    def saved_bytes_by_record(self) -> dict[str, int]:
+        """Saved bytes summed per record type, largest first."""
+        totals: dict[str, int] = {}
+        for e in self._entries:
+            totals[e.op.name] = totals.get(e.op.name, 0) + e.op.saved_bytes
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+    def __str__(self) -> str:
+        return format_tape(self)
+
+    def __repr__(self) -> str:
+        state = "consumed" if self._consumed else f"{len(self._entries)} entries"
+        return f"<rumus_fx.Tape {state}, saved {self.saved_bytes} bytes>"
+
+    def to_dot(self) -> str:
+        """The recorded graph as Graphviz ``dot`` text (render with ``dot -Tpng``)."""
+        return tape_to_dot(self)
+
+    # -- backward ------------------------------------------------------------
+    def backward(self, loss: Any, retain: bool = False, grad: Any = None) -> GradientStore:
+        """Reverse-walk the tape from ``loss`` and return a ``GradientStore``.
+
+        ``loss`` is a tracked scalar tensor (or pass ``grad=`` of its shape for a
+        non-scalar output). Unless ``retain=True`` the tape is consumed: its
+        records are released and a second ``backward`` raises ``AutogradError``.
+        """
+        from ..tensor import Tensor
+        from .engine import GradientStore, run_backward
+
+        if self._consumed:
+            raise AutogradError(
+                "backward called on a consumed tape: its records were released by the "
+                "first backward. Pass retain=True to the first call to run backward "
+                "more than once."
+            )
+        if not isinstance(loss, Tensor) or loss.grad_id is None:
+            raise AutogradError(
+                "backward needs a tracked Tensor (one computed from a tensor with "
+                f"requires_grad=True inside this tape); got {_describe(loss)}"
+            )
+        if grad is None:
+            if loss.size != 1:
+                raise TypeError(
+                    "backward of a non-scalar output needs grad= (a cotangent of its "
+                    f"shape); a scalar loss was expected, got shape {loss.shape}"
+                )
+            seed = jnp.ones(loss.shape, loss.dtype)
+        else:
+            seed = jnp.asarray(grad, dtype=loss.dtype)
+            if tuple(seed.shape) != tuple(loss.shape):
+                raise TypeError(
+                    f"backward: grad has shape {tuple(seed.shape)} but the output has shape {tuple(loss.shape)}"
+                )
+        grads = run_backward(self._entries, {loss.grad_id: seed})
+        if not retain:
+            self._entries = []
+            self._consumed = True
+        return GradientStore(grads)
+
+
+def _describe(x: Any) -> str:
+    from ..tensor import Tensor
+
+    if isinstance(x, Tensor):
+        return f"an untracked Tensor of shape {x.shape}"
+    return type(x).__name__
+
+
+def _fmt_aval(aval: Any) -> str:
+    if aval is None:
+        return "scalar"
+    shape, dtype = aval
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+def format_tape(tape: Tape) -> str:
+    """One row per entry: index, record, input ids -> output ids, shapes, saved bytes."""
+    header = ("#", "record", "inputs -> outputs", "shapes", "saved")
+    rows = []
+    for i, e in enumerate(tape._entries):
+        ids = ", ".join("-" if x is None else str(x) for x in e.inputs)
+        outs = ", ".join(str(x) for x in e.outputs)
+        shapes_in = ", ".join(_fmt_aval(a) for a in e.input_avals)
+        shapes_out = ", ".join(_fmt_aval(a) for a in e.output_avals)
+        rows.append(
+            (str(i), e.op.name, f"({ids}) -> ({outs})", f"{shapes_in} -> {shapes_out}", _fmt_bytes(e.op.saved_bytes))
+        )
+    widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    state = " (consumed)" if tape._consumed else ""
+    lines.append(f"{len(rows)} entries, {_fmt_bytes(tape.saved_bytes)} saved for backward{state}")
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024**2:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def tape_to_dot(tape: Tape) -> str:
+    lines = ["digraph tape {", "  rankdir=LR;", '  node [fontname="monospace"];']
+    seen: set[int] = set()
+    for i, e in enumerate(tape._entries):
+        label = f"{i}: {e.op.name}\\nsaves {_fmt_bytes(e.op.saved_bytes)}"
+        lines.append(f'  op{i} [shape=box, label="{label}"];')
+        for gid, aval in zip(e.inputs, e.input_avals or (None,) * len(e.inputs)):
+            if gid is None:
+                continue
+            if gid not in seen:
+                seen.add(gid)
+                lines.append(f'  t{gid} [shape=ellipse, label="{gid}\\n{_fmt_aval(aval)}"];')
+            lines.append(f"  t{gid} -> op{i};")
+        for gid, aval in zip(e.outputs, e.output_avals or (None,) * len(e.outputs)):
+            if gid not in seen:
+                seen.add(gid)
+                lines.append(f'  t{gid} [shape=ellipse, label="{gid}\\n{_fmt_aval(aval)}"];')
+            lines.append(f"  op{i} -> t{gid};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def aval_of(x: Any) -> tuple[tuple[int, ...], Any] | None:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return None
+    return (tuple(shape), x.dtype)

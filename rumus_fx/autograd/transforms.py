@@ -1,0 +1,235 @@
+"""Functional transforms with ``jax.grad``'s calling conventions: grad,
+value_and_grad, vjp.
+
+Each call opens its own tape, wraps the differentiated leaves as tracked
+``Tensor`` leaves (new storages, version 0), runs ``fun`` and walks the tape.
+Under ``jax.jit`` all of this runs once, at trace time; the tape and every
+storage die with the call, so nothing (no tracer) outlives it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..tensor import Tensor, next_grad_id
+from .engine import run_backward
+from .tape import Tape
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _leaf_array(x: Any) -> jax.Array:
+    if isinstance(x, Tensor):
+        return x.value
+    return jnp.asarray(x)
+
+
+def _argnums_tuple(argnums: int | Sequence[int], nargs: int, name: str) -> tuple[tuple[int, ...], bool]:
+    single = isinstance(argnums, (int, np.integer))
+    nums = (int(argnums),) if single else tuple(int(a) for a in argnums)
+    if not single and not nums:
+        raise TypeError(f"{name}: argnums must not be empty")
+    for a in nums:
+        if not -nargs <= a < nargs:
+            raise TypeError(
+                f"{name}: differentiating with respect to argnums={argnums} requires at least "
+                f"{max(a + 1, -a)} positional arguments to be passed by the caller, but got only "
+                f"{nargs} positional arguments."
+            )
+    return tuple(a % nargs for a in nums), single
+
+
+def _check_float_leaf(x: jax.Array, name: str) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} requires real-valued inputs (input dtype that is a sub-dtype of "
+            f"np.floating), but got {np.dtype(x.dtype).name}. Pass integer or boolean "
+            "inputs as arguments that are not differentiated (see argnums)."
+        )
+
+
+def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor | None], Any]:
+    """Replace each leaf of ``tree`` by a tracked leaf Tensor."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
+    tensors: list[Tensor | None] = []
+    new_leaves = []
+    for leaf in leaves:
+        arr = _leaf_array(leaf)
+        if check:
+            _check_float_leaf(arr, name)
+        elif not jnp.issubdtype(arr.dtype, jnp.floating):
+            tensors.append(None)
+            new_leaves.append(arr)
+            continue
+        t = Tensor._wrap(arr, next_grad_id())
+        tensors.append(t)
+        new_leaves.append(t)
+    return jax.tree_util.tree_unflatten(treedef, new_leaves), tensors, treedef
+
+
+def _to_arrays(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x.value if isinstance(x, Tensor) else x, tree, is_leaf=_is_tensor)
+
+
+def _scalar_output(out: Any, name: str) -> tuple[jax.Array, Tensor | None]:
+    if isinstance(out, Tensor):
+        value = out.value
+        tracked = out if out.grad_id is not None else None
+    else:
+        try:
+            value = jnp.asarray(out)
+        except TypeError:
+            raise TypeError(
+                f"{name}: the function must return a scalar rf.Tensor or array, got {type(out).__name__}"
+            ) from None
+        tracked = None
+    if value.size != 1:
+        raise TypeError(f"Gradient only defined for scalar-output functions. Output had shape: {tuple(value.shape)}.")
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} requires real-valued outputs (output dtype that is a sub-dtype of "
+            f"np.floating), but got {np.dtype(value.dtype).name}."
+        )
+    return value, tracked
+
+
+def _gather(tensors: list[Tensor | None], leaves_like: list[jax.Array], grads: dict[int, jax.Array]) -> list:
+    out = []
+    for t, like in zip(tensors, leaves_like):
+        g = grads.get(t.grad_id) if t is not None else None
+        if g is None:
+            dtype = like.dtype if t is not None else jax.dtypes.float0
+            g = jnp.zeros(like.shape, dtype) if t is not None else np.zeros(like.shape, dtype)
+        out.append(g)
+    return out
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+    """Like ``jax.value_and_grad``, computed by recording ``fun`` on a tape.
+
+    Returns ``g(*args, **kwargs) -> (value, grads)`` (``((value, aux), grads)``
+    with ``has_aux=True``). ``grads`` has the pytree structure, shapes and dtypes
+    of the differentiated arguments; unused leaves get zeros.
+
+    >>> import jax.numpy as jnp, rumus_fx as rf
+    >>> f = lambda w, x: rf.sum(rf.relu(x @ w))
+    >>> value, gw = rf.value_and_grad(f)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    >>> gw.shape
+    (3, 2)
+    """
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nums, single = _argnums_tuple(argnums, len(args), "value_and_grad")
+        tape = Tape()
+        new_args = list(args)
+        tracked: list[tuple[list[Tensor | None], Any]] = []
+        for i in nums:
+            new_args[i], tensors, treedef = _track(args[i], "grad")
+            tracked.append((tensors, treedef))
+        with tape:
+            out = fun(*new_args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    f"has_aux=True requires the function to return a pair (output, aux), got {type(out).__name__}"
+                )
+            out, aux = out
+        value, loss = _scalar_output(out, "grad")
+        if loss is not None:
+            seed = jnp.ones(loss.shape, loss.dtype)
+            grads = run_backward(tape._entries, {loss.grad_id: seed})
+        else:
+            grads = {}
+        tape._entries = []
+        results = []
+        for tensors, treedef in tracked:
+            likes = [t.value for t in tensors]
+            results.append(jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)))
+        g = results[0] if single else tuple(results)
+        if has_aux:
+            return (value, _to_arrays(aux)), g
+        return value, g
+
+    return wrapped
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+    """Like ``jax.grad``, computed by recording ``fun`` on a tape.
+
+    ``fun`` receives each leaf of the differentiated arguments as a tracked
+    ``rf.Tensor`` and must return a scalar (``rf.Tensor`` or array of size 1).
+    Works eagerly and under ``jax.jit``, ``jax.vmap`` and ``jax.jvp``.
+
+    >>> import jax.numpy as jnp, rumus_fx as rf
+    >>> rf.grad(lambda x: rf.sum(x * x))(jnp.arange(3.0))
+    Array([0., 2., 4.], dtype=float32)
+    """
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if has_aux:
+            (_, aux), g = vg(*args, **kwargs)
+            return g, aux
+        _, g = vg(*args, **kwargs)
+        return g
+
+    return wrapped
+
+
+def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
+    """Like ``jax.vjp``: returns ``(out, vjp_fn)`` (and ``aux`` with ``has_aux``).
+
+    ``out`` may be any pytree of Tensors/arrays (returned as arrays);
+    ``vjp_fn(cotangent)`` returns one gradient pytree per primal and may be
+    called more than once. Integer primals get ``float0`` cotangents, as in JAX.
+    """
+    tape = Tape()
+    new_primals = []
+    tracked = []
+    for p in primals:
+        new_p, tensors, treedef = _track(p, "vjp", check=False)
+        new_primals.append(new_p)
+        tracked.append((tensors, treedef, [_leaf_array(x) for x in jax.tree_util.tree_leaves(p, is_leaf=_is_tensor)]))
+    with tape:
+        out = fun(*new_primals)
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("has_aux=True requires the function to return a pair (output, aux)")
+        out, aux = out
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=_is_tensor)
+    out_arrays = [x.value if isinstance(x, Tensor) else jnp.asarray(x) for x in out_leaves]
+    out_ids = [x.grad_id if isinstance(x, Tensor) else None for x in out_leaves]
+    entries = tape._entries
+
+    def vjp_fn(cotangent: Any) -> tuple:
+        ct_leaves, ct_tree = jax.tree_util.tree_flatten(cotangent)
+        if ct_tree != out_tree:
+            raise TypeError(f"vjp: cotangent tree structure {ct_tree} does not match the output structure {out_tree}")
+        seeds: dict[int, jax.Array] = {}
+        for gid, arr, ct in zip(out_ids, out_arrays, ct_leaves):
+            ct = jnp.asarray(ct)
+            if tuple(ct.shape) != tuple(arr.shape):
+                raise ValueError(f"vjp: cotangent of shape {tuple(ct.shape)} for an output of shape {tuple(arr.shape)}")
+            if gid is None:
+                continue
+            ct = ct.astype(arr.dtype)
+            seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
+        grads = run_backward(entries, seeds) if seeds else {}
+        return tuple(
+            jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
+        )
+
+    out_tree_arrays = jax.tree_util.tree_unflatten(out_tree, out_arrays)
+    if has_aux:
+        return out_tree_arrays, vjp_fn, _to_arrays(aux)
+    return out_tree_arrays, vjp_fn

@@ -1,0 +1,224 @@
+"""Helpers every op uses: operands, recording, snapshots, broadcasting."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..autograd.errors import ShapeError
+from ..autograd.record import Aval, VersionSnapshot
+from ..autograd.tape import Tape, current_tape
+from ..tensor import Tensor, next_grad_id
+
+Array = jax.Array
+_SCALARS = (int, float)
+
+
+# ---------------------------------------------------------------------------
+# operands
+# ---------------------------------------------------------------------------
+
+
+def value_of(x: Any, op: str, what: str = "input") -> Any:
+    """The array (or python scalar) behind an operand."""
+    if isinstance(x, Tensor):
+        return x.value
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jnp.asarray(x)
+    if isinstance(x, _SCALARS) and not isinstance(x, bool):
+        return x
+    raise TypeError(f"{op}: {what} must be an rf.Tensor, a jax/numpy array or a python scalar, got {type(x).__name__}")
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(x, "shape", ()))
+
+
+def aval_of(x: Any) -> Aval | None:
+    """Shape and dtype of a Tensor/array operand; None for python scalars."""
+    if isinstance(x, Tensor):
+        return Aval(x.shape, x.dtype)
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return None
+    return Aval(tuple(shape), x.dtype)
+
+
+def require_float(op: str, x: Any, what: str = "input") -> None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{op}: {what} must have a floating dtype, got {np.dtype(dtype).name}")
+
+
+def require_ndim(op: str, x: Any, ndims: Sequence[int] | int, what: str = "input") -> None:
+    nd = len(shape_of(x))
+    ok = nd in ndims if isinstance(ndims, (tuple, list, range)) else nd == ndims
+    if not ok:
+        raise ShapeError(f"{op}: {what} must have rank {ndims}, got shape {shape_of(x)}")
+
+
+def static_int(op: str, name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def normalize_axis(op: str, axis: int, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{op}: axis must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ShapeError(f"{op}: axis {axis} is out of range for a tensor of rank {ndim}")
+    return int(axis) % ndim if ndim else 0
+
+
+# ---------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------
+
+
+def tape_for(*xs: Any) -> Tape | None:
+    """The tape to record on: the active one, if any operand is tracked."""
+    tape = current_tape()
+    if tape is None:
+        return None
+    for x in xs:
+        if isinstance(x, Tensor) and x.grad_id is not None:
+            return tape
+    return None
+
+
+def is_tracked(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.grad_id is not None
+
+
+def new_output(value: Array, tape: Tape | None) -> Tensor:
+    """Wrap an op result; tracked (with a fresh grad id) when recording."""
+    return Tensor._wrap(value, None if tape is None else next_grad_id())
+
+
+def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
+    """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
+    ids = tuple(x.grad_id if isinstance(x, Tensor) else None for x in inputs)
+    avals = tuple(aval_of(x) for x in inputs)
+    tape.append(op, ids, (out.grad_id,), avals, (Aval(out.shape, out.dtype),))
+    return out
+
+
+def snapshot(x: Any) -> VersionSnapshot | None:
+    """Snapshot of the storage behind ``x`` (None for arrays and scalars)."""
+    if isinstance(x, Tensor):
+        return VersionSnapshot.of(x.grad_id, x._storage)
+    return None
+
+
+def reads(x: Any, needed: bool) -> tuple[Any, VersionSnapshot | None]:
+    """(saved value, snapshot) of an operand whose data backward reads when
+    ``needed``; (None, None) otherwise, so nothing unused is kept."""
+    if not needed:
+        return None, None
+    if isinstance(x, Tensor):
+        return x.value, VersionSnapshot.of(x.grad_id, x._storage)
+    return value_of(x, "save"), None
+
+
+# ---------------------------------------------------------------------------
+# broadcasting
+# ---------------------------------------------------------------------------
+
+
+class BroadcastInfo(NamedTuple):
+    """How one operand was broadcast to the output: its own shape and dtype and
+    the output axes its gradient is summed over."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[int, ...]
+
+
+def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return first
+    nd = max(len(s) for s in shapes)
+    out = []
+    for i in range(nd):
+        size = 1
+        for s in shapes:
+            d = s[i - nd + len(s)] if i - nd + len(s) >= 0 else 1
+            if d != 1:
+                if size != 1 and size != d:
+                    shown = " and ".join(str(tuple(s)) for s in shapes)
+                    raise ShapeError(f"{op}: shapes {shown} cannot be broadcast together")
+                size = d
+        out.append(size)
+    return tuple(out)
+
+
+def broadcast_info(x: Any, out_shape: tuple[int, ...]) -> BroadcastInfo | None:
+    aval = aval_of(x)
+    if aval is None:
+        return None
+    shape = aval.shape
+    lead = len(out_shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and out_shape[lead + i] != 1)
+    return BroadcastInfo(shape, aval.dtype, axes)
+
+
+def sum_to(g: Array, info: BroadcastInfo) -> Array:
+    """Reduce a gradient of the output shape to an operand's shape and dtype."""
+    if info.axes:
+        g = acc_sum(g, info.axes)
+    if tuple(g.shape) != info.shape:
+        g = g.reshape(info.shape)
+    if g.dtype != info.dtype:
+        g = g.astype(info.dtype)
+    return g
+
+
+def align_rank(x: Any, ndim: int) -> Any:
+    """Add leading unit axes so ``x`` has rank ``ndim`` (explicit broadcasting:
+    the library never relies on NumPy rank promotion)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) >= ndim:
+        return x
+    return jnp.reshape(x, (1,) * (ndim - len(shape)) + tuple(shape))
+
+
+def cast(g: Array, dtype: Any) -> Array:
+    return g if g.dtype == dtype else g.astype(dtype)
+
+
+def is_low_precision(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
+
+
+def acc_sum(x: Array, axis: Any = None, keepdims: bool = False) -> Array:
+    """Sum that accumulates bfloat16/float16 in float32."""
+    if is_low_precision(x.dtype):
+        return jnp.sum(x, axis=axis, keepdims=keepdims, dtype=jnp.float32).astype(x.dtype)
+    return jnp.sum(x, axis=axis, keepdims=keepdims)
+
+
+def result_dtype(*xs: Any) -> Any:
+    return jnp.result_type(*xs)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def array_of(x: Any, op: str, what: str = "input") -> Any:
+    """Like ``value_of`` but python scalars become (weakly typed) arrays."""
+    v = value_of(x, op, what)
+    if not hasattr(v, "shape"):
+        v = jnp.asarray(v)
+    return v

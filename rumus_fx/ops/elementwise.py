@@ -1,0 +1,347 @@
+"""Elementwise arithmetic: add, sub, mul, div (NumPy broadcasting), neg, exp,
+log, add_bias — forward functions with their backward records side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..autograd.errors import ShapeError
+from ..autograd.record import Aval, Record, VersionSnapshot
+from ..tensor import Tensor
+from ._core import (
+    BroadcastInfo,
+    acc_sum,
+    align_rank,
+    array_of,
+    aval_of,
+    broadcast_info,
+    broadcast_shapes,
+    cast,
+    is_tracked,
+    new_output,
+    reads,
+    record,
+    shape_of,
+    snapshot,
+    sum_to,
+    tape_for,
+    value_of,
+)
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+# ---------------------------------------------------------------------------
+# records
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class AddBackward(Record):
+    """``c = a + b`` (equal shapes): ``da = dc``, ``db = dc``. Reads no data."""
+
+    lhs: Aval | None
+    rhs: Aval | None
+
+    def backward(self, g, needs):
+        return (
+            cast(g, self.lhs.dtype) if needs[0] else None,
+            cast(g, self.rhs.dtype) if needs[1] else None,
+        )
+
+
+@frozen
+class SubBackward(Record):
+    """``c = a - b`` (equal shapes): ``da = dc``, ``db = -dc``. Reads no data."""
+
+    lhs: Aval | None
+    rhs: Aval | None
+
+    def backward(self, g, needs):
+        return (
+            cast(g, self.lhs.dtype) if needs[0] else None,
+            cast(-g, self.rhs.dtype) if needs[1] else None,
+        )
+
+
+@frozen
+class MulBackward(Record):
+    """``c = a * b`` (equal shapes): ``da = dc * b``, ``db = dc * a``.
+
+    Saves ``b`` only when ``a`` needs a gradient and ``a`` only when ``b`` does.
+    """
+
+    lhs: Array | float | None
+    lhs_version: VersionSnapshot | None
+    rhs: Array | float | None
+    rhs_version: VersionSnapshot | None
+    lhs_aval: Aval | None
+    rhs_aval: Aval | None
+
+    def backward(self, g, needs):
+        return (
+            cast(g * self.rhs, self.lhs_aval.dtype) if needs[0] else None,
+            cast(g * self.lhs, self.rhs_aval.dtype) if needs[1] else None,
+        )
+
+
+@frozen
+class BroadcastAddBackward(Record):
+    """``c = a + b`` with broadcasting: gradients summed over broadcast axes."""
+
+    lhs_broadcast: BroadcastInfo | None
+    rhs_broadcast: BroadcastInfo | None
+    output_shape: tuple[int, ...]
+
+    def backward(self, g, needs):
+        return (
+            sum_to(g, self.lhs_broadcast) if needs[0] else None,
+            sum_to(g, self.rhs_broadcast) if needs[1] else None,
+        )
+
+
+@frozen
+class BroadcastSubBackward(Record):
+    """``c = a - b`` with broadcasting."""
+
+    lhs_broadcast: BroadcastInfo | None
+    rhs_broadcast: BroadcastInfo | None
+    output_shape: tuple[int, ...]
+
+    def backward(self, g, needs):
+        return (
+            sum_to(g, self.lhs_broadcast) if needs[0] else None,
+            sum_to(-g, self.rhs_broadcast) if needs[1] else None,
+        )
+
+
+@frozen
+class BroadcastMulBackward(Record):
+    """``c = a * b`` with broadcasting."""
+
+    lhs: Array | float | None
+    lhs_version: VersionSnapshot | None
+    rhs: Array | float | None
+    rhs_version: VersionSnapshot | None
+    lhs_broadcast: BroadcastInfo | None
+    rhs_broadcast: BroadcastInfo | None
+    output_shape: tuple[int, ...]
+
+    def backward(self, g, needs):
+        nd = g.ndim
+        return (
+            sum_to(g * align_rank(self.rhs, nd), self.lhs_broadcast) if needs[0] else None,
+            sum_to(g * align_rank(self.lhs, nd), self.rhs_broadcast) if needs[1] else None,
+        )
+
+
+@frozen
+class DivBackward(Record):
+    """``c = a / b`` (any broadcasting): ``da = dc / b``, ``db = -(dc / b) * a / b``."""
+
+    lhs: Array | float | None
+    lhs_version: VersionSnapshot | None
+    rhs: Array | float | None
+    rhs_version: VersionSnapshot | None
+    lhs_broadcast: BroadcastInfo | None
+    rhs_broadcast: BroadcastInfo | None
+    output_shape: tuple[int, ...]
+
+    def backward(self, g, needs):
+        nd = g.ndim
+        g_over_b = g / align_rank(self.rhs, nd)
+        return (
+            sum_to(g_over_b, self.lhs_broadcast) if needs[0] else None,
+            sum_to(-g_over_b * (align_rank(self.lhs, nd) / align_rank(self.rhs, nd)), self.rhs_broadcast)
+            if needs[1]
+            else None,
+        )
+
+
+@frozen
+class NegBackward(Record):
+    """``y = -x``: ``dx = -dy``. Reads no data."""
+
+    def backward(self, g, needs):
+        return (-g,)
+
+
+@frozen
+class ExpBackward(Record):
+    """``y = exp(x)``: ``dx = dy * y``. Saves the **output**."""
+
+    output: Array
+    output_version: VersionSnapshot | None
+
+    def backward(self, g, needs):
+        return (g * self.output,)
+
+
+@frozen
+class LogBackward(Record):
+    """``y = log(x)``: ``dx = dy / x``. Saves the input."""
+
+    input: Array
+    input_version: VersionSnapshot | None
+
+    def backward(self, g, needs):
+        return (g / self.input,)
+
+
+@frozen
+class AddBiasBackward(Record):
+    """``y = m + b`` with ``m:[..., n]``, ``b:[n]``: ``dm = dy``,
+    ``db = dy`` summed over the ``m`` leading rows. Reads no data."""
+
+    m: int
+    n: int
+    input_dtype: Any
+    bias_dtype: Any
+
+    def backward(self, g, needs):
+        gm = cast(g, self.input_dtype) if needs[0] else None
+        gb = None
+        if needs[1]:
+            gb = cast(acc_sum(g, tuple(range(g.ndim - 1))), self.bias_dtype)
+        return gm, gb
+
+
+# ---------------------------------------------------------------------------
+# forward functions
+# ---------------------------------------------------------------------------
+
+_FORWARD = {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide}
+
+
+def binary_record(
+    kind: str,
+    a: Any,
+    b: Any,
+    av: Any,
+    bv: Any,
+    out_shape: tuple[int, ...],
+    lhs_private: Any = None,
+    rhs_private: Any = None,
+) -> Record:
+    """The record of ``a <kind> b``. In-place ops pass as ``*_private`` the
+    pre-write value of operands living in the storage being written: that buffer
+    is private to the record, so it needs no snapshot."""
+    need_a, need_b = is_tracked(a), is_tracked(b)
+    same = shape_of(av) == shape_of(bv) == out_shape
+    if kind in ("add", "sub"):
+        if same:
+            cls = AddBackward if kind == "add" else SubBackward
+            return cls(aval_of(av), aval_of(bv))
+        cls = BroadcastAddBackward if kind == "add" else BroadcastSubBackward
+        return cls(broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape)
+    # mul / div read data: save what the needed gradients read
+    lhs_needed = need_b
+    rhs_needed = need_a or (kind == "div" and need_b)
+    lhs, lhs_v = _saved(a, av, lhs_needed, lhs_private)
+    rhs, rhs_v = _saved(b, bv, rhs_needed, rhs_private)
+    if kind == "mul":
+        if same:
+            return MulBackward(lhs, lhs_v, rhs, rhs_v, aval_of(av), aval_of(bv))
+        return BroadcastMulBackward(
+            lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape
+        )
+    return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape)
+
+
+def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
+    if not needed:
+        return None, None
+    if private is not None:  # the pre-write buffer of an in-place op
+        return private, None
+    if isinstance(x, Tensor):
+        return reads(x, True)
+    return xv, None
+
+
+def _binary(kind: str, a: Any, b: Any) -> Tensor:
+    av = value_of(a, kind, "lhs")
+    bv = value_of(b, kind, "rhs")
+    out_shape = broadcast_shapes(kind, shape_of(av), shape_of(bv))
+    nd = len(out_shape)
+    out = _FORWARD[kind](align_rank(av, nd), align_rank(bv, nd))
+    tape = tape_for(a, b)
+    if tape is None:
+        return Tensor._wrap(out)
+    res = new_output(out, tape)
+    return record(tape, binary_record(kind, a, b, av, bv, out_shape), (a, b), res)
+
+
+def add(a: Any, b: Any) -> Tensor:
+    """``a + b`` with NumPy broadcasting (records AddBackward or BroadcastAddBackward)."""
+    return _binary("add", a, b)
+
+
+def sub(a: Any, b: Any) -> Tensor:
+    """``a - b`` with NumPy broadcasting (records SubBackward or BroadcastSubBackward)."""
+    return _binary("sub", a, b)
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    """``a * b`` with NumPy broadcasting (records MulBackward or BroadcastMulBackward)."""
+    return _binary("mul", a, b)
+
+
+def div(a: Any, b: Any) -> Tensor:
+    """``a / b`` with NumPy broadcasting (records DivBackward)."""
+    return _binary("div", a, b)
+
+
+def neg(x: Any) -> Tensor:
+    """``-x`` (records NegBackward)."""
+    xv = array_of(x, "neg")
+    out = jnp.negative(xv)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    return record(tape, NegBackward(), (x,), new_output(out, tape))
+
+
+def exp(x: Any) -> Tensor:
+    """``exp(x)`` (records ExpBackward, which saves the output)."""
+    xv = array_of(x, "exp")
+    out = jnp.exp(xv)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    res = new_output(out, tape)
+    return record(tape, ExpBackward(out, snapshot(res)), (x,), res)
+
+
+def log(x: Any) -> Tensor:
+    """Natural logarithm (records LogBackward, which saves the input)."""
+    xv = array_of(x, "log")
+    out = jnp.log(xv)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    saved, version = reads(x, True)
+    return record(tape, LogBackward(saved, version), (x,), new_output(out, tape))
+
+
+def add_bias(m: Any, b: Any) -> Tensor:
+    """``m + b`` for ``m:[M, N]`` (or ``[..., N]``) and ``b:[N]`` (records AddBiasBackward)."""
+    mv = value_of(m, "add_bias", "input")
+    bv = value_of(b, "add_bias", "bias")
+    ms, bs = shape_of(mv), shape_of(bv)
+    if len(bs) != 1 or len(ms) < 1 or ms[-1] != bs[0]:
+        raise ShapeError(f"add_bias: expects input [..., N] and bias [N], got {ms} and {bs}")
+    out = mv + align_rank(bv, len(ms))
+    tape = tape_for(m, b)
+    if tape is None:
+        return Tensor._wrap(out)
+    n = bs[0]
+    rows = 1
+    for s in ms[:-1]:
+        rows *= s
+    rec = AddBiasBackward(rows, n, getattr(mv, "dtype", None), getattr(bv, "dtype", None))
+    return record(tape, rec, (m, b), new_output(out, tape))

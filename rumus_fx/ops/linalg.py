@@ -1,0 +1,143 @@
+"""Matrix products: matmul ``[..., M, K] @ [K, N]`` and bmm ``[..., M, K] @ [..., K, N]``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..autograd.errors import ShapeError
+from ..autograd.record import Record, VersionSnapshot
+from ..tensor import Tensor
+from ._core import (
+    is_low_precision,
+    is_tracked,
+    new_output,
+    reads,
+    record,
+    require_float,
+    shape_of,
+    tape_for,
+    value_of,
+)
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+def mm(a: Array, b: Array, out_dtype: Any) -> Array:
+    """``a @ b`` (batched over leading dims); low-precision inputs accumulate in f32."""
+    if is_low_precision(out_dtype) or is_low_precision(a.dtype) or is_low_precision(b.dtype):
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+    return jnp.matmul(a, b)
+
+
+def _contract_rows(a: Array, g: Array, out_dtype: Any) -> Array:
+    """``sum over leading rows of a[..., K]^T g[..., N]`` -> ``[K, N]`` (the weight
+    gradient of ``x @ W`` for any number of leading axes, without reshapes)."""
+    lead = tuple(range(a.ndim - 1))
+    pref = jnp.float32 if is_low_precision(out_dtype) else None
+    out = lax.dot_general(a, g, ((lead, lead), ((), ())), preferred_element_type=pref)
+    return out.astype(out_dtype)
+
+
+@frozen
+class MatmulBackward(Record):
+    """``C = A @ B``: ``dA = dC @ B^T``, ``dB = A^T @ dC`` (A may have leading
+    axes; they are contracted for dB). Saves B only if A needs a gradient, A only
+    if B does."""
+
+    lhs: Array | None
+    lhs_version: VersionSnapshot | None
+    rhs: Array | None
+    rhs_version: VersionSnapshot | None
+    m: int
+    k: int
+    n: int
+    lhs_dtype: Any
+    rhs_dtype: Any
+
+    def backward(self, g, needs):
+        ga = mm(g, self.rhs.T, self.lhs_dtype) if needs[0] else None
+        gb = _contract_rows(self.lhs, g, self.rhs_dtype) if needs[1] else None
+        return ga, gb
+
+
+@frozen
+class BmmBackward(Record):
+    """``C = A @ B`` batched: ``dA = dC @ B^T``, ``dB = A^T @ dC`` per batch."""
+
+    lhs: Array | None
+    lhs_version: VersionSnapshot | None
+    rhs: Array | None
+    rhs_version: VersionSnapshot | None
+    batch: int
+    m: int
+    k: int
+    n: int
+    lhs_dtype: Any
+    rhs_dtype: Any
+
+    def backward(self, g, needs):
+        ga = mm(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype) if needs[0] else None
+        gb = mm(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype) if needs[1] else None
+        return ga, gb
+
+
+def matmul(a: Any, b: Any) -> Tensor:
+    """``a @ b`` for ``a:[M, K]`` (or ``[..., M, K]``) and ``b:[K, N]`` (records MatmulBackward)."""
+    av = value_of(a, "matmul", "lhs")
+    bv = value_of(b, "matmul", "rhs")
+    sa, sb = shape_of(av), shape_of(bv)
+    if len(sa) < 2 or len(sb) != 2 or sa[-1] != sb[0]:
+        raise ShapeError(f"matmul: expects [M, K] @ [K, N] (lhs may have leading axes), got {sa} @ {sb}")
+    require_float("matmul", av, "lhs")
+    require_float("matmul", bv, "rhs")
+    out_dtype = jnp.result_type(av, bv)
+    out = mm(av, bv, out_dtype)
+    tape = tape_for(a, b)
+    if tape is None:
+        return Tensor._wrap(out)
+    lhs, lhs_v = reads(a, is_tracked(b))
+    rhs, rhs_v = reads(b, is_tracked(a))
+    rec = MatmulBackward(lhs, lhs_v, rhs, rhs_v, math.prod(sa[:-1]), sa[-1], sb[1], av.dtype, bv.dtype)
+    return record(tape, rec, (a, b), new_output(out, tape))
+
+
+def bmm(a: Any, b: Any) -> Tensor:
+    """Batched ``a @ b``: ``[B, M, K] @ [B, K, N]``; any equal leading batch axes
+    (records BmmBackward)."""
+    av = value_of(a, "bmm", "lhs")
+    bv = value_of(b, "bmm", "rhs")
+    sa, sb = shape_of(av), shape_of(bv)
+    if len(sa) < 3 or len(sa) != len(sb) or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
+        raise ShapeError(f"bmm: expects [..., M, K] @ [..., K, N] with equal batch axes (rank >= 3), got {sa} @ {sb}")
+    require_float("bmm", av, "lhs")
+    require_float("bmm", bv, "rhs")
+    out_dtype = jnp.result_type(av, bv)
+    out = mm(av, bv, out_dtype)
+    tape = tape_for(a, b)
+    if tape is None:
+        return Tensor._wrap(out)
+    lhs, lhs_v = reads(a, is_tracked(b))
+    rhs, rhs_v = reads(b, is_tracked(a))
+    rec = BmmBackward(lhs, lhs_v, rhs, rhs_v, math.prod(sa[:-2]), sa[-2], sa[-1], sb[-1], av.dtype, bv.dtype)
+    return record(tape, rec, (a, b), new_output(out, tape))
+
+
+def matmul_any(a: Any, b: Any) -> Tensor:
+    """The ``@`` operator: ``matmul`` when ``b`` is 2-D, ``bmm`` when both have
+    the same rank >= 3."""
+    na, nb = len(shape_of(a)), len(shape_of(b))
+    if nb == 2:
+        return matmul(a, b)
+    if na == nb and na >= 3:
+        return bmm(a, b)
+    raise ShapeError(
+        f"@: supports [..., M, K] @ [K, N] (matmul) and [..., M, K] @ [..., K, N] (bmm), "
+        f"got shapes {shape_of(a)} @ {shape_of(b)}"
+    )

@@ -1,0 +1,95 @@
+"""Reductions: sum and mean over any axes (bfloat16/float16 accumulate in float32)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..autograd.record import Record
+from ..tensor import Tensor
+from ._core import acc_sum, array_of, cast, is_low_precision, new_output, normalize_axis, record, shape_of, tape_for
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+def _axes(op: str, axis: Any, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, (tuple, list)):
+        axes = tuple(normalize_axis(op, a, ndim) for a in axis)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{op}: repeated axis in {tuple(axis)}")
+        return tuple(sorted(axes))
+    return (normalize_axis(op, axis, ndim),)
+
+
+def _expand(g: Array, input_shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool) -> Array:
+    if not keepdims and axes:
+        kept = [1 if d in axes else s for d, s in enumerate(input_shape)]
+        g = g.reshape(kept)
+    return jnp.broadcast_to(g, input_shape)
+
+
+@frozen
+class SumBackward(Record):
+    """``y = sum(x, axes)``: ``dx = broadcast(dy)``. Reads no data."""
+
+    input_shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    keepdims: bool
+    dtype: Any
+
+    def backward(self, g, needs):
+        return (cast(_expand(g, self.input_shape, self.axes, self.keepdims), self.dtype),)
+
+
+@frozen
+class MeanBackward(Record):
+    """``y = mean(x, axes)``: ``dx = broadcast(dy) / count``. Reads no data."""
+
+    input_shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    keepdims: bool
+    count: int
+    dtype: Any
+
+    def backward(self, g, needs):
+        g = g / jnp.asarray(self.count, g.dtype)
+        return (cast(_expand(g, self.input_shape, self.axes, self.keepdims), self.dtype),)
+
+
+def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
+    xv = array_of(x, kind)
+    shape = shape_of(xv)
+    axes = _axes(kind, axis, len(shape))
+    count = 1
+    for a in axes:
+        count *= shape[a]
+    if kind == "sum":
+        out = acc_sum(xv, axes, keepdims)
+    elif is_low_precision(xv.dtype):
+        out = jnp.mean(xv, axis=axes, keepdims=keepdims, dtype=jnp.float32).astype(xv.dtype)
+    else:
+        out = jnp.mean(xv, axis=axes, keepdims=keepdims)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    if kind == "sum":
+        rec: Record = SumBackward(shape, axes, keepdims, xv.dtype)
+    else:
+        rec = MeanBackward(shape, axes, keepdims, count, xv.dtype)
+    return record(tape, rec, (x,), new_output(out, tape))
+
+
+def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Sum over ``axis`` (int, tuple or None for all) (records SumBackward)."""
+    return _reduce("sum", x, axis, keepdims)
+
+
+def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """Mean over ``axis`` (int, tuple or None for all) (records MeanBackward)."""
+    return _reduce("mean", x, axis, keepdims)

@@ -1,0 +1,321 @@
+"""Copy-on-write storages with version counters, and strided layouts.
+
+Note [Version counters]
+~~~~~~~~~~~~~~~~~~~~~~~
+A ``StorageHandle`` owns one immutable JAX array (its *buffer*) and a tiny
+``_VersionCell``. Every tensor that views the storage (the base and all its
+transposes, reshapes and detaches) reads the buffer through its own ``Layout``.
+An in-place write never mutates a buffer: it builds a new one and swaps it in
+(copy-on-write), then adds one to the version. Records therefore keep exactly the
+immutable buffers they read, privately, and never the handle.
+
+A ``VersionSnapshot`` (see ``autograd/record.py``) holds a weak reference to the
+handle *and a strong one to its version cell*: the cell is a few bytes, so a
+storage that is written and then dropped before backward is still caught, while
+the storage (and its buffer) is free to die as soon as no tensor uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .autograd.errors import AutogradError
+
+try:  # the trace a storage was created in; used to refuse tracer leaks
+    from jax._src.core import OpaqueTraceState as _OpaqueTraceState
+    from jax._src.core import get_opaque_trace_state as _get_opaque_trace_state
+except ImportError:  # pragma: no cover - older/newer jax without the helper
+    _get_opaque_trace_state = None
+    _OpaqueTraceState = None
+
+_Tracer = jax.core.Tracer
+
+_LIVE: weakref.WeakSet[StorageHandle] = weakref.WeakSet()
+
+
+def live_storage_count() -> int:
+    """Number of storages alive right now."""
+    return len(_LIVE)
+
+
+def _current_trace() -> Any:
+    if _get_opaque_trace_state is None:  # pragma: no cover
+        return None
+    return _get_opaque_trace_state(convention="rumus_fx")
+
+
+def _trace_of(value: Any) -> Any:
+    """The trace a tracer belongs to, comparable with ``_current_trace()``."""
+    trace = getattr(value, "_trace", None)
+    ref = getattr(trace, "_weakref", None)
+    if ref is None or _OpaqueTraceState is None:  # pragma: no cover
+        return _current_trace()
+    return _OpaqueTraceState(ref)
+
+
+TRACER_LEAK_MESSAGE = (
+    "in-place write of a traced value into a storage created outside the current "
+    "jax transformation (jax.jit / jax.vmap / jax.grad ...): the storage would keep "
+    "a tracer alive after the trace ends. Create the tensor inside the transformed "
+    "function, or pass its value in as an argument and return the updated value."
+)
+
+
+class _VersionCell:
+    """The version counter of one storage; outlives it inside snapshots."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class WeakStorageHandle:
+    """A weak reference to a ``StorageHandle`` (``upgrade()`` -> handle or None)."""
+
+    __slots__ = ("_cell", "_ref")
+
+    def __init__(self, handle: StorageHandle):
+        self._ref = weakref.ref(handle)
+        self._cell = handle._cell
+
+    def upgrade(self) -> StorageHandle | None:
+        """The handle while the storage is alive, else ``None``."""
+        return self._ref()
+
+    @property
+    def version(self) -> int:
+        """The storage's version (also after the storage died: its last one)."""
+        return self._cell.value
+
+    def __repr__(self) -> str:
+        state = "alive" if self._ref() is not None else "dead"
+        return f"WeakStorageHandle({state}, version={self._cell.value})"
+
+
+class StorageHandle:
+    """One storage: an immutable JAX buffer, a version counter, its views.
+
+    Tensors share a handle when they are views of each other. ``version`` starts
+    at 0 and grows by one per in-place write.
+    """
+
+    __slots__ = ("__weakref__", "_buffer", "_cell", "_trace", "_views")
+
+    def __init__(self, buffer: jax.Array):
+        self._buffer = buffer
+        self._cell = _VersionCell()
+        self._trace = _current_trace()
+        # weak references to the tensors viewing this storage; only filled once
+        # a second tensor (a view) appears, so plain tensors pay nothing
+        self._views: list[weakref.ref] | None = None
+        _LIVE.add(self)
+
+    @property
+    def version(self) -> int:
+        return self._cell.value
+
+    @property
+    def buffer(self) -> jax.Array:
+        """The current (immutable) buffer, in the base tensor's shape."""
+        return self._buffer
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self._buffer)
+
+    def downgrade(self) -> WeakStorageHandle:
+        return WeakStorageHandle(self)
+
+    def read(self, layout: Layout) -> jax.Array:
+        """Materialise the view ``layout`` of this storage."""
+        return read_layout(self._buffer, layout)
+
+    def write(self, layout: Layout, value: jax.Array) -> None:
+        """Copy-on-write ``value`` into the view ``layout``; bumps the version."""
+        if isinstance(value, _Tracer) and _trace_of(value) != self._trace:
+            raise AutogradError(TRACER_LEAK_MESSAGE)
+        self._buffer = write_layout(self._buffer, layout, value)
+        self._cell.value += 1
+
+    def _tensors(self) -> list:
+        """Live tensors registered as viewing this storage."""
+        if self._views is None:
+            return []
+        alive = [r() for r in self._views]
+        return [t for t in alive if t is not None]
+
+    def _register_view(self, base: Any, view: Any) -> None:
+        if self._views is None:
+            self._views = [weakref.ref(base)]
+        else:  # drop dead entries so the list stays small
+            self._views = [r for r in self._views if r() is not None]
+        self._views.append(weakref.ref(view))
+
+    def __repr__(self) -> str:
+        shape = tuple(self._buffer.shape)
+        return f"StorageHandle(shape={shape}, dtype={self._buffer.dtype}, version={self.version})"
+
+
+def nbytes_of(x: Any) -> int:
+    """Bytes of an array or tracer (from its abstract value: no device sync)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return 0
+    return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+
+# ---------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+class Layout(NamedTuple):
+    """How a tensor sees its storage: shape, element strides, element offset."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    @classmethod
+    def contiguous(cls, shape: Sequence[int]) -> Layout:
+        shape = tuple(int(s) for s in shape)
+        return cls(shape, contiguous_strides(shape), 0)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def transpose(self, dim0: int, dim1: int) -> Layout:
+        shape = list(self.shape)
+        strides = list(self.strides)
+        shape[dim0], shape[dim1] = shape[dim1], shape[dim0]
+        strides[dim0], strides[dim1] = strides[dim1], strides[dim0]
+        return Layout(tuple(shape), tuple(strides), self.offset)
+
+    def view(self, shape: Sequence[int]) -> Layout | None:
+        """The layout of ``reshape(shape)`` as a view, or None if a copy is needed.
+
+        Same rule as ``torch.Tensor.view``: every group of old dimensions that
+        merges or splits into new ones must be contiguous within itself.
+        """
+        shape = tuple(shape)
+        old_shape, old_strides = self.shape, self.strides
+        if math.prod(shape) == 0 or not old_shape:
+            return Layout(shape, contiguous_strides(shape), self.offset)
+        new_strides = [0] * len(shape)
+        view_d = len(shape) - 1
+        chunk_base_stride = old_strides[-1]
+        tensor_numel = 1
+        view_numel = 1
+        for tensor_d in range(len(old_shape) - 1, -1, -1):
+            tensor_numel *= old_shape[tensor_d]
+            if tensor_d == 0 or (
+                old_shape[tensor_d - 1] != 1 and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride
+            ):
+                while view_d >= 0 and (view_numel < tensor_numel or shape[view_d] == 1):
+                    new_strides[view_d] = view_numel * chunk_base_stride
+                    view_numel *= shape[view_d]
+                    view_d -= 1
+                if view_numel != tensor_numel:
+                    return None
+                if tensor_d > 0:
+                    chunk_base_stride = old_strides[tensor_d - 1]
+                    tensor_numel = 1
+                    view_numel = 1
+        if view_d != -1:
+            return None
+        return Layout(shape, tuple(new_strides), self.offset)
+
+
+def _permutation(layout: Layout, size: int) -> tuple[list[int], list[int]] | None:
+    """For a layout that covers a whole buffer of ``size`` elements in some axis
+    order, return (non-unit dims, those dims sorted from outermost to innermost);
+    None when the layout is not such a permutation."""
+    if layout.offset != 0 or layout.size != size:
+        return None
+    dims = [d for d in range(layout.ndim) if layout.shape[d] != 1]
+    order = sorted(dims, key=lambda d: -layout.strides[d])
+    expected = 1
+    for d in reversed(order):
+        if layout.strides[d] != expected:
+            return None
+        expected *= layout.shape[d]
+    return dims, order
+
+
+def _gather_index(layout: Layout) -> np.ndarray:
+    index = np.full(layout.shape, layout.offset, dtype=np.int64)
+    for d, (size, stride) in enumerate(zip(layout.shape, layout.strides)):
+        shape = [1] * layout.ndim
+        shape[d] = size
+        index = index + (np.arange(size) * stride).reshape(shape)
+    return index
+
+
+def read_layout(buffer: jax.Array, layout: Layout) -> jax.Array:
+    """Materialise a strided view of ``buffer`` (read as flat, row-major)."""
+    shape = layout.shape
+    if tuple(buffer.shape) == shape and layout.offset == 0 and layout.is_contiguous:
+        return buffer
+    size = math.prod(buffer.shape)
+    if layout.is_contiguous and layout.offset == 0 and layout.size == size:
+        return buffer.reshape(shape)
+    perm = _permutation(layout, size)
+    if perm is not None:
+        dims, order = perm
+        x = buffer.reshape([shape[d] for d in order])
+        axes = [order.index(d) for d in dims]
+        if axes != sorted(axes):
+            x = jnp.transpose(x, axes)
+        return x.reshape(shape)
+    # a general strided window (never produced by rumus_fx's own views)
+    return buffer.reshape(-1)[_gather_index(layout)]
+
+
+def write_layout(buffer: jax.Array, layout: Layout, value: jax.Array) -> jax.Array:
+    """The buffer after writing ``value`` (of ``layout.shape``) through ``layout``."""
+    base_shape = tuple(buffer.shape)
+    value = value.astype(buffer.dtype)
+    size = math.prod(base_shape)
+    if layout.is_contiguous and layout.offset == 0 and layout.size == size:
+        return value.reshape(base_shape)
+    perm = _permutation(layout, size)
+    if perm is not None:
+        dims, order = perm
+        x = value.reshape([layout.shape[d] for d in dims])
+        axes = [dims.index(d) for d in order]
+        if axes != sorted(axes):
+            x = jnp.transpose(x, axes)
+        return x.reshape(base_shape)
+    flat = buffer.reshape(-1).at[_gather_index(layout).reshape(-1)].set(value.reshape(-1))
+    return flat.reshape(base_shape)

@@ -1,0 +1,351 @@
+"""``rf.Tensor``: a strided view of a copy-on-write storage, plus autograd identity."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .autograd.errors import AutogradError, ShapeError
+from .autograd.tape import current_tape
+from .storage import Layout, StorageHandle
+
+_grad_ids = itertools.count(1)
+
+
+def next_grad_id() -> int:
+    """A fresh, process-unique grad id."""
+    return next(_grad_ids)
+
+
+_DETACH_MESSAGE = (
+    "a tracked Tensor (grad_id={gid}) cannot be converted to an array while a tape is "
+    "recording: the array would be cut out of the gradient. Use rumus_fx ops (jax "
+    "operators with a Tensor operand such as `jax_array @ tensor` already do), or take "
+    "`t.value` / `t.detach()` explicitly when you do want an untracked array."
+)
+
+
+class Tensor:
+    """An array with autograd identity, viewing a copy-on-write storage.
+
+    Build one with ``rf.tensor(data, requires_grad=False, dtype=None)``. A tensor
+    is *tracked* when it has a ``grad_id``: leaves created with
+    ``requires_grad=True`` and the results of ops recorded on a tape.
+    ``transpose``, ``T`` and ``detach`` (and ``reshape``/``flatten`` when the
+    layout allows) are views: they share the storage and its version counter.
+    """
+
+    __slots__ = ("__weakref__", "_cache", "_layout", "_leaf", "_storage", "grad_id")
+    __array_ufunc__ = None  # numpy defers to our reflected operators
+    __array_priority__ = 1000
+
+    def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None):
+        arr = _to_array(data, dtype)
+        self._storage = StorageHandle(arr)
+        self._layout: Layout | None = None
+        self._cache: tuple[int, jax.Array] | None = None
+        self._leaf = True
+        self.grad_id: int | None = None
+        if requires_grad:
+            if not jnp.issubdtype(arr.dtype, jnp.floating):
+                raise TypeError(f"only floating-point tensors can require gradients, got dtype {arr.dtype}")
+            self.grad_id = next_grad_id()
+
+    # -- construction helpers (internal) -------------------------------------
+    @classmethod
+    def _wrap(cls, value: jax.Array, grad_id: int | None = None) -> Tensor:
+        """A tensor owning a new storage with ``value`` (an op result)."""
+        t = cls.__new__(cls)
+        t._storage = StorageHandle(value)
+        t._layout = None
+        t._cache = None
+        t._leaf = grad_id is None
+        t.grad_id = grad_id
+        return t
+
+    def _view(self, layout: Layout, grad_id: int | None) -> Tensor:
+        """A tensor sharing this tensor's storage through ``layout``."""
+        t = Tensor.__new__(Tensor)
+        t._storage = self._storage
+        buf_shape = tuple(self._storage._buffer.shape)
+        t._layout = None if layout == Layout.contiguous(buf_shape) and layout.shape == buf_shape else layout
+        t._cache = None
+        t._leaf = grad_id is None
+        t.grad_id = grad_id
+        self._storage._register_view(self, t)
+        return t
+
+    # -- array-like attributes -----------------------------------------------
+    @property
+    def value(self) -> jax.Array:
+        """The materialised (immutable) jax array this tensor currently shows."""
+        layout = self._layout
+        storage = self._storage
+        if layout is None:
+            return storage._buffer
+        cache = self._cache
+        version = storage._cell.value
+        if cache is not None and cache[0] == version:
+            return cache[1]
+        value = storage.read(layout)
+        self._cache = (version, value)
+        return value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self._layout is None:
+            return tuple(self._storage._buffer.shape)
+        return self._layout.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._storage._buffer.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            return Layout.contiguous(self._storage._buffer.shape)
+        return self._layout
+
+    @property
+    def storage(self) -> StorageHandle:
+        return self._storage
+
+    @property
+    def version(self) -> int:
+        return self._storage._cell.value
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.grad_id is not None
+
+    @property
+    def is_leaf(self) -> bool:
+        """True unless this tensor is the recorded result of an op."""
+        return self._leaf
+
+    def is_contiguous(self) -> bool:
+        return self.layout.is_contiguous
+
+    # -- conversions -----------------------------------------------------------
+    @property
+    def __jax_array__(self) -> Any:
+        # A tracked tensor hides __jax_array__ while a tape records: JAX's
+        # operators then return NotImplemented and Python calls our reflected
+        # operator, so `jax_array @ tensor` is recorded instead of silently
+        # converting the tensor to an untracked array.
+        if self.grad_id is not None and current_tape() is not None:
+            raise AttributeError("__jax_array__")
+        return self._materialise
+
+    def _materialise(self) -> jax.Array:
+        return self.value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self.grad_id is not None and current_tape() is not None:
+            raise AutogradError(_DETACH_MESSAGE.format(gid=self.grad_id))
+        arr = np.asarray(self.value)
+        return arr if dtype is None else arr.astype(dtype)
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.value)
+
+    def item(self) -> Any:
+        return self.value.item()
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d Tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        value = self.value
+        if isinstance(value, jax.core.Tracer):
+            body = f"traced {np.dtype(self.dtype).name}{list(self.shape)}"
+        else:
+            body = np.array2string(np.asarray(value), separator=", ", threshold=20)
+        extra = f", grad_id={self.grad_id}" if self.grad_id is not None else ""
+        return f"Tensor({body}, dtype={np.dtype(self.dtype).name}{extra})"
+
+    # -- views -----------------------------------------------------------------
+    def detach(self) -> Tensor:
+        """An untracked view sharing this tensor's storage (and version)."""
+        return self._view(self.layout, None)
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        return _ops().transpose(self, dim0, dim1)
+
+    @property
+    def T(self) -> Tensor:
+        if self.ndim != 2:
+            raise ShapeError(f"T: expects a 2-D tensor, got shape {self.shape}; use transpose(d0, d1)")
+        return _ops().transpose(self, 0, 1)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return _ops().reshape(self, shape)
+
+    def flatten(self) -> Tensor:
+        return _ops().flatten(self)
+
+    # -- reductions and common ops ---------------------------------------------
+    def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops().sum(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops().mean(self, axis=axis, keepdims=keepdims)
+
+    def relu(self) -> Tensor:
+        return _ops().relu(self)
+
+    def sigmoid(self) -> Tensor:
+        return _ops().sigmoid(self)
+
+    def tanh(self) -> Tensor:
+        return _ops().tanh(self)
+
+    def exp(self) -> Tensor:
+        return _ops().exp(self)
+
+    def log(self) -> Tensor:
+        return _ops().log(self)
+
+    def gelu(self, approximate: bool = True) -> Tensor:
+        return _ops().gelu(self, approximate=approximate)
+
+    def leaky_relu(self, alpha: float = 0.01) -> Tensor:
+        return _ops().leaky_relu(self, alpha)
+
+    def softmax(self, axis: int = -1) -> Tensor:
+        return _ops().softmax(self, axis=axis)
+
+    def matmul(self, other: Any) -> Tensor:
+        return _ops().matmul(self, other)
+
+    # -- operators -------------------------------------------------------------
+    def __add__(self, other: Any) -> Tensor:
+        return _ops().add(self, other)
+
+    def __radd__(self, other: Any) -> Tensor:
+        return _ops().add(other, self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return _ops().sub(self, other)
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return _ops().sub(other, self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return _ops().mul(self, other)
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return _ops().mul(other, self)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return _ops().div(self, other)
+
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return _ops().div(other, self)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return _ops().matmul_any(self, other)
+
+    def __rmatmul__(self, other: Any) -> Tensor:
+        return _ops().matmul_any(other, self)
+
+    def __neg__(self) -> Tensor:
+        return _ops().neg(self)
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    # -- in-place (copy-on-write, version + 1, differentiable while recording) --
+    def add_(self, other: Any) -> Tensor:
+        return _inplace().binary_(self, other, "add")
+
+    def sub_(self, other: Any) -> Tensor:
+        return _inplace().binary_(self, other, "sub")
+
+    def mul_(self, other: Any) -> Tensor:
+        return _inplace().binary_(self, other, "mul")
+
+    def div_(self, other: Any) -> Tensor:
+        return _inplace().binary_(self, other, "div")
+
+    def zero_(self) -> Tensor:
+        return _inplace().fill_(self, 0, "zero_")
+
+    def fill_(self, value: Any) -> Tensor:
+        return _inplace().fill_(self, value, "fill_")
+
+    def copy_(self, src: Any) -> Tensor:
+        return _inplace().copy_(self, src)
+
+
+def _ops() -> Any:
+    from . import ops
+
+    return ops
+
+
+def _inplace() -> Any:
+    from .ops import inplace
+
+    return inplace
+
+
+def _to_array(data: Any, dtype: Any) -> jax.Array:
+    if isinstance(data, Tensor):
+        data = data.value
+    if isinstance(data, jax.Array):
+        return data if dtype is None or data.dtype == dtype else data.astype(dtype)
+    if isinstance(data, (np.ndarray, np.generic)):
+        return jnp.asarray(data, dtype=dtype)
+    if dtype is None:
+        probe = np.asarray(data)
+        if probe.dtype.kind == "f":  # python floats: float32 by default, as torch
+            dtype = jnp.float32
+        elif probe.dtype.kind == "O":
+            raise TypeError(f"cannot build a Tensor from {type(data).__name__}")
+    return jnp.asarray(data, dtype=dtype)
+
+
+def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
+    """A new tensor (new storage, version 0) holding ``data``.
+
+    Python floats become float32 unless ``dtype`` says otherwise; numpy and jax
+    arrays keep their dtype. ``requires_grad=True`` makes it a tracked leaf.
+
+    >>> import rumus_fx as rf
+    >>> w = rf.tensor([[1.0, 2.0]], requires_grad=True)
+    >>> w.shape, w.requires_grad
+    ((1, 2), True)
+    """
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)

@@ -1,0 +1,153 @@
+"""One parametrised suite over the op table: forward vs the jnp oracle, rf.grad vs
+jax.grad of the oracle (float32 and float64, eager and jit), a non-contiguous
+view as input, and float64 finite differences."""
+
+from __future__ import annotations
+
+import zlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rumus_fx as rf
+from rumus_fx.testing import check_fd
+
+from .optable import OPS, OpInfo, Sample
+
+
+def _samples(info: OpInfo) -> list[Sample]:
+    return info.samples(np.random.default_rng(zlib.crc32(info.name.encode())))
+
+
+CASES = [
+    pytest.param(info, k, id=f"{info.name}-{k}", marks=getattr(info, "marks", ()))
+    for info in OPS
+    for k in range(len(_samples(info)))
+]
+FIRST_CASES = [pytest.param(info, 0, id=f"{info.name}-0") for info in OPS]
+
+
+def _is_array(a) -> bool:
+    return isinstance(a, np.ndarray)
+
+
+def _setup(info: OpInfo, k: int, dtype):
+    """(array args, fun_rf, fun_ref, diff argnums over the array args); static
+    arguments are bound into the closures so the funs take arrays only."""
+    sample = _samples(info)[k]
+    positions = [i for i, a in enumerate(sample.args) if _is_array(a)]
+    arrays = [
+        jnp.asarray(sample.args[i], dtype) if sample.args[i].dtype.kind == "f" else jnp.asarray(sample.args[i])
+        for i in positions
+    ]
+
+    def full(arr_args):
+        args = list(sample.args)
+        for i, a in zip(positions, arr_args):
+            args[i] = a
+        return args
+
+    out_shape = np.shape(info.output(info.ref(*full(arrays), **sample.kwargs)))
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal(out_shape), dtype)
+
+    def fun_rf(*arr_args):
+        return rf.sum(rf.mul(info.output(info.op(*full(arr_args), **sample.kwargs)), ct))
+
+    def fun_ref(*arr_args):
+        return jnp.sum(info.output(info.ref(*full(arr_args), **sample.kwargs)) * ct)
+
+    diff = tuple(positions.index(d) for d in sample.diff)
+    return arrays, fun_rf, fun_ref, diff, sample, full
+
+
+def _tols(info: OpInfo, dtype):
+    if dtype == jnp.float64:
+        return dict(rtol=1e-10, atol=1e-10)
+    return dict(rtol=info.rtol32, atol=info.atol32)
+
+
+@pytest.mark.parametrize("info,k", CASES)
+def test_forward_and_record(info: OpInfo, k: int):
+    arrays, _, _, diff, sample, full = _setup(info, k, jnp.float32)
+    got = info.output(info.op(*full(arrays), **sample.kwargs))
+    want = info.output(info.ref(*full(arrays), **sample.kwargs))
+    chex.assert_trees_all_close(rf.testing.as_array(got), want, **_tols(info, jnp.float32))
+    # recorded: exactly one entry with one of the op's record names
+    with rf.Tape() as tape:
+        tracked = [rf.tensor(a, requires_grad=(j in diff)) for j, a in enumerate(arrays)]
+        out = info.output(info.op(*full(tracked), **sample.kwargs))
+    assert out.requires_grad
+    assert len(tape) == 1, str(tape)
+    assert tape.entries[0].op.name in info.records
+    # untracked inputs record nothing
+    with rf.Tape() as tape2:
+        info.op(*full(arrays), **sample.kwargs)
+    assert len(tape2) == 0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("info,k", CASES)
+def test_grad_matches_jax(info: OpInfo, k: int, dtype, jit: bool):
+    with jax.enable_x64(dtype == jnp.float64):
+        arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, dtype)
+        g = rf.grad(fun_rf, argnums=diff)
+        if jit:
+            g = jax.jit(g)
+        got = g(*arrays)
+        want = jax.grad(fun_ref, argnums=diff)(*arrays)
+        chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+        chex.assert_trees_all_close(got, want, **_tols(info, dtype))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("info,k", CASES)
+def test_grad_through_noncontiguous_view(info: OpInfo, k: int, jit: bool):
+    """Differentiable inputs of rank >= 2 arrive transposed and are viewed back
+    (a non-contiguous Tensor view) before the op reads them."""
+    arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, jnp.float32)
+    swap = [j in diff and a.ndim >= 2 and a.shape[-1] > 1 and a.shape[-2] > 1 for j, a in enumerate(arrays)]
+    if not any(swap):
+        swap = [False] * len(arrays)
+    flipped = [jnp.swapaxes(a, -1, -2) if s else a for a, s in zip(arrays, swap)]
+
+    def fun_view(*args):
+        views = [a.transpose(-1, -2) if s else a for a, s in zip(args, swap)]
+        for v, s in zip(views, swap):
+            if s:
+                assert not v.is_contiguous()
+        return fun_rf(*views)
+
+    g = rf.grad(fun_view, argnums=diff)
+    if jit:
+        g = jax.jit(g)
+    got = g(*flipped)
+    want = jax.grad(fun_ref, argnums=diff)(*arrays)
+    want = tuple(jnp.swapaxes(w, -1, -2) if swap[d] else w for w, d in zip(want, diff))
+    chex.assert_trees_all_close(got, want, **_tols(info, jnp.float32))
+
+
+@pytest.mark.parametrize("info,k", CASES)
+def test_untracked_view_operand(info: OpInfo, k: int):
+    """An untracked, non-contiguous Tensor view is a valid operand."""
+    arrays, _, _, _, sample, full = _setup(info, k, jnp.float32)
+    views = [rf.tensor(jnp.swapaxes(a, -1, -2)).transpose(-1, -2) if a.ndim >= 2 else a for a in arrays]
+    got = info.output(info.op(*full(views), **sample.kwargs))
+    want = info.output(info.ref(*full(arrays), **sample.kwargs))
+    chex.assert_trees_all_close(rf.testing.as_array(got), want, **_tols(info, jnp.float32))
+
+
+@pytest.mark.parametrize("info,k", FIRST_CASES)
+def test_finite_differences_f64(info: OpInfo, k: int):
+    arrays, fun_rf, _, diff, _, _ = _setup(info, k, jnp.float32)
+    check_fd(fun_rf, arrays, diff, tol=info.fd_tol, directions=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("info,k", CASES)
+def test_finite_differences_f64_all_samples(info: OpInfo, k: int):
+    arrays, fun_rf, _, diff, _, _ = _setup(info, k, jnp.float32)
+    check_fd(fun_rf, arrays, diff, tol=info.fd_tol, directions=3, jit=True)
