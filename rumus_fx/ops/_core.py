@@ -222,3 +222,18 @@ def array_of(x: Any, op: str, what: str = "input") -> Any:
     if not hasattr(v, "shape"):
         v = jnp.asarray(v)
     return v
+
+
+def check_index_range(op: str, indices: Any, size: int, what: str, ignore: int | None = None) -> None:
+    """IndexError for concrete out-of-range indices (traced ones cannot be checked)."""
+    if isinstance(indices, jax.core.Tracer):
+        return
+    arr = np.asarray(indices)
+    if arr.size == 0:
+        return
+    bad = (arr < 0) | (arr >= size)
+    if ignore is not None:
+        bad &= arr != ignore
+    if bad.any():
+        first = arr[bad].reshape(-1)[0]
+        raise IndexError(f"{op}: {what} {int(first)} is out of range for size {size} (valid: 0..{size - 1})")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
-from ._core import array_of, new_output, reads, record, tape_for
+from ._core import array_of, new_output, normalize_axis, reads, record, require_float, snapshot, tape_for
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -26,7 +30,7 @@ class ReluBackward(Record):
         return (jnp.where(self.input > 0, g, jnp.zeros((), g.dtype)),)
 
 
-def relu(x) -> Tensor:
+def relu(x: Any) -> Tensor:
     """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
     xv = array_of(x, "relu")
     out = jnp.maximum(xv, jnp.zeros((), xv.dtype))
@@ -35,3 +39,152 @@ def relu(x) -> Tensor:
         return Tensor._wrap(out)
     saved, version = reads(x, True)
     return record(tape, ReluBackward(saved, version), (x,), new_output(out, tape))
+
+
+@frozen
+class SigmoidBackward(Record):
+    """``y = sigmoid(x)``: ``dx = dy * y * (1 - y)``. Saves the **output**."""
+
+    output: Array
+    output_version: VersionSnapshot | None
+
+    def backward(self, g, needs):
+        y = self.output
+        return (g * y * (1 - y),)
+
+
+@frozen
+class TanhBackward(Record):
+    """``y = tanh(x)``: ``dx = dy * (1 - y^2)``. Saves the **output**."""
+
+    output: Array
+    output_version: VersionSnapshot | None
+
+    def backward(self, g, needs):
+        y = self.output
+        return (g * (1 - y * y),)
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_C = 0.044715
+_INV_SQRT_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+def _gelu_forward(x: Array, approximate: bool) -> Array:
+    if approximate:
+        inner = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
+        return 0.5 * x * (1 + jnp.tanh(inner))
+    return 0.5 * x * (1 + lax.erf(x * _INV_SQRT_2))
+
+
+@frozen
+class GeluBackward(Record):
+    """``y = gelu(x)`` (tanh approximation or exact erf). Saves the input."""
+
+    input: Array
+    input_version: VersionSnapshot | None
+    approximate: bool
+
+    def backward(self, g, needs):
+        x = self.input
+        if self.approximate:
+            t = jnp.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x))
+            dinner = _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x * x)
+            d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dinner
+        else:
+            cdf = 0.5 * (1 + lax.erf(x * _INV_SQRT_2))
+            pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
+            d = cdf + x * pdf
+        return (g * d,)
+
+
+@frozen
+class LeakyReluBackward(Record):
+    """``y = x if x >= 0 else alpha x``: ``dx = dy`` or ``alpha dy``. Saves the input."""
+
+    input: Array
+    input_version: VersionSnapshot | None
+    alpha: float
+
+    def backward(self, g, needs):
+        return (jnp.where(self.input >= 0, g, g * self.alpha),)
+
+
+@frozen
+class SoftmaxBackward(Record):
+    """``y = softmax(x, axis)``: ``dx = y * (dy - sum(dy * y, axis))``. Saves the
+    **output**."""
+
+    output: Array
+    output_version: VersionSnapshot | None
+    axis: int
+    num_rows: int
+    row_size: int
+
+    def backward(self, g, needs):
+        return (ksoftmax.softmax_bwd(self.output, g, self.axis),)
+
+
+def _saves_output(x: Any, out: Array, rec_cls: type, *extra: Any) -> Tensor:
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    res = new_output(out, tape)
+    return record(tape, rec_cls(out, snapshot(res), *extra), (x,), res)
+
+
+def _saves_input(x: Any, out: Array, rec_cls: type, *extra: Any) -> Tensor:
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    saved, version = reads(x, True)
+    return record(tape, rec_cls(saved, version, *extra), (x,), new_output(out, tape))
+
+
+def sigmoid(x: Any) -> Tensor:
+    """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
+    xv = array_of(x, "sigmoid")
+    require_float("sigmoid", xv)
+    return _saves_output(x, jax.nn.sigmoid(xv), SigmoidBackward)
+
+
+def tanh(x: Any) -> Tensor:
+    """Hyperbolic tangent (records TanhBackward, which saves the output)."""
+    xv = array_of(x, "tanh")
+    require_float("tanh", xv)
+    return _saves_output(x, jnp.tanh(xv), TanhBackward)
+
+
+def gelu(x: Any, approximate: bool = True) -> Tensor:
+    """GELU; the tanh approximation by default (as rumus), exact erf form with
+    ``approximate=False`` (records GeluBackward)."""
+    xv = array_of(x, "gelu")
+    require_float("gelu", xv)
+    if not isinstance(approximate, bool):
+        raise TypeError(f"gelu: approximate must be a bool, got {approximate!r}")
+    return _saves_input(x, _gelu_forward(xv, approximate), GeluBackward, approximate)
+
+
+def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
+    """``x`` where ``x >= 0``, else ``alpha * x`` (records LeakyReluBackward)."""
+    xv = array_of(x, "leaky_relu")
+    require_float("leaky_relu", xv)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"leaky_relu: alpha must be a python float, got {alpha!r}")
+    alpha = float(alpha)
+    out = jnp.where(xv >= 0, xv, xv * alpha)
+    return _saves_input(x, out, LeakyReluBackward, alpha)
+
+
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    """Numerically stable softmax along ``axis`` (records SoftmaxBackward, which
+    saves the output)."""
+    xv = array_of(x, "softmax")
+    require_float("softmax", xv)
+    if xv.ndim == 0:
+        raise ShapeError("softmax: expects a tensor of rank >= 1, got a scalar")
+    ax = normalize_axis("softmax", axis, xv.ndim)
+    out = ksoftmax.softmax_fwd(xv, ax)
+    row = xv.shape[ax]
+    return _saves_output(x, out, SoftmaxBackward, ax, xv.size // max(row, 1), row)

@@ -8,13 +8,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..kernels import matmul as kmm
 from ..tensor import Tensor
 from ._core import (
-    is_low_precision,
     is_tracked,
     new_output,
     reads,
@@ -29,20 +28,11 @@ Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 
-def mm(a: Array, b: Array, out_dtype: Any) -> Array:
-    """``a @ b`` (batched over leading dims); low-precision inputs accumulate in f32."""
-    if is_low_precision(out_dtype) or is_low_precision(a.dtype) or is_low_precision(b.dtype):
-        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
-    return jnp.matmul(a, b)
-
-
 def _contract_rows(a: Array, g: Array, out_dtype: Any) -> Array:
-    """``sum over leading rows of a[..., K]^T g[..., N]`` -> ``[K, N]`` (the weight
-    gradient of ``x @ W`` for any number of leading axes, without reshapes)."""
-    lead = tuple(range(a.ndim - 1))
-    pref = jnp.float32 if is_low_precision(out_dtype) else None
-    out = lax.dot_general(a, g, ((lead, lead), ((), ())), preferred_element_type=pref)
-    return out.astype(out_dtype)
+    """``a[..., K]^T g[..., N]`` summed over all leading rows -> ``[K, N]`` (the
+    weight gradient of ``x @ W`` for any number of leading axes)."""
+    k, n = a.shape[-1], g.shape[-1]
+    return kmm.matmul(a.reshape(-1, k).T, g.reshape(-1, n), out_dtype=out_dtype)
 
 
 @frozen
@@ -62,7 +52,7 @@ class MatmulBackward(Record):
     rhs_dtype: Any
 
     def backward(self, g, needs):
-        ga = mm(g, self.rhs.T, self.lhs_dtype) if needs[0] else None
+        ga = kmm.matmul(g, self.rhs.T, out_dtype=self.lhs_dtype) if needs[0] else None
         gb = _contract_rows(self.lhs, g, self.rhs_dtype) if needs[1] else None
         return ga, gb
 
@@ -83,8 +73,8 @@ class BmmBackward(Record):
     rhs_dtype: Any
 
     def backward(self, g, needs):
-        ga = mm(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype) if needs[0] else None
-        gb = mm(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype) if needs[1] else None
+        ga = kmm.bmm(g, jnp.swapaxes(self.rhs, -1, -2), out_dtype=self.lhs_dtype) if needs[0] else None
+        gb = kmm.bmm(jnp.swapaxes(self.lhs, -1, -2), g, out_dtype=self.rhs_dtype) if needs[1] else None
         return ga, gb
 
 
@@ -97,8 +87,7 @@ def matmul(a: Any, b: Any) -> Tensor:
         raise ShapeError(f"matmul: expects [M, K] @ [K, N] (lhs may have leading axes), got {sa} @ {sb}")
     require_float("matmul", av, "lhs")
     require_float("matmul", bv, "rhs")
-    out_dtype = jnp.result_type(av, bv)
-    out = mm(av, bv, out_dtype)
+    out = kmm.matmul(av, bv)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)
@@ -118,8 +107,7 @@ def bmm(a: Any, b: Any) -> Tensor:
         raise ShapeError(f"bmm: expects [..., M, K] @ [..., K, N] with equal batch axes (rank >= 3), got {sa} @ {sb}")
     require_float("bmm", av, "lhs")
     require_float("bmm", bv, "rhs")
-    out_dtype = jnp.result_type(av, bv)
-    out = mm(av, bv, out_dtype)
+    out = kmm.bmm(av, bv)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)

@@ -1,4 +1,4 @@
-"""Losses: mse_loss (cross_entropy lives beside it once added)."""
+"""Losses: mse_loss and cross_entropy."""
 
 from __future__ import annotations
 
@@ -10,8 +10,21 @@ import jax.numpy as jnp
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..kernels import cross_entropy as kce
 from ..tensor import Tensor
-from ._core import acc_sum, array_of, cast, is_tracked, new_output, reads, record, shape_of, tape_for
+from ._core import (
+    acc_sum,
+    array_of,
+    cast,
+    check_index_range,
+    is_tracked,
+    new_output,
+    reads,
+    record,
+    require_float,
+    shape_of,
+    tape_for,
+)
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -57,3 +70,42 @@ def mse_loss(pred: Any, target: Any) -> Tensor:
     t, t_v = reads(target, need)
     rec = MseLossBackward(p, p_v, t, t_v, diff.size, pv.dtype, tv.dtype)
     return record(tape, rec, (pred, target), new_output(out, tape))
+
+
+@frozen
+class CrossEntropyBackward(Record):
+    """Mean cross-entropy of ``logits[..., C]`` against integer targets.
+
+    The gradient ``(softmax - onehot) / count`` is computed in the forward pass
+    (fused with the log-sum-exp, as rumus does) and only scaled here, so the
+    record reads no tensor data and snapshots nothing.
+    """
+
+    grad: Array
+
+    def backward(self, g, needs):
+        return (self.grad * g.astype(self.grad.dtype), None)
+
+
+def cross_entropy(logits: Any, targets: Any, *, ignore_index: int | None = None) -> Tensor:
+    """Mean cross-entropy over all positions of ``logits[..., C]`` with integer
+    class ``targets[...]``; positions whose target equals ``ignore_index`` are
+    left out of the mean (records CrossEntropyBackward)."""
+    op = "cross_entropy"
+    lv = array_of(logits, op, "logits")
+    tv = array_of(targets, op, "targets")
+    require_float(op, lv, "logits")
+    if not jnp.issubdtype(tv.dtype, jnp.integer):
+        raise TypeError(f"{op}: targets must be integer class indices, got dtype {tv.dtype}")
+    if lv.ndim < 1 or shape_of(tv) != shape_of(lv)[:-1]:
+        raise ShapeError(f"{op}: expects logits [..., C] and targets [...], got {shape_of(lv)} and {shape_of(tv)}")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise TypeError(f"{op}: ignore_index must be an int or None, got {ignore_index!r}")
+    c = lv.shape[-1]
+    check_index_range(op, tv, c, "target class", ignore_index)
+    loss, grad = kce.cross_entropy_fwd(lv.reshape(-1, c), tv.reshape(-1), ignore_index)
+    tape = tape_for(logits)
+    if tape is None:
+        return Tensor._wrap(loss)
+    rec = CrossEntropyBackward(grad.reshape(lv.shape))
+    return record(tape, rec, (logits, targets), new_output(loss, tape))

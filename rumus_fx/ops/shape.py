@@ -1,18 +1,21 @@
-"""Shape ops: reshape, flatten, transpose (views when the layout allows)."""
+"""Shape ops: reshape, flatten, transpose (views when the layout allows), stack, slice_batch."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record
 from ..tensor import Tensor, next_grad_id
-from ._core import normalize_axis, record, shape_of, tape_for, value_of
+from ._core import array_of, new_output, normalize_axis, record, shape_of, tape_for, value_of
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -118,3 +121,80 @@ def transpose(x: Any, dim0: int, dim1: int) -> Tensor:
     if tape is None:
         return out
     return record(tape, TransposeBackward(d0, d1), (x,), out)
+
+
+@frozen
+class StackBackward(Record):
+    """``y = stack([t0, t1, ...], axis)``: ``dt_i = dy`` indexed at ``i`` along
+    ``axis``. Reads no data."""
+
+    count: int
+    each_shape: tuple[int, ...]
+    axis: int
+    dtypes: tuple[Any, ...]
+
+    def backward(self, g, needs):
+        out = []
+        for i in range(self.count):
+            if not needs[i]:
+                out.append(None)
+                continue
+            gi = lax.index_in_dim(g, i, axis=self.axis, keepdims=False)
+            out.append(gi if gi.dtype == self.dtypes[i] else gi.astype(self.dtypes[i]))
+        return tuple(out)
+
+
+def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Stack equally shaped tensors along a new ``axis`` (records StackBackward)."""
+    op = "stack"
+    if isinstance(tensors, (Tensor, jax.Array)) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{op}: expects a list or tuple of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{op}: needs at least one tensor")
+    values = [array_of(t, op, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    shape = shape_of(values[0])
+    for i, v in enumerate(values):
+        if shape_of(v) != shape:
+            raise ShapeError(
+                f"{op}: all tensors must have the same shape, got {shape} and {shape_of(v)} (tensors[{i}])"
+            )
+    ax = normalize_axis(op, axis, len(shape) + 1)
+    out = jnp.stack(values, axis=ax)
+    tape = tape_for(*tensors)
+    if tape is None:
+        return Tensor._wrap(out)
+    rec = StackBackward(len(values), shape, ax, tuple(v.dtype for v in values))
+    return record(tape, rec, tuple(tensors), new_output(out, tape))
+
+
+@frozen
+class SliceBatchBackward(Record):
+    """``y = x[index]`` along axis 0: ``dx`` is zero except ``dy`` at ``index``."""
+
+    original_shape: tuple[int, ...]
+    index: int
+
+    def backward(self, g, needs):
+        n = self.original_shape[0]
+        pads = [(self.index, n - 1 - self.index, 0)] + [(0, 0, 0)] * g.ndim
+        return (lax.pad(g[None], jnp.zeros((), g.dtype), pads),)
+
+
+def slice_batch(x: Any, index: int) -> Tensor:
+    """``x[index]`` along axis 0 (a static int; negative counts from the end); a
+    new tensor, not a view (records SliceBatchBackward)."""
+    op = "slice_batch"
+    xv = array_of(x, op)
+    if xv.ndim < 1:
+        raise ShapeError(f"{op}: expects a tensor of rank >= 1, got a scalar")
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+        raise TypeError(f"{op}: index must be a python int, got {index!r}")
+    n = xv.shape[0]
+    if not -n <= index < n:
+        raise IndexError(f"{op}: index {index} is out of range for axis 0 of size {n}")
+    index = int(index) % n
+    out = lax.index_in_dim(xv, index, axis=0, keepdims=False)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    return record(tape, SliceBatchBackward(tuple(xv.shape), index), (x,), new_output(out, tape))

@@ -1,0 +1,6 @@
+"""Pallas kernels and their jax.numpy references, behind one dispatch."""
+
+from .dispatch import MODES as MODES
+from .dispatch import backend as backend
+from .dispatch import mode as mode
+from .dispatch import use as use

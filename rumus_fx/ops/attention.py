@@ -1,0 +1,123 @@
+"""Scaled dot-product attention as one fused record (flash-style kernel on GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..autograd.errors import ShapeError
+from ..autograd.record import Record, VersionSnapshot
+from ..kernels import attention as kattn
+from ..tensor import Tensor
+from ._core import (
+    array_of,
+    broadcast_info,
+    broadcast_shapes,
+    new_output,
+    reads,
+    record,
+    require_float,
+    shape_of,
+    sum_to,
+    tape_for,
+)
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+@frozen
+class ScaledDotProductAttentionBackward(Record):
+    """``o = softmax(q k^T * scale + mask) v`` over the last two axes.
+
+    Saves q, k, v (snapshotted), the output and the per-row log-sum-exp, so the
+    backward recomputes the probabilities block by block instead of keeping the
+    [Sq, Sk] matrix. A float (additive) mask that is tracked gets a gradient.
+    """
+
+    q: Array
+    q_version: VersionSnapshot | None
+    k: Array
+    k_version: VersionSnapshot | None
+    v: Array
+    v_version: VersionSnapshot | None
+    mask: Array | None
+    mask_version: VersionSnapshot | None
+    out: Array
+    lse: Array
+    causal: bool
+    scale: float
+    mask_broadcast: Any
+
+    def backward(self, g, needs):
+        want_mask = len(needs) > 3 and needs[3]
+        dq, dk, dv, dmask = kattn.attention_bwd(
+            self.q,
+            self.k,
+            self.v,
+            self.mask,
+            self.out,
+            self.lse,
+            g,
+            causal=self.causal,
+            scale=self.scale,
+            mask_grad=want_mask,
+        )
+        dm = sum_to(dmask, self.mask_broadcast) if want_mask else None
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dm)[: len(needs)]
+
+
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """Attention of ``q:[..., Sq, D]`` over ``k:[..., Sk, D]``, ``v:[..., Sk, Dv]``.
+
+    ``mask`` (broadcastable to ``[..., Sq, Sk]``) is boolean (True = attend) or
+    float (added to the scores); ``causal=True`` lets query ``i`` see keys
+    ``j <= i`` (top-left aligned, as PyTorch); ``scale`` defaults to
+    ``1/sqrt(D)``. A row with every key masked attends uniformly, as with a
+    large negative bias (records ScaledDotProductAttentionBackward)."""
+    op = "scaled_dot_product_attention"
+    qv, kv, vv = (array_of(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    for name, t in (("q", qv), ("k", kv), ("v", vv)):
+        require_float(op, t, name)
+    if qv.ndim < 2 or kv.ndim != qv.ndim or vv.ndim != qv.ndim:
+        raise ShapeError(f"{op}: q, k, v must have the same rank >= 2, got {qv.shape}, {kv.shape}, {vv.shape}")
+    if qv.shape[:-2] != kv.shape[:-2] or kv.shape[:-2] != vv.shape[:-2]:
+        raise ShapeError(f"{op}: q, k, v must share leading axes, got {qv.shape}, {kv.shape}, {vv.shape}")
+    if qv.shape[-1] != kv.shape[-1] or kv.shape[-2] != vv.shape[-2]:
+        raise ShapeError(
+            f"{op}: expects q [..., Sq, D], k [..., Sk, D], v [..., Sk, Dv], got {qv.shape}, {kv.shape}, {vv.shape}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
+    sk = kv.shape[-2]
+    scores_shape = (*qv.shape[:-1], sk)
+    mv = None
+    mask_info = None
+    if mask is not None:
+        mv = array_of(mask, op, "mask")
+        if mv.dtype != jnp.bool_:
+            require_float(op, mv, "mask")
+        if broadcast_shapes(op, shape_of(mv), scores_shape) != scores_shape:
+            raise ShapeError(f"{op}: mask of shape {shape_of(mv)} does not broadcast to the scores {scores_shape}")
+        mv = jnp.broadcast_to(mv.reshape((1,) * (len(scores_shape) - mv.ndim) + mv.shape), scores_shape)
+        mask_info = broadcast_info(mask if not isinstance(mask, Tensor) else mask.value, scores_shape)
+    if scale is None:
+        scale = 1.0 / math.sqrt(qv.shape[-1])
+    scale = float(scale)
+    out, lse = kattn.attention_fwd(qv, kv, vv, mv, causal=causal, scale=scale)
+    inputs = (q, k, v) if mask is None else (q, k, v, mask)
+    tape = tape_for(*inputs)
+    if tape is None:
+        return Tensor._wrap(out)
+    saved = [reads(t, True) for t in (q, k, v)]
+    mask_version = reads(mask, True)[1] if mask is not None else None
+    rec = ScaledDotProductAttentionBackward(
+        *saved[0], *saved[1], *saved[2], mv, mask_version, out, lse, causal, scale, mask_info
+    )
+    return record(tape, rec, inputs, new_output(out, tape))

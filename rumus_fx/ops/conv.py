@@ -1,0 +1,425 @@
+"""Vision ops: im2col, conv2d, add_channel_bias, max_pool2d, adaptive_avg_pool2d.
+
+Layouts follow rumus (and PyTorch): images ``[..., C, H, W]``, conv weights
+``[O, C, K, K]``, square kernels, symmetric zero padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..autograd.errors import ShapeError
+from ..autograd.record import Record, VersionSnapshot
+from ..kernels._util import compute_dtype, upcast
+from ..tensor import Tensor
+from ._core import (
+    acc_sum,
+    array_of,
+    cast,
+    is_low_precision,
+    is_tracked,
+    new_output,
+    reads,
+    record,
+    require_float,
+    shape_of,
+    static_int,
+    tape_for,
+)
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+def _out_size(op: str, size: int, k: int, s: int, p: int, what: str) -> int:
+    if size + 2 * p < k:
+        raise ValueError(
+            f"{op}: kernel_size {k} is larger than the padded input ({what} {size} + 2*padding {p} = {size + 2 * p})"
+        )
+    return (size + 2 * p - k) // s + 1
+
+
+def _window_args(op: str, kernel_size: Any, stride: Any, padding: Any) -> tuple[int, int, int]:
+    k = static_int(op, "kernel_size", kernel_size, 1)
+    s = static_int(op, "stride", k if stride is None else stride, 1)
+    p = static_int(op, "padding", padding, 0)
+    return k, s, p
+
+
+def _spatial_pad(ndim: int, lo_h: int, hi_h: int, lo_w: int, hi_w: int, interior: int = 0) -> list:
+    return [(0, 0, 0)] * (ndim - 2) + [(lo_h, hi_h, interior), (lo_w, hi_w, interior)]
+
+
+def _window_slices(xp: Array, k: int, s: int, oh: int, ow: int) -> list[Array]:
+    """The k*k strided slices ``xp[..., kh::s, kw::s]`` (row-major over kh, kw)."""
+    out = []
+    for kh in range(k):
+        for kw in range(k):
+            start = (0,) * (xp.ndim - 2) + (kh, kw)
+            limit = tuple(xp.shape[:-2]) + (kh + s * (oh - 1) + 1, kw + s * (ow - 1) + 1)
+            strides = (1,) * (xp.ndim - 2) + (s, s)
+            out.append(lax.slice(xp, start, limit, strides))
+    return out
+
+
+def _place(piece: Array, kh: int, kw: int, s: int, p: int, h: int, w: int) -> Array:
+    """Scatter a ``[..., OH, OW]`` window slice back to ``[..., H, W]`` positions
+    ``(kh + s*i - p, kw + s*j - p)`` with one ``lax.pad`` (interior = stride - 1,
+    negative edges crop the zero padding)."""
+    oh, ow = piece.shape[-2:]
+    span_h, span_w = s * (oh - 1) + 1, s * (ow - 1) + 1
+    lo_h, lo_w = kh - p, kw - p
+    hi_h, hi_w = h - lo_h - span_h, w - lo_w - span_w
+    return lax.pad(piece, jnp.zeros((), piece.dtype), _spatial_pad(piece.ndim, lo_h, hi_h, lo_w, hi_w, s - 1))
+
+
+# ---------------------------------------------------------------------------
+# im2col
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class Im2ColBackward(Record):
+    """``cols = im2col(x)``: ``dx = col2im(dcols)``, a sum of k*k strided
+    placements. Reads no data."""
+
+    c_in: int
+    h: int
+    w: int
+    kernel_size: int
+    stride: int
+    padding: int
+    out_h: int
+    out_w: int
+
+    def backward(self, g, needs):
+        k, s, p = self.kernel_size, self.stride, self.padding
+        lead = tuple(g.shape[:-2])
+        g5 = g.reshape((*lead, self.c_in, k * k, self.out_h, self.out_w))
+        dx = None
+        for idx in range(k * k):
+            kh, kw = divmod(idx, k)
+            placed = _place(g5[..., idx, :, :], kh, kw, s, p, self.h, self.w)
+            dx = placed if dx is None else dx + placed
+        return (dx,)
+
+
+def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tensor:
+    """Patches of ``x:[..., C, H, W]`` as ``[..., C*K*K, OH*OW]``: row
+    ``c*K*K + kh*K + kw``, column ``oh*OW + ow``, zero padding; works on one
+    sample ``[C, H, W]`` or a batch (records Im2ColBackward)."""
+    op = "im2col"
+    xv = array_of(x, op)
+    if xv.ndim < 3:
+        raise ShapeError(f"{op}: expects x of shape [..., C, H, W], got {xv.shape}")
+    k, s, p = _window_args(op, kernel_size, stride, padding)
+    *lead, c, h, w = xv.shape
+    oh, ow = _out_size(op, h, k, s, p, "height"), _out_size(op, w, k, s, p, "width")
+    xp = jnp.pad(xv, [(0, 0)] * (xv.ndim - 2) + [(p, p), (p, p)]) if p else xv
+    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-3)  # [..., C, K*K, OH, OW]
+    out = cols.reshape((*lead, c * k * k, oh * ow))
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    return record(tape, Im2ColBackward(c, h, w, k, s, p, oh, ow), (x,), new_output(out, tape))
+
+
+# ---------------------------------------------------------------------------
+# conv2d
+# ---------------------------------------------------------------------------
+
+_NCHW = ("NCHW", "OIHW", "NCHW")
+
+
+def _conv(lhs: Array, rhs: Array, out_dtype: Any, **kw: Any) -> Array:
+    pref = jnp.float32 if is_low_precision(out_dtype) else None
+    return lax.conv_general_dilated(lhs, rhs, preferred_element_type=pref, **kw).astype(out_dtype)
+
+
+@frozen
+class Conv2dBackward(Record):
+    """``y = conv2d(x, w) (+ b)``, NCHW / OIHW, stride ``s``, padding ``p``.
+
+    ``dx`` is the transposed convolution of ``dy`` (``dy`` dilated by ``s``,
+    convolved with the flipped kernel, channels swapped); ``dw`` correlates
+    ``x`` with ``dy`` dilated by ``s``; ``db`` sums ``dy``. One record for the
+    whole op (rumus looped im2col + matmul per sample). Saves ``w`` only if
+    ``x`` needs a gradient and ``x`` only if ``w`` does.
+    """
+
+    input: Array | None
+    input_version: VersionSnapshot | None
+    weight: Array | None
+    weight_version: VersionSnapshot | None
+    input_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    stride: int
+    padding: int
+    input_dtype: Any
+    weight_dtype: Any
+    bias_dtype: Any
+
+    def backward(self, g, needs):
+        s, p = self.stride, self.padding
+        _, _, h, w = self.input_shape
+        k = self.weight_shape[2]
+        oh, ow = g.shape[2], g.shape[3]
+        dx = dw = db = None
+        if needs[0]:
+            dx = _conv(
+                g,
+                jnp.flip(self.weight, (2, 3)),
+                self.input_dtype,
+                window_strides=(1, 1),
+                padding=[(k - 1 - p, h - 1 - (oh - 1) * s + p), (k - 1 - p, w - 1 - (ow - 1) * s + p)],
+                lhs_dilation=(s, s),
+                dimension_numbers=("NCHW", "IOHW", "NCHW"),
+            )
+        if needs[1]:
+            r_h = (h + 2 * p - k) - (oh - 1) * s
+            r_w = (w + 2 * p - k) - (ow - 1) * s
+            dw = _conv(
+                self.input,
+                g,
+                self.weight_dtype,
+                window_strides=(1, 1),
+                padding=[(p, p - r_h), (p, p - r_w)],
+                rhs_dilation=(s, s),
+                dimension_numbers=("CNHW", "IOHW", "CNHW"),
+            )
+        if len(needs) > 2 and needs[2]:
+            db = cast(acc_sum(g, (0, 2, 3)), self.bias_dtype)
+        return (dx, dw, db)[: len(needs)]
+
+
+def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int = 0) -> Tensor:
+    """2-D convolution (cross-correlation, as PyTorch) of ``x:[B, C, H, W]``
+    with ``weight:[O, C, K, K]`` plus optional ``bias:[O]`` -> ``[B, O, OH, OW]``
+    (records Conv2dBackward)."""
+    op = "conv2d"
+    xv = array_of(x, op, "input")
+    wv = array_of(weight, op, "weight")
+    require_float(op, xv, "input")
+    require_float(op, wv, "weight")
+    if xv.ndim != 4 or wv.ndim != 4 or wv.shape[2] != wv.shape[3] or wv.shape[1] != xv.shape[1]:
+        raise ShapeError(
+            f"{op}: expects x [B, C, H, W] and weight [O, C, K, K] with matching C, got {xv.shape} and {wv.shape}"
+        )
+    bv = None if bias is None else array_of(bias, op, "bias")
+    if bv is not None and shape_of(bv) != (wv.shape[0],):
+        raise ShapeError(f"{op}: bias must have shape ({wv.shape[0]},) for weight {wv.shape}, got {shape_of(bv)}")
+    k = wv.shape[2]
+    _, s, p = _window_args(op, k, stride, padding)
+    _out_size(op, xv.shape[2], k, s, p, "height")
+    _out_size(op, xv.shape[3], k, s, p, "width")
+    out_dtype = jnp.result_type(xv, wv)
+    y = _conv(xv, wv, out_dtype, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW)
+    if bv is not None:
+        y = y + bv.reshape(1, -1, 1, 1).astype(out_dtype)
+    inputs = (x, weight) if bias is None else (x, weight, bias)
+    tape = tape_for(*inputs)
+    if tape is None:
+        return Tensor._wrap(y)
+    saved_x, x_v = reads(x, is_tracked(weight))
+    saved_w, w_v = reads(weight, is_tracked(x))
+    rec = Conv2dBackward(
+        saved_x,
+        x_v,
+        saved_w,
+        w_v,
+        tuple(xv.shape),
+        tuple(wv.shape),
+        s,
+        p,
+        xv.dtype,
+        wv.dtype,
+        getattr(bv, "dtype", None),
+    )
+    return record(tape, rec, inputs, new_output(y, tape))
+
+
+# ---------------------------------------------------------------------------
+# add_channel_bias
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class AddChannelBiasBackward(Record):
+    """``y = x + b[:, None]`` for ``x:[..., C, L]``: ``dx = dy``, ``db`` sums
+    ``dy`` over everything but the channel axis. Reads no data."""
+
+    channels: int
+    spatial: int
+    input_dtype: Any
+    bias_dtype: Any
+
+    def backward(self, g, needs):
+        gx = cast(g, self.input_dtype) if needs[0] else None
+        gb = None
+        if needs[1]:
+            axes = tuple(i for i in range(g.ndim) if i != g.ndim - 2)
+            gb = cast(acc_sum(g, axes), self.bias_dtype)
+        return gx, gb
+
+
+def add_channel_bias(x: Any, b: Any) -> Tensor:
+    """``x:[..., C, L] + b:[C]`` broadcast over ``L`` (records AddChannelBiasBackward)."""
+    op = "add_channel_bias"
+    xv = array_of(x, op, "input")
+    bv = array_of(b, op, "bias")
+    if xv.ndim < 2 or bv.ndim != 1 or xv.shape[-2] != bv.shape[0]:
+        raise ShapeError(f"{op}: expects x [..., C, L] and bias [C], got {xv.shape} and {bv.shape}")
+    out = xv + bv.reshape((1,) * (xv.ndim - 2) + (-1, 1))
+    tape = tape_for(x, b)
+    if tape is None:
+        return Tensor._wrap(out)
+    rec = AddChannelBiasBackward(xv.shape[-2], xv.shape[-1], xv.dtype, bv.dtype)
+    return record(tape, rec, (x, b), new_output(out, tape))
+
+
+# ---------------------------------------------------------------------------
+# max_pool2d
+# ---------------------------------------------------------------------------
+
+
+@frozen
+class MaxPool2dBackward(Record):
+    """Scatters ``dy`` to the argmax of each window (saved in the forward pass
+    as the window offset ``kh*K + kw``); overlapping windows accumulate. The
+    indices are private to the record: it snapshots nothing."""
+
+    indices: Array
+    input_shape: tuple[int, ...]
+    channels: int
+    h: int
+    w: int
+    out_h: int
+    out_w: int
+    kernel_size: int
+    stride: int
+    padding: int
+
+    def backward(self, g, needs):
+        k, s, p = self.kernel_size, self.stride, self.padding
+        idx = self.indices
+        if s == k and p == 0:  # tiling windows: one reshape instead of k*k pads
+            lead = tuple(g.shape[:-2])
+            oh, ow = self.out_h, self.out_w
+            onehot = idx[..., None] == jnp.arange(k * k, dtype=idx.dtype).reshape((1,) * idx.ndim + (k * k,))
+            d = jnp.where(onehot, g[..., None], jnp.zeros((), g.dtype))  # [..., OH, OW, K*K]
+            d = d.reshape((*lead, oh, ow, k, k))
+            nd = len(lead)
+            d = jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, oh * k, ow * k))
+            return (lax.pad(d, jnp.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
+        dx = None
+        for j in range(k * k):
+            kh, kw = divmod(j, k)
+            piece = jnp.where(idx == j, g, jnp.zeros((), g.dtype))
+            placed = _place(piece, kh, kw, s, p, self.h, self.w)
+            dx = placed if dx is None else dx + placed
+        return (dx,)
+
+
+def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int = 0) -> Tensor:
+    """Max over ``kernel_size`` windows of ``x:[..., C, H, W]``; stride defaults
+    to the kernel size; overlapping windows allowed; implicit ``-inf`` padding
+    of at most ``kernel_size // 2`` (as PyTorch) (records MaxPool2dBackward)."""
+    op = "max_pool2d"
+    xv = array_of(x, op)
+    require_float(op, xv)
+    if xv.ndim < 3:
+        raise ShapeError(f"{op}: expects x of shape [..., C, H, W], got {xv.shape}")
+    k, s, p = _window_args(op, kernel_size, stride, padding)
+    if p > k // 2:
+        raise ValueError(f"{op}: padding {p} must be at most kernel_size // 2 = {k // 2}")
+    *lead, c, h, w = xv.shape
+    oh, ow = _out_size(op, h, k, s, p, "height"), _out_size(op, w, k, s, p, "width")
+    idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
+    if s == k and p == 0:
+        xc = xv[..., : oh * k, : ow * k]
+        nd = len(lead) + 1
+        win = xc.reshape((*lead, c, oh, k, ow, k))
+        win = jnp.transpose(win, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, c, oh, ow, k * k))
+        out = jnp.max(win, axis=-1)
+        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
+    else:
+        neg = jnp.asarray(-jnp.inf, xv.dtype)
+        xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
+        win = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-1)  # [..., C, OH, OW, K*K]
+        out = jnp.max(win, axis=-1)
+        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    rec = MaxPool2dBackward(indices, tuple(xv.shape), c, h, w, oh, ow, k, s, p)
+    return record(tape, rec, (x,), new_output(out, tape))
+
+
+# ---------------------------------------------------------------------------
+# adaptive_avg_pool2d
+# ---------------------------------------------------------------------------
+
+
+def _bin_matrix(size_in: int, size_out: int, dtype: Any) -> np.ndarray:
+    """``[out, in]`` averaging weights for bins ``floor(i*in/out) .. ceil((i+1)*in/out)``."""
+    m = np.zeros((size_out, size_in), dtype=np.float64)
+    for i in range(size_out):
+        start = (i * size_in) // size_out
+        end = -((-(i + 1) * size_in) // size_out)
+        m[i, start:end] = 1.0 / (end - start)
+    return m.astype(dtype)
+
+
+@frozen
+class AdaptiveAvgPool2dBackward(Record):
+    """Each input pixel receives ``dy / count`` from every bin that covers it:
+    ``dx = P_h^T dy P_w`` with the (static) bin-averaging matrices. Reads no data."""
+
+    batch: tuple[int, ...]
+    channels: int
+    h_in: int
+    w_in: int
+    h_out: int
+    w_out: int
+    dtype: Any
+
+    def backward(self, g, needs):
+        cd = compute_dtype(self.dtype)
+        ph = _bin_matrix(self.h_in, self.h_out, cd)
+        pw = _bin_matrix(self.w_in, self.w_out, cd)
+        dx = jnp.einsum("...op,oh,pw->...hw", upcast(g), ph, pw)
+        return (dx.astype(self.dtype),)
+
+
+def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
+    """Average of ``x:[..., C, H, W]`` over ``output_size`` bins per spatial
+    axis, bin ``i`` covering ``floor(i*H/OH)`` to ``ceil((i+1)*H/OH)`` (records
+    AdaptiveAvgPool2dBackward)."""
+    op = "adaptive_avg_pool2d"
+    xv = array_of(x, op)
+    require_float(op, xv)
+    if xv.ndim < 3:
+        raise ShapeError(f"{op}: expects x of shape [..., C, H, W], got {xv.shape}")
+    if isinstance(output_size, (tuple, list)):
+        if len(output_size) != 2:
+            raise ValueError(f"{op}: output_size must be an int or a pair, got {output_size!r}")
+        oh = static_int(op, "output_size", output_size[0], 1)
+        ow = static_int(op, "output_size", output_size[1], 1)
+    else:
+        oh = ow = static_int(op, "output_size", output_size, 1)
+    *lead, c, h, w = xv.shape
+    if h == 0 or w == 0:
+        raise ShapeError(f"{op}: input spatial size must be non-empty, got {xv.shape}")
+    cd = compute_dtype(xv.dtype)
+    out = jnp.einsum("...hw,oh,pw->...op", upcast(xv), _bin_matrix(h, oh, cd), _bin_matrix(w, ow, cd)).astype(xv.dtype)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    rec = AdaptiveAvgPool2dBackward(tuple(lead), c, h, w, oh, ow, xv.dtype)
+    return record(tape, rec, (x,), new_output(out, tape))

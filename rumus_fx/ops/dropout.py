@@ -1,0 +1,53 @@
+"""Dropout with inverted scaling and an explicit jax PRNG key (reproducible)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..autograd.record import Record
+from ..tensor import Tensor
+from ._core import array_of, new_output, record, require_float, tape_for
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+@frozen
+class DropoutBackward(Record):
+    """``y = x * mask / (1 - p)``: ``dx = dy * mask / (1 - p)``. Saves the mask
+    (private: it snapshots nothing)."""
+
+    mask: Array
+    scale: float
+
+    def backward(self, g, needs):
+        return (jnp.where(self.mask, g * self.scale, jnp.zeros((), g.dtype)),)
+
+
+def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by
+    ``1 / (1 - p)``; ``key`` is a ``jax.random`` key, so the same key gives the
+    same mask. With ``training=False`` (or ``p == 0``) it returns ``x``
+    unchanged (records DropoutBackward)."""
+    op = "dropout"
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ValueError(f"{op}: p must be a float in [0, 1), got {p!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"{op}: training must be a bool, got {training!r}")
+    xv = array_of(x, op)
+    require_float(op, xv)
+    if key is None or not hasattr(key, "dtype"):
+        raise TypeError(f"{op}: key must be a jax.random key, got {type(key).__name__}")
+    if not training or p == 0:
+        return x if isinstance(x, Tensor) else Tensor._wrap(xv)
+    keep = jax.random.bernoulli(key, 1.0 - p, xv.shape)
+    scale = 1.0 / (1.0 - p)
+    out = jnp.where(keep, xv * scale, jnp.zeros((), xv.dtype))
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    return record(tape, DropoutBackward(keep, scale), (x,), new_output(out, tape))

@@ -1,0 +1,227 @@
+"""Normalisation: layer_norm (last axis, any rank) and batch_norm_2d (train/eval)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..autograd.errors import ShapeError
+from ..autograd.record import Record, VersionSnapshot
+from ..kernels import batch_norm as kbn
+from ..kernels import layer_norm as kln
+from ..kernels._util import upcast
+from ..tensor import Tensor
+from ._core import array_of, is_tracked, new_output, reads, record, require_float, shape_of, tape_for
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+def _optional(x: Any, op: str, what: str) -> Any:
+    return None if x is None else array_of(x, op, what)
+
+
+def _check_eps(op: str, eps: Any) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"{op}: eps must be a non-negative python float, got {eps!r}")
+    return float(eps)
+
+
+@frozen
+class LayerNormBackward(Record):
+    """``y = (x - mean) * rstd * w + b`` over the last axis, for any rank (the
+    gradient keeps the input's shape: rumus flattened it for rank >= 3).
+
+    Saves the input, the weight (when given) and the per-row mean and 1/std.
+    """
+
+    input: Array
+    input_version: VersionSnapshot | None
+    weight: Array | None
+    weight_version: VersionSnapshot | None
+    save: tuple[Array, Array]  # (mean, rstd), each of shape input.shape[:-1]
+    num_instances: int
+    norm_size: int
+    has_bias: bool
+
+    def backward(self, g, needs):
+        mean, rstd = self.save
+        dx, dw, db = kln.layer_norm_bwd(self.input, self.weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
+        return (
+            dx if needs[0] else None,
+            dw if needs[1] else None,
+            db if needs[2] else None,
+        )
+
+
+def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Tensor:
+    """Layer norm over the last axis of ``x`` (any rank), biased variance;
+    ``weight``/``bias`` of shape ``[D]`` are optional (records LayerNormBackward)."""
+    op = "layer_norm"
+    xv = array_of(x, op)
+    require_float(op, xv)
+    wv = _optional(weight, op, "weight")
+    bv = _optional(bias, op, "bias")
+    eps = _check_eps(op, eps)
+    if xv.ndim < 1:
+        raise ShapeError(f"{op}: expects a tensor of rank >= 1, got a scalar")
+    d = xv.shape[-1]
+    for name, p in (("weight", wv), ("bias", bv)):
+        if p is not None and shape_of(p) != (d,):
+            raise ShapeError(f"{op}: {name} must have shape ({d},) for input of shape {xv.shape}, got {shape_of(p)}")
+    y, mean, rstd = kln.layer_norm_fwd(xv, wv, bv, eps)
+    tape = tape_for(x, weight, bias)
+    if tape is None:
+        return Tensor._wrap(y)
+    need_x, need_w = is_tracked(x), is_tracked(weight)
+    saved_x, x_v = reads(x, need_x or need_w)
+    saved_w, w_v = reads(weight, weight is not None and need_x)
+    rec = LayerNormBackward(saved_x, x_v, saved_w, w_v, (mean, rstd), xv.size // max(d, 1), d, bias is not None)
+    return record(tape, rec, (x, weight, bias), new_output(y, tape))
+
+
+def _chan(v: Array) -> Array:
+    return v.reshape(1, -1, 1, 1)
+
+
+@frozen
+class BatchNorm2dBackward(Record):
+    """``y = (x - mean) * rstd * w + b`` per channel of ``x:[B, C, H, W]``.
+
+    Training: ``mean``/``rstd`` are the batch statistics, which depend on ``x``.
+    Eval: they are the running statistics (inputs 3 and 4), constants for ``x``;
+    rumus got this mode's gradients wrong. Saves the input, the weight and the
+    statistics used.
+    """
+
+    input: Array
+    input_version: VersionSnapshot | None
+    weight: Array | None
+    weight_version: VersionSnapshot | None
+    save: tuple[Array, Array]  # (mean, rstd) per channel, float32 for low precision
+    running_version: tuple[VersionSnapshot | None, ...]  # eval: the statistics it normalised with
+    stats_dtype: Any
+    weight_dtype: Any
+    training: bool
+    batch: int
+    channels: int
+    height: int
+    width: int
+    has_bias: bool
+
+    def backward(self, g, needs):
+        mean, rstd = self.save
+        x = self.input
+        if self.training:
+            dx, dw, db = kbn.batch_norm_train_bwd(x, self.weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
+            return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None)
+        gf = upcast(g)
+        # the weight is saved exactly when a needed gradient reads it
+        dxhat = gf * _chan(upcast(self.weight)) if self.weight is not None else gf
+        xc = upcast(x) - _chan(mean) if x is not None else None
+        dx = (dxhat * _chan(rstd)).astype(g.dtype) if needs[0] else None
+        dw = jnp.sum(gf * xc * _chan(rstd), axis=(0, 2, 3)).astype(self.weight_dtype) if needs[1] else None
+        db = jnp.sum(gf, axis=(0, 2, 3)).astype(g.dtype) if needs[2] else None
+        d_mean = (-jnp.sum(dxhat, axis=(0, 2, 3)) * rstd).astype(self.stats_dtype) if needs[3] else None
+        d_var = None
+        if needs[4]:
+            d_var = (-0.5 * jnp.sum(dxhat * xc, axis=(0, 2, 3)) * rstd**3).astype(self.stats_dtype)
+        return dx, dw, db, d_mean, d_var
+
+
+def batch_norm_2d(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    *,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch norm of ``x:[B, C, H, W]`` per channel -> ``(y, new_mean, new_var)``.
+
+    ``training=True`` normalises with the batch statistics (biased variance) and
+    returns running statistics updated as rumus does,
+    ``(1 - momentum) * running + momentum * batch`` (biased batch variance);
+    ``training=False`` normalises with the running statistics and returns them
+    unchanged. The new statistics are untracked tensors (buffers, as PyTorch's).
+    ``weight``/``bias`` may be None. In eval mode the running statistics are
+    inputs of ``y`` and get gradients when tracked (records BatchNorm2dBackward).
+    """
+    op = "batch_norm_2d"
+    xv = array_of(x, op)
+    require_float(op, xv)
+    if xv.ndim != 4:
+        raise ShapeError(f"{op}: expects x of shape [B, C, H, W], got {xv.shape}")
+    if not isinstance(training, bool):
+        raise TypeError(f"{op}: training must be a bool, got {training!r}")
+    eps = _check_eps(op, eps)
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+        raise ValueError(f"{op}: momentum must be a float in [0, 1], got {momentum!r}")
+    b, c, h, w = xv.shape
+    wv = _optional(weight, op, "weight")
+    bv = _optional(bias, op, "bias")
+    rm = array_of(running_mean, op, "running_mean")
+    rv = array_of(running_var, op, "running_var")
+    for name, p in (("weight", wv), ("bias", bv), ("running_mean", rm), ("running_var", rv)):
+        if p is not None and shape_of(p) != (c,):
+            raise ShapeError(f"{op}: {name} must have shape ({c},) for x of shape {xv.shape}, got {shape_of(p)}")
+    if training:
+        if b * h * w < 2:
+            raise ValueError(f"{op}: training needs more than one value per channel, got x of shape {xv.shape}")
+        y, mean, var, rstd = kbn.batch_norm_train_fwd(xv, wv, bv, eps)
+        m = jnp.asarray(momentum, rm.dtype)
+        new_mean = ((1 - m) * rm + m * mean.astype(rm.dtype)).astype(rm.dtype)
+        new_var = ((1 - m) * rv + m * var.astype(rv.dtype)).astype(rv.dtype)
+        save = (mean, rstd)
+    else:
+        mean = upcast(rm)
+        rstd = lax.rsqrt(upcast(rv) + eps)
+        yf = (upcast(xv) - _chan(mean)) * _chan(rstd)
+        if wv is not None:
+            yf = yf * _chan(upcast(wv))
+        if bv is not None:
+            yf = yf + _chan(upcast(bv))
+        y = yf.astype(xv.dtype)
+        new_mean, new_var = rm, rv
+        save = (mean, rstd)
+    stats = (Tensor._wrap(new_mean), Tensor._wrap(new_var))
+    inputs = (x, weight, bias) if training else (x, weight, bias, running_mean, running_var)
+    tape = tape_for(*inputs)
+    if tape is None:
+        return (Tensor._wrap(y), *stats)
+    need_x, need_w = is_tracked(x), is_tracked(weight)
+    running_versions: tuple = ()
+    if training:  # dx and dw read x_hat; dx reads w
+        saved_x, x_v = reads(x, need_x or need_w)
+        saved_w, w_v = reads(weight, weight is not None and need_x)
+    else:  # dw and d(running_var) read x; dx and d(running stats) read w
+        need_rm, need_rv = is_tracked(running_mean), is_tracked(running_var)
+        saved_x, x_v = reads(x, need_w or need_rv)
+        saved_w, w_v = reads(weight, weight is not None and (need_x or need_rm or need_rv))
+        # backward reads the running statistics it normalised with
+        running_versions = (reads(running_mean, True)[1], reads(running_var, True)[1])
+    rec = BatchNorm2dBackward(
+        saved_x,
+        x_v,
+        saved_w,
+        w_v,
+        save,
+        running_versions,
+        rv.dtype,
+        getattr(wv, "dtype", None),
+        training,
+        b,
+        c,
+        h,
+        w,
+        bias is not None,
+    )
+    out = record(tape, rec, (x, weight, bias, running_mean, running_var), new_output(y, tape))
+    return (out, *stats)
