@@ -10,6 +10,7 @@ closures: ``dataclasses.fields(record)`` shows everything it keeps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -69,6 +70,10 @@ class Record:
         super().__init_subclass__(**kwargs)
         if cls.__name__.endswith("Backward"):
             _RECORD_TYPES.append(cls)
+            # records are pytrees (saved arrays as children, metadata as static
+            # aux data) so that eager backward can run each rule as one cached,
+            # compiled jax.jit call (see run_backward_rule)
+            jax.tree_util.register_pytree_node(cls, _flatten_record, functools.partial(_unflatten_record, cls))
 
     @property
     def name(self) -> str:
@@ -129,6 +134,51 @@ class Record:
             else:
                 total += nbytes_of(value)
         return total
+
+
+_CHILD = object()  # marks a field stored among the pytree children
+
+
+def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
+    children: list[Any] = []
+    aux: list[Any] = []
+    for f in dataclasses.fields(rec):
+        v = getattr(rec, f.name)
+        if isinstance(v, jax.Array) or (isinstance(v, tuple) and v and all(isinstance(e, jax.Array) for e in v)):
+            children.append(v)
+            aux.append(_CHILD)
+        elif isinstance(v, VersionSnapshot) or (
+            isinstance(v, tuple) and any(isinstance(e, VersionSnapshot) for e in v)
+        ):
+            aux.append(None)  # version checks happen before the rule runs
+        else:
+            aux.append(v)
+    return children, tuple(aux)
+
+
+def _unflatten_record(cls: type, aux: tuple, children: list[Any]) -> Record:
+    rec = object.__new__(cls)
+    it = iter(children)
+    for f, a in zip(dataclasses.fields(cls), aux):
+        object.__setattr__(rec, f.name, next(it) if a is _CHILD else a)
+    return rec
+
+
+def _call_backward(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
+    return rec.backward(g, needs)
+
+
+_jitted_backward = jax.jit(_call_backward, static_argnums=2)
+
+
+def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
+    """``rec.backward(g, needs)``; eagerly as one compiled call per (record type,
+    metadata, shapes), which fuses the rule's elementwise work and pays one
+    dispatch instead of one per primitive. Under a trace (jit, vmap, jvp) the
+    rule is traced inline."""
+    if isinstance(g, jax.core.Tracer) or any(isinstance(c, jax.core.Tracer) for c in jax.tree_util.tree_leaves(rec)):
+        return rec.backward(g, needs)
+    return _jitted_backward(rec, g, needs)
 
 
 def record_types() -> tuple[type[Record], ...]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Aval, VersionSnapshot
-from ..autograd.tape import Tape, current_tape
+from ..autograd.tape import Tape, TapeEntry, current_tape
 from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array
@@ -107,9 +107,16 @@ def new_output(value: Array, tape: Tape | None) -> Tensor:
 
 def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
-    ids = tuple(x.grad_id if isinstance(x, Tensor) else None for x in inputs)
-    avals = tuple(aval_of(x) for x in inputs)
-    tape.append(op, ids, (out.grad_id,), avals, (Aval(out.shape, out.dtype),))
+    ids = []
+    avals = []
+    for x in inputs:
+        if type(x) is Tensor:
+            ids.append(x.grad_id)
+            avals.append(Aval(x.shape, x.dtype))
+        else:
+            ids.append(None)
+            avals.append(aval_of(x))
+    tape._entries.append(TapeEntry(op, tuple(ids), (out.grad_id,), tuple(avals), (Aval(out.shape, out.dtype),)))
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -27,13 +28,13 @@ class ReluBackward(Record):
     input_version: VersionSnapshot | None
 
     def backward(self, g, needs):
-        return (jnp.where(self.input > 0, g, jnp.zeros((), g.dtype)),)
+        return (jnp.where(self.input > 0, g, 0),)
 
 
 def relu(x: Any) -> Tensor:
     """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
     xv = array_of(x, "relu")
-    out = jnp.maximum(xv, jnp.zeros((), xv.dtype))
+    out = jnp.maximum(xv, 0)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -71,6 +72,7 @@ _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def _gelu_forward(x: Array, approximate: bool) -> Array:
     if approximate:
         inner = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)

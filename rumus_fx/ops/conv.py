@@ -7,6 +7,7 @@ Layouts follow rumus (and PyTorch): images ``[..., C, H, W]``, conv weights
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -76,7 +77,7 @@ def _place(piece: Array, kh: int, kw: int, s: int, p: int, h: int, w: int) -> Ar
     span_h, span_w = s * (oh - 1) + 1, s * (ow - 1) + 1
     lo_h, lo_w = kh - p, kw - p
     hi_h, hi_w = h - lo_h - span_h, w - lo_w - span_w
-    return lax.pad(piece, jnp.zeros((), piece.dtype), _spatial_pad(piece.ndim, lo_h, hi_h, lo_w, hi_w, s - 1))
+    return lax.pad(piece, np.zeros((), piece.dtype), _spatial_pad(piece.ndim, lo_h, hi_h, lo_w, hi_w, s - 1))
 
 
 # ---------------------------------------------------------------------------
@@ -110,6 +111,14 @@ class Im2ColBackward(Record):
         return (dx,)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _im2col_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
+    *lead, c, _, _ = xv.shape
+    xp = jnp.pad(xv, [(0, 0)] * (xv.ndim - 2) + [(p, p), (p, p)]) if p else xv
+    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-3)  # [..., C, K*K, OH, OW]
+    return cols.reshape((*lead, c * k * k, oh * ow))
+
+
 def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tensor:
     """Patches of ``x:[..., C, H, W]`` as ``[..., C*K*K, OH*OW]``: row
     ``c*K*K + kh*K + kw``, column ``oh*OW + ow``, zero padding; works on one
@@ -121,9 +130,7 @@ def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tenso
     k, s, p = _window_args(op, kernel_size, stride, padding)
     *lead, c, h, w = xv.shape
     oh, ow = _out_size(op, h, k, s, p, "height"), _out_size(op, w, k, s, p, "width")
-    xp = jnp.pad(xv, [(0, 0)] * (xv.ndim - 2) + [(p, p), (p, p)]) if p else xv
-    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-3)  # [..., C, K*K, OH, OW]
-    out = cols.reshape((*lead, c * k * k, oh * ow))
+    out = _im2col_forward(xv, k, s, p, oh, ow)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -198,6 +205,15 @@ class Conv2dBackward(Record):
         return (dx, dw, db)[: len(needs)]
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
+    out_dtype = jnp.result_type(xv, wv)
+    y = _conv(xv, wv, out_dtype, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW)
+    if bv is not None:
+        y = y + bv.reshape(1, -1, 1, 1).astype(out_dtype)
+    return y
+
+
 def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int = 0) -> Tensor:
     """2-D convolution (cross-correlation, as PyTorch) of ``x:[B, C, H, W]``
     with ``weight:[O, C, K, K]`` plus optional ``bias:[O]`` -> ``[B, O, OH, OW]``
@@ -218,10 +234,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
     _, s, p = _window_args(op, k, stride, padding)
     _out_size(op, xv.shape[2], k, s, p, "height")
     _out_size(op, xv.shape[3], k, s, p, "width")
-    out_dtype = jnp.result_type(xv, wv)
-    y = _conv(xv, wv, out_dtype, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW)
-    if bv is not None:
-        y = y + bv.reshape(1, -1, 1, 1).astype(out_dtype)
+    y = _conv2d_forward(xv, wv, bv, s, p)
     inputs = (x, weight) if bias is None else (x, weight, bias)
     tape = tape_for(*inputs)
     if tape is None:
@@ -312,18 +325,39 @@ class MaxPool2dBackward(Record):
             lead = tuple(g.shape[:-2])
             oh, ow = self.out_h, self.out_w
             onehot = idx[..., None] == jnp.arange(k * k, dtype=idx.dtype).reshape((1,) * idx.ndim + (k * k,))
-            d = jnp.where(onehot, g[..., None], jnp.zeros((), g.dtype))  # [..., OH, OW, K*K]
+            d = jnp.where(onehot, g[..., None], 0)  # [..., OH, OW, K*K]
             d = d.reshape((*lead, oh, ow, k, k))
             nd = len(lead)
             d = jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, oh * k, ow * k))
-            return (lax.pad(d, jnp.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
+            return (lax.pad(d, np.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
         dx = None
         for j in range(k * k):
             kh, kw = divmod(j, k)
-            piece = jnp.where(idx == j, g, jnp.zeros((), g.dtype))
+            piece = jnp.where(idx == j, g, 0)
             placed = _place(piece, kh, kw, s, p, self.h, self.w)
             dx = placed if dx is None else dx + placed
         return (dx,)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
+    """(max of each window, its argmax as the window offset kh*K + kw)."""
+    *lead, c, _, _ = xv.shape
+    idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
+    if s == k and p == 0:
+        xc = xv[..., : oh * k, : ow * k]
+        nd = len(lead) + 1
+        win = xc.reshape((*lead, c, oh, k, ow, k))
+        win = jnp.transpose(win, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, c, oh, ow, k * k))
+        out = jnp.max(win, axis=-1)
+        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
+    else:
+        neg = np.array(-np.inf, xv.dtype)
+        xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
+        win = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-1)  # [..., C, OH, OW, K*K]
+        out = jnp.max(win, axis=-1)
+        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
+    return out, indices
 
 
 def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int = 0) -> Tensor:
@@ -340,20 +374,7 @@ def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int
         raise ValueError(f"{op}: padding {p} must be at most kernel_size // 2 = {k // 2}")
     *lead, c, h, w = xv.shape
     oh, ow = _out_size(op, h, k, s, p, "height"), _out_size(op, w, k, s, p, "width")
-    idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
-    if s == k and p == 0:
-        xc = xv[..., : oh * k, : ow * k]
-        nd = len(lead) + 1
-        win = xc.reshape((*lead, c, oh, k, ow, k))
-        win = jnp.transpose(win, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, c, oh, ow, k * k))
-        out = jnp.max(win, axis=-1)
-        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
-    else:
-        neg = jnp.asarray(-jnp.inf, xv.dtype)
-        xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
-        win = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-1)  # [..., C, OH, OW, K*K]
-        out = jnp.max(win, axis=-1)
-        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
+    out, indices = _max_pool_forward(xv, k, s, p, oh, ow)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -376,6 +397,14 @@ def _bin_matrix(size_in: int, size_out: int, dtype: Any) -> np.ndarray:
     return m.astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _adaptive_pool(x: Array, oh: int, ow: int, dtype: Any) -> Array:
+    """``P_h x P_w^T`` over the last two axes with bin-averaging matrices."""
+    cd = compute_dtype(dtype)
+    ph, pw = _bin_matrix(x.shape[-2], oh, cd), _bin_matrix(x.shape[-1], ow, cd)
+    return jnp.einsum("...hw,oh,pw->...op", upcast(x), ph, pw).astype(dtype)
+
+
 @frozen
 class AdaptiveAvgPool2dBackward(Record):
     """Each input pixel receives ``dy / count`` from every bin that covers it:
@@ -390,6 +419,8 @@ class AdaptiveAvgPool2dBackward(Record):
     dtype: Any
 
     def backward(self, g, needs):
+        # the adjoint of P_h x P_w^T is P_h^T dy P_w: the same pooling with the
+        # matrices transposed, i.e. _adaptive_pool's einsum read the other way
         cd = compute_dtype(self.dtype)
         ph = _bin_matrix(self.h_in, self.h_out, cd)
         pw = _bin_matrix(self.w_in, self.w_out, cd)
@@ -416,8 +447,7 @@ def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
     *lead, c, h, w = xv.shape
     if h == 0 or w == 0:
         raise ShapeError(f"{op}: input spatial size must be non-empty, got {xv.shape}")
-    cd = compute_dtype(xv.dtype)
-    out = jnp.einsum("...hw,oh,pw->...op", upcast(xv), _bin_matrix(h, oh, cd), _bin_matrix(w, ow, cd)).astype(xv.dtype)
+    out = _adaptive_pool(xv, oh, ow, xv.dtype)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)

@@ -25,7 +25,7 @@ class DropoutBackward(Record):
     scale: float
 
     def backward(self, g, needs):
-        return (jnp.where(self.mask, g * self.scale, jnp.zeros((), g.dtype)),)
+        return (jnp.where(self.mask, g * self.scale, 0),)
 
 
 def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
@@ -40,13 +40,15 @@ def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
         raise TypeError(f"{op}: training must be a bool, got {training!r}")
     xv = array_of(x, op)
     require_float(op, xv)
-    if key is None or not hasattr(key, "dtype"):
-        raise TypeError(f"{op}: key must be a jax.random key, got {type(key).__name__}")
+    key_dtype = getattr(key, "dtype", None)
+    if key_dtype is None or not (jax.dtypes.issubdtype(key_dtype, jax.dtypes.prng_key) or key_dtype == jnp.uint32):
+        shown = type(key).__name__ if key_dtype is None else f"an array of dtype {key_dtype}"
+        raise TypeError(f"{op}: key must be a jax.random key (jax.random.key(seed)), got {shown}")
     if not training or p == 0:
         return x if isinstance(x, Tensor) else Tensor._wrap(xv)
     keep = jax.random.bernoulli(key, 1.0 - p, xv.shape)
     scale = 1.0 / (1.0 - p)
-    out = jnp.where(keep, xv * scale, jnp.zeros((), xv.dtype))
+    out = jnp.where(keep, xv * scale, 0)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)

@@ -45,7 +45,7 @@ class MseLossBackward(Record):
 
     def backward(self, g, needs):
         diff = self.pred - self.target
-        scale = g * jnp.asarray(2.0 / self.numel, g.dtype)
+        scale = g * (2.0 / self.numel)
         gp = diff * scale
         return (
             cast(gp, self.pred_dtype) if needs[0] else None,
@@ -61,7 +61,7 @@ def mse_loss(pred: Any, target: Any) -> Tensor:
         raise ShapeError(f"mse_loss: pred and target must have the same shape, got {shape_of(pv)} and {shape_of(tv)}")
     diff = pv - tv
     n = max(diff.size, 1)
-    out = acc_sum(diff * diff) / jnp.asarray(n, diff.dtype)
+    out = acc_sum(diff * diff) / n
     tape = tape_for(pred, target)
     if tape is None:
         return Tensor._wrap(out)

@@ -58,7 +58,7 @@ class MeanBackward(Record):
     dtype: Any
 
     def backward(self, g, needs):
-        g = g / jnp.asarray(self.count, g.dtype)
+        g = g / self.count
         return (cast(_expand(g, self.input_shape, self.axes, self.keepdims), self.dtype),)
 
 

@@ -54,12 +54,16 @@ class TransposeBackward(Record):
 
 def resolve_shape(op: str, old: tuple[int, ...], shape: Any) -> tuple[int, ...]:
     """``shape`` with a -1 filled in; ShapeError if the sizes do not match."""
-    if isinstance(shape, (int,)):
+    if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     try:
-        shape = tuple(int(s) for s in shape)
+        dims = None if isinstance(shape, (str, bytes)) else tuple(shape)
     except TypeError:
-        raise TypeError(f"{op}: shape must be a sequence of ints, got {shape!r}") from None
+        dims = None
+    # no int(s): it would truncate 2.5 and accept "3"
+    if dims is None or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in dims):
+        raise TypeError(f"{op}: shape must be a sequence of ints, got {shape!r}")
+    shape = tuple(int(s) for s in dims)
     size = math.prod(old)
     unknown = [i for i, s in enumerate(shape) if s == -1]
     if len(unknown) > 1 or any(s < -1 for s in shape):
@@ -177,7 +181,7 @@ class SliceBatchBackward(Record):
     def backward(self, g, needs):
         n = self.original_shape[0]
         pads = [(self.index, n - 1 - self.index, 0)] + [(0, 0, 0)] * g.ndim
-        return (lax.pad(g[None], jnp.zeros((), g.dtype), pads),)
+        return (lax.pad(g[None], np.zeros((), g.dtype), pads),)
 
 
 def slice_batch(x: Any, index: int) -> Tensor:
