@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import rumus_fx as rf
-from rumus_fx.testing import check_fd
+from rumus_fx.testing import check_fd, check_grads
 
 from .optable import OPS, OpInfo, Sample
 
@@ -94,13 +94,8 @@ def test_forward_and_record(info: OpInfo, k: int):
 def test_grad_matches_jax(info: OpInfo, k: int, dtype, jit: bool):
     with jax.enable_x64(dtype == jnp.float64):
         arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, dtype)
-        g = rf.grad(fun_rf, argnums=diff)
-        if jit:
-            g = jax.jit(g)
-        got = g(*arrays)
-        want = jax.grad(fun_ref, argnums=diff)(*arrays)
-        chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-        chex.assert_trees_all_close(got, want, **_tols(info, dtype))
+        # rf.grad (eager or jitted) vs jax.grad of the jnp oracle, shapes and dtypes too
+        check_grads(fun_rf, arrays, diff, oracle=fun_ref, jit=jit, fd=False, **_tols(info, dtype))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -1,0 +1,217 @@
+"""Op behaviours the op table does not express: running statistics, dropout
+statistics, rumus defects not ported, index checks, mask semantics."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rumus_fx as rf
+
+from .optable import ref_attention, ref_batch_norm, ref_im2col
+
+
+def _bn_inputs(rng, shape=(4, 3, 5, 6)):
+    c = shape[1]
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 2, c), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(c), jnp.float32)
+    rm = jnp.asarray(rng.standard_normal(c) * 0.1, jnp.float32)
+    rv = jnp.asarray(rng.uniform(0.5, 2, c), jnp.float32)
+    return x, w, b, rm, rv
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_running_statistics(rng, training):
+    x, w, b, rm, rv = _bn_inputs(rng)
+    y, new_mean, new_var = rf.batch_norm_2d(x, w, b, rm, rv, training=training, momentum=0.3)
+    ry, r_mean, r_var = ref_batch_norm(x, w, b, rm, rv, training=training, momentum=0.3)
+    np.testing.assert_allclose(np.asarray(y), ry, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(new_mean), r_mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(new_var), r_var, rtol=1e-6, atol=1e-6)
+    assert not new_mean.requires_grad and not new_var.requires_grad
+    if training:  # biased batch variance goes into the running variance, as rumus
+        batch_var = np.var(np.asarray(x), axis=(0, 2, 3))
+        np.testing.assert_allclose(np.asarray(new_var), 0.7 * np.asarray(rv) + 0.3 * batch_var, rtol=1e-5)
+    else:
+        np.testing.assert_array_equal(np.asarray(new_mean), np.asarray(rm))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_gradients_both_modes(rng, training):
+    # rumus's eval-mode input and weight gradients were wrong: check them all
+    x, w, b, rm, rv = _bn_inputs(rng)
+    ct = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    def f(x, w, b, rm, rv):
+        y, _, _ = rf.batch_norm_2d(x, w, b, rm, rv, training=training)
+        return rf.sum(y * ct)
+
+    def f_ref(x, w, b, rm, rv):
+        return jnp.sum(ref_batch_norm(x, w, b, rm, rv, training=training)[0] * ct)
+
+    argnums = (0, 1, 2, 3, 4)
+    rf.testing.check_grads(f, (x, w, b, rm, rv), argnums, oracle=f_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_dropout_mask_statistics_and_gradient():
+    x = jnp.ones((200, 300), jnp.float32)
+    p = 0.3
+    key = jax.random.key(42)
+    with rf.Tape() as tape:
+        xt = rf.tensor(x, requires_grad=True)
+        y = rf.dropout(xt, p, key)
+        loss = rf.sum(y)
+    out = np.asarray(y)
+    kept = out != 0
+    assert abs(kept.mean() - (1 - p)) < 0.01  # 60,000 Bernoulli draws
+    np.testing.assert_allclose(out[kept], 1 / (1 - p), rtol=1e-6)  # inverted scaling
+    grad = np.asarray(tape.backward(loss)[xt])
+    np.testing.assert_allclose(grad, kept / (1 - p), rtol=1e-6)  # gradient == mask / (1 - p)
+    # deterministic for a key, different for another
+    np.testing.assert_array_equal(np.asarray(rf.dropout(x, p, key)), out)
+    assert not np.array_equal(np.asarray(rf.dropout(x, p, jax.random.key(43))), out)
+    # eval mode and p == 0 are the identity
+    assert rf.dropout(xt, p, key, training=False) is xt
+    np.testing.assert_array_equal(np.asarray(rf.dropout(x, 0.0, key)), np.asarray(x))
+
+
+def test_layer_norm_rank3_gradient_keeps_shape():
+    # rumus returned the input gradient flattened to [N, D] for rank >= 3
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 4)), jnp.float32)
+    with rf.Tape() as tape:
+        xt = rf.tensor(x, requires_grad=True)
+        y = rf.layer_norm(xt)
+        loss = rf.sum(y * y * jnp.arange(4.0).reshape(1, 1, 4))
+    g = tape.backward(loss)[xt]
+    assert g.shape == (2, 3, 4)
+
+
+def test_im2col_single_sample_matches_batched_and_rumus_order():
+    x = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)
+    cols = np.asarray(rf.im2col(x, 2))
+    assert cols.shape == (2 * 2 * 2, 3 * 3)
+    # row c*K*K + kh*K + kw, column oh*OW + ow
+    for c in range(2):
+        for kh in range(2):
+            for kw in range(2):
+                for oh in range(3):
+                    for ow in range(3):
+                        assert cols[c * 4 + kh * 2 + kw, oh * 3 + ow] == x[c, oh + kh, ow + kw]
+    batched = np.asarray(rf.im2col(np.stack([x, x + 1]), 2))
+    np.testing.assert_array_equal(batched[0], cols)
+    np.testing.assert_array_equal(batched[1], cols + 1)
+    np.testing.assert_array_equal(np.asarray(ref_im2col(jnp.asarray(x), 2)), cols)
+
+
+def test_max_pool_overlapping_windows_accumulate():
+    # a single maximum inside several overlapping windows gets all their gradients
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    x[0, 0, 1, 1] = 5.0
+    g = rf.grad(lambda x: rf.sum(rf.max_pool2d(x, 3, 1)))(jnp.asarray(x - np.arange(16).reshape(1, 1, 4, 4) * 1e-3))
+    assert float(g[0, 0, 1, 1]) == 4.0  # all four 3x3 windows pick it
+    assert float(jnp.sum(g)) == 4.0
+
+
+def test_adaptive_pool_bins_floor_ceil():
+    x = np.arange(5, dtype=np.float32).reshape(1, 1, 1, 5)
+    out = np.asarray(rf.adaptive_avg_pool2d(x, (1, 3)))[0, 0, 0]
+    # bins [0,2), [1,4), [3,5): floor(i*5/3) .. ceil((i+1)*5/3)
+    np.testing.assert_allclose(out, [0.5, 2.0, 3.5])
+
+
+def test_cross_entropy_ignore_index_and_concrete_index_errors():
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)), jnp.float32)
+    t = jnp.array([0, -1, 2, -1])
+    full = rf.cross_entropy(logits[jnp.array([0, 2])], jnp.array([0, 2]))
+    part = rf.cross_entropy(logits, t, ignore_index=-1)
+    np.testing.assert_allclose(np.asarray(part), np.asarray(full), rtol=1e-6)
+    g = rf.grad(lambda lg: rf.cross_entropy(lg, t, ignore_index=-1))(logits)
+    np.testing.assert_array_equal(np.asarray(g[1]), 0.0)
+    with pytest.raises(IndexError, match="cross_entropy"):
+        rf.cross_entropy(logits, jnp.array([0, 3, 1, 1]))
+    with pytest.raises(IndexError, match="cross_entropy"):
+        rf.cross_entropy(logits, jnp.array([0, -1, 1, 1]))  # -1 is not ignored here
+    with pytest.raises(TypeError, match="integer"):
+        rf.cross_entropy(logits, jnp.zeros(4))
+
+
+def test_embedding_index_checks_and_traced_out_of_range():
+    w = jnp.arange(12.0).reshape(4, 3)
+    with pytest.raises(IndexError, match="embedding"):
+        rf.embedding(jnp.array([0, 4]), w)
+    with pytest.raises(IndexError, match="embedding"):
+        rf.embedding(jnp.array([-1]), w)
+    with pytest.raises(TypeError, match="integer"):
+        rf.embedding(jnp.array([0.0]), w)
+    # traced indices cannot be checked: out-of-range rows are NaN (never a silent
+    # clamp) and contribute no gradient
+    out = jax.jit(lambda i: rf.embedding(i, w).value)(jnp.array([1, 7]))
+    np.testing.assert_array_equal(np.asarray(out[0]), [3.0, 4.0, 5.0])
+    assert np.isnan(np.asarray(out[1])).all()
+    def f(w, i):
+        return rf.sum(rf.slice_batch(rf.embedding(i, w), 0))  # row 1 (index 7) is NaN, unused
+
+    g = jax.jit(rf.grad(f))(w, jnp.array([1, 7]))
+    np.testing.assert_array_equal(np.asarray(g), [[0, 0, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]])
+
+
+def test_embedding_gradient_accumulates_repeated_rows():
+    w = jnp.ones((5, 2))
+    idx = jnp.array([[1, 1, 3], [1, 0, 3]])
+    g = rf.grad(lambda w: rf.sum(rf.embedding(idx, w)))(w)
+    np.testing.assert_array_equal(np.asarray(g[:, 0]), [1, 3, 0, 2, 0])
+
+
+def test_attention_causal_equals_explicit_mask_and_bool_mask():
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 4)), jnp.float32) for _ in range(3))
+    causal = rf.scaled_dot_product_attention(q, k, v, causal=True)
+    masked = rf.scaled_dot_product_attention(q, k, v, mask=jnp.tril(jnp.ones((5, 5), bool)))
+    np.testing.assert_allclose(np.asarray(causal), np.asarray(masked), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(causal), ref_attention(q, k, v, causal=True), rtol=1e-5, atol=1e-6)
+    g1 = rf.grad(lambda q: rf.sum(rf.scaled_dot_product_attention(q, k, v, causal=True)))(q)
+    g2 = jax.grad(lambda q: jnp.sum(ref_attention(q, k, v, causal=True)))(q)
+    chex.assert_trees_all_close(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+def test_gelu_default_is_tanh_approximation():
+    x = jnp.linspace(-3, 3, 13)
+    np.testing.assert_allclose(np.asarray(rf.gelu(x)), jax.nn.gelu(x, approximate=True), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(rf.gelu(x, approximate=False)), jax.nn.gelu(x, approximate=False), rtol=1e-6, atol=1e-7
+    )
+
+
+def test_softmax_is_stable_for_large_inputs():
+    x = jnp.array([[1000.0, 1001.0, 1002.0]])
+    y = np.asarray(rf.softmax(x))
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y.sum(), 1.0, rtol=1e-6)
+
+
+def test_low_precision_inputs_accumulate_in_f32():
+    x = jnp.full((4096,), 0.01, jnp.bfloat16)
+    s = rf.sum(x)
+    assert s.dtype == jnp.bfloat16
+    # naive bf16 accumulation stalls far below 40.96; f32 accumulation does not
+    assert abs(float(s) - 40.96) < 0.5
+    g = rf.grad(lambda x: rf.sum(rf.relu(x) * 2.0).value.astype(jnp.float32))(x)
+    assert g.dtype == jnp.bfloat16
+
+
+def test_stack_and_slice_batch_roundtrip_gradients():
+    rng = np.random.default_rng(5)
+    xs = [jnp.asarray(rng.standard_normal((2, 3)), jnp.float32) for _ in range(3)]
+
+    def f(a, b, c):
+        s = rf.stack([a, b, c], axis=1)  # [2, 3, 3]
+        return rf.sum(rf.slice_batch(s, 1) * jnp.arange(9.0).reshape(3, 3))
+
+    ga, gb, gc = rf.grad(f, argnums=(0, 1, 2))(*xs)
+    w = np.arange(9.0).reshape(3, 3)
+    np.testing.assert_array_equal(np.asarray(ga), np.stack([np.zeros(3), w[0]]))
+    np.testing.assert_array_equal(np.asarray(gc), np.stack([np.zeros(3), w[2]]))
+    with pytest.raises(IndexError, match="slice_batch"):
+        rf.slice_batch(xs[0], 2)
