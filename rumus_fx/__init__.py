@@ -3,6 +3,7 @@
 from . import autograd as autograd
 from . import debug as debug
 from . import kernels as kernels
+from . import nn as nn
 from . import ops as ops
 from .autograd.engine import GradientStore as GradientStore
 from .autograd.errors import AutogradError as AutogradError

@@ -213,3 +213,15 @@ def test_inplace_other_operand_is_snapshotted():
     x.add_(1.0)
     with pytest.raises(rf.VersionMismatch):
         tape.backward(loss)
+
+
+def test_mismatch_message_for_an_untracked_saved_tensor():
+    with rf.Tape() as tape:
+        w = rf.tensor([1.0, 2.0], requires_grad=True)
+        x = rf.tensor([3.0, 4.0])  # untracked: no grad_id
+        loss = rf.sum(w * x)
+    with rf.no_grad():
+        x.mul_(2.0)
+    with pytest.raises(rf.VersionMismatch, match="an untracked tensor") as info:
+        tape.backward(loss)
+    assert info.value.grad_id is None and "grad_id=None" not in str(info.value)

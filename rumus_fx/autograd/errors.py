@@ -39,10 +39,11 @@ class VersionMismatch(AutogradError):
         self.found = found
         self.op = op
         where = op if op is not None else "a backward record"
+        tensor = f"tensor grad_id={grad_id}" if grad_id is not None else "an untracked tensor (no grad_id)"
         super().__init__(
-            f"VersionMismatch in {where}: the storage of tensor grad_id={grad_id} that "
-            f"{where} saved for backward is at version {found}, but it was recorded "
-            f"at version {expected}. {VERSION_HINT}"
+            f"VersionMismatch in {where}: the storage of {tensor} that {where} saved for "
+            f"backward is at version {found}, but it was recorded at version {expected}. "
+            f"{VERSION_HINT}"
         )
 
     def __reduce__(self):  # keep pickling (e.g. across processes) lossless

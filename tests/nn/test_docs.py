@@ -1,0 +1,19 @@
+"""The docstring examples of rumus_fx.nn run and print what they claim."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["rumus_fx.nn", "rumus_fx.nn.init", "rumus_fx.nn.layers", "rumus_fx.nn.transformer", "rumus_fx.nn.checkpoint"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    pytest.importorskip("optax")
+    pytest.importorskip("safetensors")
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
