@@ -31,6 +31,7 @@ from .ops import exp as exp
 from .ops import flatten as flatten
 from .ops import gelu as gelu
 from .ops import im2col as im2col
+from .ops import index as index
 from .ops import layer_norm as layer_norm
 from .ops import leaky_relu as leaky_relu
 from .ops import log as log

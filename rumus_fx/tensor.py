@@ -215,6 +215,10 @@ class Tensor:
     def flatten(self) -> Tensor:
         return _ops().flatten(self)
 
+    def __getitem__(self, key: Any) -> Tensor:
+        """``t[key]``: a new tensor (a copy, not a view as in PyTorch); see rf.index."""
+        return _ops().index(self, key)
+
     # -- reductions and common ops ---------------------------------------------
     def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
         return _ops().sum(self, axis=axis, keepdims=keepdims)

@@ -248,3 +248,18 @@ def test_traced_write_into_outside_storage_raises():
         return t.value
 
     np.testing.assert_array_equal(g(jnp.ones(3)), np.ones(3))
+
+
+def test_getitem_is_a_copy_with_gradients():
+    x = rf.tensor(np.arange(12.0, dtype=np.float32).reshape(3, 4))
+    row = x[1]
+    np.testing.assert_array_equal(np.asarray(row), [4, 5, 6, 7])
+    assert row.storage is not x.storage  # a copy, unlike PyTorch's basic indexing
+    row.add_(1.0)
+    assert x.version == 0
+    with pytest.raises(IndexError, match="index"):
+        x[3]
+    with pytest.raises(TypeError, match="boolean"):
+        x[np.array([True, False, True])]
+    g = rf.grad(lambda t: rf.sum(t[:, np.array([1, 1])]))(jnp.ones((2, 3)))
+    np.testing.assert_array_equal(np.asarray(g), [[0, 2, 0], [0, 2, 0]])

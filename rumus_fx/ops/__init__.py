@@ -33,6 +33,7 @@ from .norm import layer_norm as layer_norm
 from .reduce import mean as mean
 from .reduce import sum as sum  # noqa: A004
 from .shape import flatten as flatten
+from .shape import index as index
 from .shape import reshape as reshape
 from .shape import slice_batch as slice_batch
 from .shape import stack as stack

@@ -202,3 +202,101 @@ def slice_batch(x: Any, index: int) -> Tensor:
     if tape is None:
         return Tensor._wrap(out)
     return record(tape, SliceBatchBackward(tuple(xv.shape), index), (x,), new_output(out, tape))
+
+
+def _index_template(op: str, key: Any) -> tuple[tuple, tuple]:
+    """Split an index into a hashable static template and its index arrays."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    template: list[tuple] = []
+    arrays: list[Any] = []
+    for k in key:
+        if k is None:
+            template.append(("none",))
+        elif k is Ellipsis:
+            template.append(("ellipsis",))
+        elif isinstance(k, slice):
+            template.append(("slice", k.start, k.stop, k.step))
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            template.append(("int", int(k)))
+        else:
+            arr = k.value if isinstance(k, Tensor) else k
+            if not hasattr(arr, "dtype"):
+                arr = np.asarray(arr)
+            if not jnp.issubdtype(arr.dtype, jnp.integer):
+                raise TypeError(
+                    f"{op}: index arrays must be integer (boolean masks have a data-dependent shape; "
+                    f"multiply by the mask instead), got dtype {arr.dtype}"
+                )
+            template.append(("array", len(arrays)))
+            arrays.append(jnp.asarray(arr))
+    return tuple(template), tuple(arrays)
+
+
+def _index_key(template: tuple, arrays: tuple) -> tuple:
+    key = []
+    for t in template:
+        kind = t[0]
+        if kind == "none":
+            key.append(None)
+        elif kind == "ellipsis":
+            key.append(Ellipsis)
+        elif kind == "slice":
+            key.append(slice(*t[1:]))
+        elif kind == "int":
+            key.append(t[1])
+        else:
+            key.append(arrays[t[1]])
+    return tuple(key)
+
+
+@frozen
+class IndexBackward(Record):
+    """``y = x[key]``: ``dx = zeros_like(x).at[key].add(dy)`` (repeated indices
+    accumulate). Saves only the integer index arrays of the key."""
+
+    input_shape: tuple[int, ...]
+    dtype: Any
+    template: tuple
+    arrays: tuple[Array, ...]
+
+    def backward(self, g, needs):
+        key = _index_key(self.template, self.arrays)
+        return (jnp.zeros(self.input_shape, self.dtype).at[key].add(g.astype(self.dtype)),)
+
+
+def index(x: Any, key: Any) -> Tensor:
+    """``x[key]`` with NumPy basic and integer-array indexing (``t[key]`` calls
+    it). The result is a new tensor, not a view: unlike PyTorch, writing into it
+    does not change ``x``. Out-of-range concrete integers raise IndexError
+    (records IndexBackward)."""
+    op = "index"
+    xv = array_of(x, op)
+    template, arrays = _index_template(op, key)
+    for t in template:
+        if t[0] == "int":
+            axis = _int_axis(template, t)
+            if axis is not None and axis < xv.ndim and not -xv.shape[axis] <= t[1] < xv.shape[axis]:
+                raise IndexError(f"{op}: index {t[1]} is out of range for axis {axis} of size {xv.shape[axis]}")
+    try:
+        out = xv[_index_key(template, arrays)]
+    except IndexError as e:
+        raise IndexError(f"{op}: {e} (input shape {xv.shape})") from None
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    rec = IndexBackward(tuple(xv.shape), xv.dtype, template, arrays)
+    return record(tape, rec, (x,), new_output(out, tape))
+
+
+def _int_axis(template: tuple, item: tuple) -> int | None:
+    """The input axis an integer index applies to (None after an ellipsis)."""
+    axis = 0
+    for t in template:
+        if t is item:
+            return axis
+        if t[0] == "ellipsis":
+            return None
+        if t[0] != "none":
+            axis += 1
+    return None

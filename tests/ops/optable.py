@@ -437,6 +437,18 @@ OPS += [
         ("SliceBatchBackward",),
     ),
     OpInfo(
+        "index",
+        rf.index,
+        lambda x, key: x[key],
+        lambda r: [
+            Sample((normal(r, 4, 5), (slice(1, None), 2))),
+            Sample((normal(r, 3, 4, 5), (Ellipsis, np.array([0, 2, 2, 4])))),  # repeats accumulate
+            Sample((normal(r, 6, 3), (np.array([[5, 0], [0, 1]]), None, slice(None, None, 2)))),
+            Sample((normal(r, 3, 5), -1)),
+        ],
+        ("IndexBackward",),
+    ),
+    OpInfo(
         "bmm",
         rf.bmm,
         jnp.matmul,
