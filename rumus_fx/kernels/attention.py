@@ -1,15 +1,355 @@
-"""Scaled dot-product attention: forward (output + log-sum-exp) and backward.
+"""Scaled dot-product attention: flash-style Pallas forward (output + per-row
+log-sum-exp) and backward kernels, their ``custom_jvp`` glue, and the
+jax.numpy reference.
 
-The reference materialises the [Sq, Sk] score matrix; the Pallas kernel beside it
-is flash-style (online softmax, blocks of keys) and never does.
+Forward: one program per (batch*head, query block); keys and values are visited
+in blocks with an online softmax (running max, running sum, rescaled
+accumulator), so the ``[Sq, Sk]`` matrix never exists, only one
+``[bq, bk]`` tile at a time. With ``causal=True`` (query ``i`` sees keys
+``j <= i``, top-left aligned) the loop stops at the diagonal block.
+
+Backward: two kernels, so that no two programs write the same output: one per
+key block accumulates ``dk``/``dv`` over the query blocks, one per query block
+accumulates ``dq`` over the key blocks; both recompute the probabilities from
+the saved log-sum-exp. ``delta = rowsum(dO * O)`` is a cheap host-side reduction.
+
+The kernels handle ``mask=None`` (with or without ``causal``). Explicit masks
+(boolean or additive, already broadcast to ``[..., Sq, Sk]`` by the op) take the
+reference: reading a materialised mask per tile is possible, but the additive
+mask's gradient is the full ``[..., Sq, Sk]`` matrix anyway, so the fused
+kernel would save little there. The tangent rules (``custom_jvp``, used by
+``jax.jvp``/``jax.grad`` through the kernels) are jax.numpy and do materialise
+the score matrix; rumus_fx's own ``rf.grad`` uses the backward kernels.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import blocks
+from ._pallas import MASK_VALUE, Config, chunk_loop, dot, ds, iota, pad_to, pallas_call
+from ._sharding import sharded_call
 from ._util import upcast
 from .dispatch import call
+
+# ---------------------------------------------------------------- kernels
+
+
+def _keep(rows: int, cols: int, q_start, k_start, *, sk: int, causal: bool) -> jax.Array:
+    """Which (query, key) pairs of a tile are real keys (and causal-visible)."""
+    kpos = iota((rows, cols), 1, k_start)
+    keep = kpos < sk
+    if causal:
+        keep = keep & (kpos <= iota((rows, cols), 0, q_start))
+    return keep
+
+
+def _kv_loop(n_kv: int, bq: int, bk: int, causal: bool, body, init):
+    """Loop over key blocks; with ``causal`` only up to the block holding the
+    diagonal of this program's query block."""
+    if not causal or n_kv == 1:
+        return chunk_loop(n_kv, body, init)
+    hi = jnp.minimum(n_kv, ((pl.program_id(1) + 1) * bq + bk - 1) // bk)
+    return lax.fori_loop(0, hi, body, init)
+
+
+def _attn_fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sk: int, bk: int, n_kv: int, causal: bool, scale: float):
+    # Inputs: q_ref [bq, d_pad], k_ref [sk_pad, d_pad], v_ref [sk_pad, dv_pad]
+    # Outputs: o_ref [bq, dv_pad], lse_ref [bq, 1] (float32)
+    bq = q_ref.shape[0]
+    q_start = pl.program_id(1) * bq
+    q = q_ref[...]
+
+    def body(j, carry):
+        m, s_sum, acc = carry
+        kb, vb = k_ref[ds(j, bk), :], v_ref[ds(j, bk), :]
+        s = dot(q, kb, (1, 1)) * scale
+        s = jnp.where(_keep(bq, bk, q_start, j * bk, sk=sk, causal=causal), s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m - m_new)
+        s_sum = s_sum * alpha + jnp.sum(p, axis=1, keepdims=True)
+        acc = acc * alpha + dot(p.astype(vb.dtype), vb)
+        return m_new, s_sum, acc
+
+    init = (
+        jnp.full((bq, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+        jnp.zeros((bq, o_ref.shape[1]), jnp.float32),
+    )
+    m, s_sum, acc = _kv_loop(n_kv, bq, bk, causal, body, init)
+    o_ref[...] = (acc / s_sum).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(s_sum)
+
+
+def _attn_bwd_dkdv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    sk: int,
+    bq: int,
+    n_q: int,
+    causal: bool,
+    scale: float,
+):
+    # Inputs: q_ref [sq_pad, d_pad], k_ref [bk, d_pad], v_ref [bk, dv_pad], do_ref [sq_pad, dv_pad],
+    #         lse_ref, delta_ref [sq_pad, 1]
+    # Outputs: dk_ref [bk, d_pad], dv_ref [bk, dv_pad]
+    bk = k_ref.shape[0]
+    k_start = pl.program_id(1) * bk
+    kb, vb = k_ref[...], v_ref[...]
+
+    def body(i, carry):
+        dk, dv = carry
+        q, do = q_ref[ds(i, bq), :], do_ref[ds(i, bq), :]
+        lse, delta = lse_ref[ds(i, bq), :], delta_ref[ds(i, bq), :]
+        s = dot(q, kb, (1, 1)) * scale
+        p = jnp.exp(jnp.where(_keep(bq, bk, i * bq, k_start, sk=sk, causal=causal), s, MASK_VALUE) - lse)
+        dv = dv + dot(p.astype(do.dtype), do, (0, 0))
+        dp = dot(do, vb, (1, 1))
+        dscore = p * (dp - delta)
+        dk = dk + dot(dscore.astype(q.dtype), q, (0, 0))
+        return dk, dv
+
+    init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    if causal and n_q > 1:  # query blocks entirely above this key block see none of it
+        dk, dv = lax.fori_loop(k_start // bq, n_q, body, init)
+    else:
+        dk, dv = chunk_loop(n_q, body, init)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _attn_bwd_dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, sk: int, bk: int, n_kv: int, causal: bool, scale: float
+):
+    # Inputs: q_ref [bq, d_pad], k_ref [sk_pad, d_pad], v_ref [sk_pad, dv_pad], do_ref [bq, dv_pad],
+    #         lse_ref, delta_ref [bq, 1]
+    # Outputs: dq_ref [bq, d_pad]
+    bq = q_ref.shape[0]
+    q_start = pl.program_id(1) * bq
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+
+    def body(j, dq):
+        kb, vb = k_ref[ds(j, bk), :], v_ref[ds(j, bk), :]
+        s = dot(q, kb, (1, 1)) * scale
+        p = jnp.exp(jnp.where(_keep(bq, bk, q_start, j * bk, sk=sk, causal=causal), s, MASK_VALUE) - lse)
+        dscore = p * (dot(do, vb, (1, 1)) - delta)
+        return dq + dot(dscore.astype(kb.dtype), kb)
+
+    dq = _kv_loop(n_kv, bq, bk, causal, body, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _flat(x: jax.Array, rows: int, cols: int) -> jax.Array:
+    """``[..., S, D]`` -> ``[B*H, rows, cols]`` zero padded."""
+    x3 = x.reshape(-1, *x.shape[-2:])
+    return pad_to(x3, (x3.shape[0], rows, cols))
+
+
+def _tile(rows: int, cols: int, index) -> pl.BlockSpec:
+    return pl.BlockSpec((pl.squeezed, rows, cols), index)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attn_fwd_local(key: tuple, q: jax.Array, k: jax.Array, v: jax.Array):
+    cfg, causal, scale = key
+    lead, (sq, d), (sk, dv) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    t = blocks.attention_blocks(sq, sk, d, dv, cfg.target)
+    q3, k3, v3 = _flat(q, t.sq_pad, t.d_pad), _flat(k, t.sk_pad, t.d_pad), _flat(v, t.sk_pad, t.dv_pad)
+    bh = q3.shape[0]
+    kernel = functools.partial(_attn_fwd_kernel, sk=sk, bk=t.bk, n_kv=t.sk_pad // t.bk, causal=causal, scale=scale)
+    out, lse = pallas_call(
+        kernel,
+        cfg,
+        name="attention_fwd",
+        grid=(bh, t.sq_pad // t.bq),
+        in_specs=[
+            _tile(t.bq, t.d_pad, lambda b, i: (b, i, 0)),
+            _tile(t.sk_pad, t.d_pad, lambda b, i: (b, 0, 0)),
+            _tile(t.sk_pad, t.dv_pad, lambda b, i: (b, 0, 0)),
+        ],
+        out_specs=(_tile(t.bq, t.dv_pad, lambda b, i: (b, i, 0)), _tile(t.bq, 1, lambda b, i: (b, i, 0))),
+        out_shape=(
+            jax.ShapeDtypeStruct((bh, t.sq_pad, t.dv_pad), q.dtype),
+            jax.ShapeDtypeStruct((bh, t.sq_pad, 1), jnp.float32),
+        ),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )(q3, k3, v3)
+    return out[:, :sq, :dv].reshape(*lead, sq, dv), lse[:, :sq, 0].reshape(*lead, sq)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attn_bwd_local(key: tuple, q, k, v, out, lse, g):
+    cfg, causal, scale = key
+    lead, (sq, d), (sk, dv) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    t = blocks.attention_blocks(sq, sk, d, dv, cfg.target)
+    q3, k3, v3 = _flat(q, t.sq_pad, t.d_pad), _flat(k, t.sk_pad, t.d_pad), _flat(v, t.sk_pad, t.dv_pad)
+    do3 = _flat(g.astype(q.dtype), t.sq_pad, t.dv_pad)
+    delta = jnp.sum(upcast(g) * upcast(out), axis=-1, keepdims=True)
+    delta3 = _flat(delta, t.sq_pad, 1)
+    lse3 = _flat(lse[..., None].astype(jnp.float32), t.sq_pad, 1)
+    bh = q3.shape[0]
+    n_q, n_kv = t.sq_pad // t.bq, t.sk_pad // t.bk
+    common = dict(sk=sk, causal=causal, scale=scale)
+    whole_q = [
+        _tile(t.sq_pad, t.d_pad, lambda b, j: (b, 0, 0)),
+        _tile(t.bk, t.d_pad, lambda b, j: (b, j, 0)),
+        _tile(t.bk, t.dv_pad, lambda b, j: (b, j, 0)),
+        _tile(t.sq_pad, t.dv_pad, lambda b, j: (b, 0, 0)),
+        _tile(t.sq_pad, 1, lambda b, j: (b, 0, 0)),
+        _tile(t.sq_pad, 1, lambda b, j: (b, 0, 0)),
+    ]
+    dk, dv_ = pallas_call(
+        functools.partial(_attn_bwd_dkdv_kernel, bq=t.bq, n_q=n_q, **common),
+        cfg,
+        name="attention_bwd_dkdv",
+        grid=(bh, n_kv),
+        in_specs=whole_q,
+        out_specs=(_tile(t.bk, t.d_pad, lambda b, j: (b, j, 0)), _tile(t.bk, t.dv_pad, lambda b, j: (b, j, 0))),
+        out_shape=(
+            jax.ShapeDtypeStruct((bh, t.sk_pad, t.d_pad), k.dtype),
+            jax.ShapeDtypeStruct((bh, t.sk_pad, t.dv_pad), v.dtype),
+        ),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )(q3, k3, v3, do3, lse3, delta3)
+    whole_k = [
+        _tile(t.bq, t.d_pad, lambda b, i: (b, i, 0)),
+        _tile(t.sk_pad, t.d_pad, lambda b, i: (b, 0, 0)),
+        _tile(t.sk_pad, t.dv_pad, lambda b, i: (b, 0, 0)),
+        _tile(t.bq, t.dv_pad, lambda b, i: (b, i, 0)),
+        _tile(t.bq, 1, lambda b, i: (b, i, 0)),
+        _tile(t.bq, 1, lambda b, i: (b, i, 0)),
+    ]
+    dq = pallas_call(
+        functools.partial(_attn_bwd_dq_kernel, bk=t.bk, n_kv=n_kv, **common),
+        cfg,
+        name="attention_bwd_dq",
+        grid=(bh, n_q),
+        in_specs=whole_k,
+        out_specs=_tile(t.bq, t.d_pad, lambda b, i: (b, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((bh, t.sq_pad, t.d_pad), q.dtype),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )(q3, k3, v3, do3, lse3, delta3)
+    return (
+        dq[:, :sq, :d].reshape(*lead, sq, d),
+        dk[:, :sk, :d].reshape(*lead, sk, d),
+        dv_[:, :sk, :dv].reshape(*lead, sk, dv),
+    )
+
+
+# ---------------------------------------------------------------- custom_jvp glue
+# jax.numpy tangents, linear in the tangents (these materialise [Sq, Sk]).
+
+
+def _probs(q, k, lse, *, causal: bool, scale: float) -> jax.Array:
+    return jnp.exp(_scores(q, k, None, causal=causal, scale=scale) - lse[..., None])
+
+
+def _mm(a, b, spec: str) -> jax.Array:
+    return jnp.einsum(spec, upcast(a), upcast(b))
+
+
+# Sharding: batch/head axes may be sharded; keys and head dims stay whole, and
+# so do queries under causal masking (it needs the global query position).
+_FWD_RULE = "... q d, ... k d, ... k e -> ... q e, ... q"
+_BWD_RULE = "... q d, ... k d, ... k e, ... q e, ... q, ... q e -> ... q d, ... k d, ... k e"
+
+
+def _replicated(causal: bool) -> str:
+    return "k d e q" if causal else "k d e"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attn_fwd(key: tuple, q, k, v):
+    return sharded_call(_attn_fwd_local, key, _FWD_RULE, q, k, v, replicated=_replicated(key[1]))
+
+
+@_attn_fwd.defjvp
+def _attn_fwd_jvp(key, primals, tangents):
+    _, causal, scale = key
+    (q, k, v), (dq, dk, dv) = primals, tangents
+    out, lse = _attn_fwd(key, q, k, v)
+    p = _probs(q, k, lse, causal=causal, scale=scale)
+    dscore = (_mm(dq, k, "...qd,...kd->...qk") + _mm(q, dk, "...qd,...kd->...qk")) * scale
+    dlse = jnp.sum(p * dscore, axis=-1)
+    dp = p * (dscore - dlse[..., None])
+    dout = _mm(dp, v, "...qk,...kd->...qd") + _mm(p, dv, "...qk,...kd->...qd")
+    return (out, lse), (dout.astype(out.dtype), dlse.astype(lse.dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attn_bwd(key: tuple, q, k, v, out, lse, g):
+    return sharded_call(_attn_bwd_local, key, _BWD_RULE, q, k, v, out, lse, g, replicated=_replicated(key[1]))
+
+
+@_attn_bwd.defjvp
+def _attn_bwd_jvp(key, primals, tangents):
+    _, causal, scale = key
+    q, k, v, out, lse, g = primals
+    tq, tk, tv, tout, tlse, tg = tangents
+    res = _attn_bwd(key, *primals)
+    gf = upcast(g)
+    p = _probs(q, k, lse, causal=causal, scale=scale)
+    dscore_in = (_mm(tq, k, "...qd,...kd->...qk") + _mm(q, tk, "...qd,...kd->...qk")) * scale
+    tp = p * (dscore_in - upcast(tlse)[..., None])
+    dp = _mm(g, v, "...qd,...kd->...qk")
+    tdp = _mm(tg, v, "...qd,...kd->...qk") + _mm(g, tv, "...qd,...kd->...qk")
+    delta = jnp.sum(gf * upcast(out), axis=-1, keepdims=True)
+    tdelta = jnp.sum(upcast(tg) * upcast(out) + gf * upcast(tout), axis=-1, keepdims=True)
+    ds_ = p * (dp - delta)
+    tds = tp * (dp - delta) + p * (tdp - tdelta)
+    tdq = (_mm(tds, k, "...qk,...kd->...qd") + _mm(ds_, tk, "...qk,...kd->...qd")) * scale
+    tdk = (_mm(tds, q, "...qk,...qd->...kd") + _mm(ds_, tq, "...qk,...qd->...kd")) * scale
+    tdv = _mm(tp, g, "...qk,...qd->...kd") + _mm(p, tg, "...qk,...qd->...kd")
+    return res, tuple(t.astype(r.dtype) for t, r in zip((tdq, tdk, tdv), res))
+
+
+def attention_fwd_pallas(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *, causal: bool, scale: float, cfg: Config
+) -> tuple[jax.Array, jax.Array]:
+    """The flash forward for ``mask=None``; explicit masks take the reference."""
+    if mask is not None:  # explicit masks: the reference (see the module docstring)
+        return attention_fwd_reference(q, k, v, mask, causal=causal, scale=scale)
+    return _attn_fwd((cfg, causal, scale), q, k, v)
+
+
+def attention_bwd_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    g: jax.Array,
+    *,
+    causal: bool,
+    scale: float,
+    mask_grad: bool,
+    cfg: Config,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The flash backward for ``mask=None``; explicit masks take the reference."""
+    if mask is not None:
+        return attention_bwd_reference(q, k, v, mask, out, lse, g, causal=causal, scale=scale, mask_grad=mask_grad)
+    dq, dk, dv = _attn_bwd((cfg, causal, scale), q, k, v, out, lse, g)
+    return dq, dk, dv, None
+
+
+# ---------------------------------------------------------------- reference
 
 
 def _scores(q, k, mask, *, causal: bool, scale: float):
@@ -54,11 +394,40 @@ def attention_bwd_reference(q, k, v, mask, out, lse, g, *, causal: bool, scale: 
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dmask
 
 
-def attention_fwd(q, k, v, mask=None, causal: bool = False, scale: float = 1.0):
-    return call(attention_fwd_reference, None, q, k, v, mask, causal=causal, scale=scale)
+# ---------------------------------------------------------------- entry points
 
 
-def attention_bwd(q, k, v, mask, out, lse, g, causal: bool = False, scale: float = 1.0, mask_grad: bool = False):
+def attention_fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, causal: bool = False, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)``: flash kernel for ``mask=None``, the reference otherwise."""
+    return call(attention_fwd_reference, attention_fwd_pallas, q, k, v, mask, causal=causal, scale=scale)
+
+
+def attention_bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    g: jax.Array,
+    causal: bool = False,
+    scale: float = 1.0,
+    mask_grad: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """``(dq, dk, dv, dmask | None)`` from the saved output and log-sum-exp."""
     return call(
-        attention_bwd_reference, None, q, k, v, mask, out, lse, g, causal=causal, scale=scale, mask_grad=mask_grad
+        attention_bwd_reference,
+        attention_bwd_pallas,
+        q,
+        k,
+        v,
+        mask,
+        out,
+        lse,
+        g,
+        causal=causal,
+        scale=scale,
+        mask_grad=mask_grad,
     )

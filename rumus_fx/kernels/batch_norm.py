@@ -1,20 +1,256 @@
-"""Batch norm over [B, C, H, W] (statistics per channel): training forward and
-backward."""
+"""Batch norm over ``[B, C, H, W]`` (statistics per channel): Pallas training
+forward and backward kernels, their ``custom_jvp`` glue, and the jax.numpy
+reference.
+
+The input is viewed as ``[B, C, H*W]`` (a free reshape). A per-channel
+reduction over the batch would leave only ``C / 8`` programs, far too few for
+a GPU, so each direction is two kernels:
+
+* a *partials* kernel, one program per (channel block, batch block), reduces
+  its slice in one read: the forward its mean and centred sum of squares (chunk
+  moments merged with Chan's update), the backward its ``sum(g)`` and
+  ``sum(g * xhat)``; the host combines the few partials per channel;
+* an elementwise kernel, one program per (sample, channel block, spatial
+  chunk), writes ``y`` (forward) or ``dx`` (backward).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
-from ._util import upcast
+from . import _norm_jvp, blocks
+from ._pallas import Config, chunk_loop, ds, f32, iota, merge_moments, pad_to, pallas_call
+from ._sharding import sharded_call
+from ._util import compute_dtype, upcast
 from .dispatch import call
 
 _AXES = (0, 2, 3)
 
+# ---------------------------------------------------------------- kernels
+
+
+def _steps(batch: int, n_chunks: int, t):
+    """(sample, chunk) of step ``t``; the chunk stays static with one chunk, so
+    no lane offset is dynamic on TPU."""
+    if n_chunks == 1:
+        return t, 0
+    return t // n_chunks, t % n_chunks
+
+
+def _bn_moments_kernel(x_ref, mean_ref, m2_ref, *, hw: int, chunk: int, n_chunks: int):
+    # Inputs: x_ref [batch_block, channels, hw_pad]
+    # Outputs: mean_ref, m2_ref [channels, 1]: this slice's mean and centred sum of squares
+    batch, channels, _ = x_ref.shape
+    zero = jnp.zeros((channels, 1), jnp.float32)
+
+    def moments(t, state):
+        b, c = _steps(batch, n_chunks, t)
+        x = f32(x_ref[b, :, ds(c, chunk)])
+        count = jnp.minimum(hw - c * chunk, chunk).astype(jnp.float32)
+        total = jnp.sum(x, axis=1, keepdims=True)  # padded positions hold zeros
+        xc = jnp.where(iota((channels, chunk), 1, c * chunk) < hw, x - total / count, 0.0)
+        return merge_moments(state, count, total, jnp.sum(xc * xc, axis=1, keepdims=True))
+
+    _, mean, m2 = chunk_loop(batch * n_chunks, moments, (jnp.float32(0.0), zero, zero))
+    mean_ref[...] = mean
+    m2_ref[...] = m2
+
+
+def _bn_apply_kernel(x_ref, mean_ref, scale_ref, shift_ref, y_ref):
+    # Inputs: x_ref [channels, chunk]; mean_ref, scale_ref (rstd * w), shift_ref (b) [channels, 1]
+    # Outputs: y_ref [channels, chunk]
+    y = (f32(x_ref[...]) - mean_ref[...]) * scale_ref[...] + shift_ref[...]
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _bn_grad_sums_kernel(x_ref, g_ref, mean_ref, rstd_ref, sg_ref, sgx_ref, *, chunk: int, n_chunks: int):
+    # Inputs: x_ref, g_ref [batch_block, channels, hw_pad]; mean_ref, rstd_ref [channels, 1]
+    # Outputs: sg_ref = sum(g), sgx_ref = sum(g * xhat) over this slice [channels, 1]
+    batch, channels, _ = x_ref.shape
+    mean, rstd = mean_ref[...], rstd_ref[...]
+
+    def sums(t, carry):
+        sg, sgx = carry
+        b, c = _steps(batch, n_chunks, t)
+        g = f32(g_ref[b, :, ds(c, chunk)])  # zero at padded positions
+        xhat = (f32(x_ref[b, :, ds(c, chunk)]) - mean) * rstd
+        return sg + jnp.sum(g, axis=1, keepdims=True), sgx + jnp.sum(g * xhat, axis=1, keepdims=True)
+
+    zero = jnp.zeros((channels, 1), jnp.float32)
+    sg, sgx = chunk_loop(batch * n_chunks, sums, (zero, zero))
+    sg_ref[...] = sg
+    sgx_ref[...] = sgx
+
+
+def _bn_dx_kernel(x_ref, g_ref, mean_ref, rstd_ref, w_ref, c1_ref, c2_ref, dx_ref):
+    # Inputs: x_ref, g_ref [channels, chunk]; per channel [channels, 1]: mean, rstd, w,
+    #         c1 = w * mean(g), c2 = w * mean(g * xhat)
+    # Outputs: dx_ref [channels, chunk]
+    rstd = rstd_ref[...]
+    xhat = (f32(x_ref[...]) - mean_ref[...]) * rstd
+    dx = rstd * (f32(g_ref[...]) * w_ref[...] - c1_ref[...] - xhat * c2_ref[...])
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+def _as_bchw(x: jax.Array, b: blocks.ChannelBlocks) -> jax.Array:
+    n, c, h, w = x.shape
+    return pad_to(x.reshape(n, c, h * w), (n, b.channels_pad, b.hw_pad))
+
+
+def _as_col(v: jax.Array, b: blocks.ChannelBlocks) -> jax.Array:
+    return pad_to(upcast(v).astype(jnp.float32).reshape(-1, 1), (b.channels_pad, 1))
+
+
+def _partials_call(kernel, cfg: Config, b: blocks.ChannelBlocks, batch: int, n_big: int, n_small: int, name: str):
+    """A (channel block, batch block) grid reducing to one [channels, 1] partial per batch block."""
+    groups = batch // b.batch_block
+    big = pl.BlockSpec((b.batch_block, b.block_channels, b.hw_pad), lambda i, j: (j, i, 0))
+    small = pl.BlockSpec((b.block_channels, 1), lambda i, j: (i, 0))
+    part = pl.BlockSpec((pl.squeezed, b.block_channels, 1), lambda i, j: (j, i, 0))
+    shape = jax.ShapeDtypeStruct((groups, b.channels_pad, 1), jnp.float32)
+    return pallas_call(
+        functools.partial(kernel, chunk=b.chunk, n_chunks=b.n_chunks),
+        cfg,
+        name=name,
+        grid=(b.channels_pad // b.block_channels, groups),
+        in_specs=[big] * n_big + [small] * n_small,
+        out_specs=(part, part),
+        out_shape=(shape, shape),
+        num_warps=b.num_warps,
+    )
+
+
+def _elementwise_call(kernel, cfg: Config, b: blocks.ChannelBlocks, batch: int, n_big: int, n_small: int, dtype, name):
+    """A (sample, channel block, spatial chunk) grid writing one [B, C, HW] array."""
+    tile = pl.BlockSpec((pl.squeezed, b.block_channels, b.chunk), lambda n, i, c: (n, i, c))
+    small = pl.BlockSpec((b.block_channels, 1), lambda n, i, c: (i, 0))
+    return pallas_call(
+        kernel,
+        cfg,
+        name=name,
+        grid=(batch, b.channels_pad // b.block_channels, b.n_chunks),
+        in_specs=[tile] * n_big + [small] * n_small,
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct((batch, b.channels_pad, b.hw_pad), dtype),
+        num_warps=b.num_warps,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _bn_fwd_local(key: tuple, x: jax.Array, *params: jax.Array):
+    cfg, eps, has_w, has_b = key
+    n, c, h, w = x.shape
+    b = blocks.channel_blocks(n, c, h * w, cfg.target)
+    x3 = _as_bchw(x, b)
+    kernel = functools.partial(_bn_moments_kernel, hw=h * w)
+    means, m2s = _partials_call(kernel, cfg, b, n, 1, 0, "batch_norm_moments")(x3)
+    # Chan's combination of equal-sized groups
+    mean = jnp.mean(means, axis=0)
+    var = (jnp.sum(m2s, axis=0) + b.batch_block * h * w * jnp.sum((means - mean[None]) ** 2, axis=0)) / (n * h * w)
+    rstd = lax.rsqrt(var + eps)
+    weight = _as_col(params[0], b) if has_w else jnp.ones_like(rstd)
+    shift = _as_col(params[-1], b) if has_b else jnp.zeros_like(rstd)
+    y = _elementwise_call(_bn_apply_kernel, cfg, b, n, 1, 3, x.dtype, "batch_norm_apply")(
+        x3, mean, rstd * weight, shift
+    )
+    st = compute_dtype(x.dtype)
+    y = y[:, :c, : h * w].reshape(n, c, h, w)
+    return (y, *(v[:c, 0].astype(st) for v in (mean, var, rstd)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _bn_bwd_local(key: tuple, x: jax.Array, *rest: jax.Array):
+    cfg, has_w = key
+    n, c, h, w = x.shape
+    b = blocks.channel_blocks(n, c, h * w, cfg.target)
+    weight = _as_col(rest[0], b) if has_w else None
+    mean, rstd, g = rest[1:] if has_w else rest
+    x3, g3, mean, rstd = _as_bchw(x, b), _as_bchw(g, b), _as_col(mean, b), _as_col(rstd, b)
+    sgs, sgxs = _partials_call(_bn_grad_sums_kernel, cfg, b, n, 2, 2, "batch_norm_grad_sums")(x3, g3, mean, rstd)
+    sum_g, sum_gx = jnp.sum(sgs, axis=0), jnp.sum(sgxs, axis=0)
+    weight = jnp.ones_like(rstd) if weight is None else weight
+    count = n * h * w
+    c1, c2 = weight * sum_g / count, weight * sum_gx / count
+    dx = _elementwise_call(_bn_dx_kernel, cfg, b, n, 2, 5, x.dtype, "batch_norm_dx")(x3, g3, mean, rstd, weight, c1, c2)
+    return dx[:, :c, : h * w].reshape(n, c, h, w), sum_gx[:c, 0], sum_g[:c, 0]
+
+
+# ---------------------------------------------------------------- custom_jvp glue
+# Hand-written jax.numpy tangents (shared with layer norm), linear in the tangents.
+
 
 def _chan(v: jax.Array) -> jax.Array:
     return v.reshape(1, -1, 1, 1)
+
+
+_DIMS = dict(axes=_AXES, stat=_chan, param=_chan)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _bn_fwd(key: tuple, x: jax.Array, w: jax.Array | None, b: jax.Array | None):
+    cfg, eps = key
+    params = [p for p in (w, b) if p is not None]
+    rule = "n c h w" + ", c" * len(params) + " -> n c h w, c, c, c"
+    local_key = (cfg, eps, w is not None, b is not None)
+    return sharded_call(_bn_fwd_local, local_key, rule, x, *params, replicated="n h w")
+
+
+@_bn_fwd.defjvp
+def _bn_fwd_jvp(key, primals, tangents):
+    x, w, b = primals
+    out = _bn_fwd(key, x, w, b)
+    y, mean, var, rstd = out
+    dy, dmean, dvar, drstd = _norm_jvp.forward_tangents(x, w, mean, rstd, *tangents, **_DIMS)
+    return out, tuple(t.astype(o.dtype) for t, o in zip((dy, dmean, dvar, drstd), out))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _bn_bwd(cfg: Config, x, w, mean, rstd, g):
+    has_w = w is not None
+    arrays = (x, w, mean, rstd, g) if has_w else (x, mean, rstd, g)
+    rule = "n c h w" + ", c" * has_w + ", c, c, n c h w -> n c h w, c, c"
+    return sharded_call(_bn_bwd_local, (cfg, has_w), rule, *arrays, replicated="n h w")
+
+
+@_bn_bwd.defjvp
+def _bn_bwd_jvp(cfg, primals, tangents):
+    out = _bn_bwd(cfg, *primals)
+    t = _norm_jvp.backward_tangents(*primals, *tangents, param_axes=_AXES, **_DIMS)
+    return out, tuple(ti.astype(o.dtype) for ti, o in zip(t, out))
+
+
+def batch_norm_train_pallas(
+    x: jax.Array, weight: jax.Array | None, bias: jax.Array | None, *, eps: float, cfg: Config
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The Pallas training forward (see :func:`batch_norm_train_fwd`)."""
+    return _bn_fwd((cfg, eps), x, weight, bias)
+
+
+def batch_norm_train_bwd_pallas(
+    x: jax.Array,
+    weight: jax.Array | None,
+    mean: jax.Array,
+    rstd: jax.Array,
+    g: jax.Array,
+    *,
+    has_bias: bool,
+    cfg: Config,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The Pallas training backward (see :func:`batch_norm_train_bwd`)."""
+    dx, dw, db = _bn_bwd(cfg, x, weight, mean, rstd, g)
+    return (
+        dx,
+        dw.astype(weight.dtype) if weight is not None else None,
+        db.astype(g.dtype) if has_bias else None,
+    )
+
+
+# ---------------------------------------------------------------- reference
 
 
 def batch_norm_train_reference(x, weight, bias, *, eps: float):
@@ -45,9 +281,20 @@ def batch_norm_train_bwd_reference(x, weight, mean, rstd, g, *, has_bias: bool):
     return dx, dw, db
 
 
-def batch_norm_train_fwd(x, weight, bias, eps: float = 1e-5):
-    return call(batch_norm_train_reference, None, x, weight, bias, eps=eps)
+# ---------------------------------------------------------------- entry points
 
 
-def batch_norm_train_bwd(x, weight, mean, rstd, g, has_bias: bool = True):
-    return call(batch_norm_train_bwd_reference, None, x, weight, mean, rstd, g, has_bias=has_bias)
+def batch_norm_train_fwd(
+    x: jax.Array, weight: jax.Array | None, bias: jax.Array | None, eps: float = 1e-5
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(y, mean, var, rstd)`` with batch statistics per channel of ``x:[B, C, H, W]``."""
+    return call(batch_norm_train_reference, batch_norm_train_pallas, x, weight, bias, eps=eps)
+
+
+def batch_norm_train_bwd(
+    x: jax.Array, weight: jax.Array | None, mean: jax.Array, rstd: jax.Array, g: jax.Array, has_bias: bool = True
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """``(dx, dweight | None, dbias | None)`` in training mode."""
+    return call(
+        batch_norm_train_bwd_reference, batch_norm_train_bwd_pallas, x, weight, mean, rstd, g, has_bias=has_bias
+    )

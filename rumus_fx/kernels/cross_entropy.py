@@ -1,13 +1,136 @@
-"""Cross-entropy with integer targets, fused: one pass gives the mean loss and
-its gradient with respect to the logits (as rumus does)."""
+"""Cross-entropy with integer targets, fused: one kernel gives each row's loss
+and its gradient with respect to the logits (as rumus does), plus the
+``custom_jvp`` glue and the jax.numpy reference.
+
+Per row block the kernel makes an online log-sum-exp pass over the column
+chunks (also picking the target logit), then a second pass that writes
+``(softmax - onehot) * weight``; with one chunk (the common case, and always on
+TPU) the logits are read once. The per-row weights ``valid / count`` and the
+final mean are computed on the host, because ``count`` spans every row (and
+every shard).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
+from . import blocks
+from ._pallas import Config, chunk_loop, chunk_reader, ds, iota, pad_to, pallas_call, unpad
+from ._sharding import sharded_call
 from ._util import upcast
 from .dispatch import call
+
+# ---------------------------------------------------------------- kernel
+
+
+def _ce_kernel(x_ref, t_ref, w_ref, loss_ref, grad_ref, *, n_cols: int, chunk: int, n_chunks: int):
+    # Inputs: x_ref [rows, cols_pad] logits, t_ref [rows, 1] int32 targets,
+    #         w_ref [rows, 1] float32 row weights (0 for ignored rows)
+    # Outputs: loss_ref [rows, 1] (log-sum-exp minus the target logit),
+    #          grad_ref [rows, cols_pad]
+    rows = x_ref.shape[0]
+    read = chunk_reader(n_chunks, chunk)
+    t = t_ref[...]
+
+    def logits(i):
+        cols = iota((rows, chunk), 1, i * chunk)
+        return jnp.where(cols < n_cols, read(x_ref, i), -jnp.inf), cols == t
+
+    def stats(i, carry):
+        m, s, picked = carry
+        x, hit = logits(i)
+        m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new), axis=1, keepdims=True)
+        picked = picked + jnp.sum(jnp.where(hit, x, 0.0), axis=1, keepdims=True)
+        return m_new, s, picked
+
+    zero = jnp.zeros((rows, 1), jnp.float32)
+    m, s, picked = chunk_loop(n_chunks, stats, (jnp.full((rows, 1), -jnp.inf, jnp.float32), zero, zero))
+    lse = m + jnp.log(s)
+    loss_ref[...] = lse - picked
+    weight = w_ref[...]
+
+    def write(i, carry):
+        x, hit = logits(i)
+        grad = (jnp.exp(x - lse) - jnp.where(hit, 1.0, 0.0)) * weight
+        grad_ref[:, ds(i, chunk)] = grad.astype(grad_ref.dtype)
+        return carry
+
+    chunk_loop(n_chunks, write, 0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ce_local(cfg: Config, logits: jax.Array, targets: jax.Array, weights: jax.Array):
+    n, c = logits.shape
+    b = blocks.row_blocks(n, c, cfg.target)
+    row = pl.BlockSpec((b.block_rows, b.cols_pad), lambda i: (i, 0))
+    col = pl.BlockSpec((b.block_rows, 1), lambda i: (i, 0))
+    kernel = functools.partial(_ce_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks)
+    loss, grad = pallas_call(
+        kernel,
+        cfg,
+        name="cross_entropy",
+        grid=(b.rows_pad // b.block_rows,),
+        in_specs=[row, col, col],
+        out_specs=(col, row),
+        out_shape=(
+            jax.ShapeDtypeStruct((b.rows_pad, 1), jnp.float32),
+            jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), logits.dtype),
+        ),
+        num_warps=b.num_warps,
+    )(
+        pad_to(logits, (b.rows_pad, b.cols_pad)),
+        pad_to(targets.astype(jnp.int32).reshape(n, 1), (b.rows_pad, 1), -1),
+        pad_to(weights.reshape(n, 1), (b.rows_pad, 1)),
+    )
+    return loss[:n, 0], unpad(grad, (n, c))
+
+
+# ---------------------------------------------------------------- custom_jvp glue
+
+
+def _row_weights(targets: jax.Array, ignore_index: int | None, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(valid mask, count, weight per row = valid / count), as the reference."""
+    valid = jnp.ones(targets.shape, bool) if ignore_index is None else targets != ignore_index
+    count = jnp.sum(valid).astype(dtype)
+    return valid, count, jnp.where(valid, 1.0 / count, 0.0).astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ce(key: tuple, logits: jax.Array, targets: jax.Array):
+    cfg, ignore_index = key
+    valid, count, weights = _row_weights(targets, ignore_index, jnp.float32)
+    row_loss, grad = sharded_call(_ce_local, cfg, "n c, n, n -> n, n c", logits, targets, weights, replicated="c")
+    loss = jnp.sum(jnp.where(valid, row_loss, 0.0)) / count
+    return loss.astype(logits.dtype), grad
+
+
+@_ce.defjvp
+def _ce_jvp(key, primals, tangents):
+    # loss' = <grad, dlogits>;  grad' = weight * p * (dlogits - <p, dlogits>)
+    logits, targets = primals
+    dlogits = upcast(tangents[0])
+    loss, grad = _ce(key, logits, targets)
+    _, _, weights = _row_weights(targets, key[1], jnp.float32)
+    lf = upcast(logits)
+    p = jnp.exp(lf - jax.nn.logsumexp(lf, axis=-1, keepdims=True))
+    dloss = jnp.sum(upcast(grad) * dlogits)
+    dgrad = weights[:, None] * p * (dlogits - jnp.sum(p * dlogits, axis=-1, keepdims=True))
+    return (loss, grad), (dloss.astype(loss.dtype), dgrad.astype(grad.dtype))
+
+
+def cross_entropy_pallas(
+    logits: jax.Array, targets: jax.Array, *, ignore_index: int | None, cfg: Config
+) -> tuple[jax.Array, jax.Array]:
+    """The fused Pallas kernel (see :func:`cross_entropy_fwd`)."""
+    return _ce((cfg, ignore_index), logits, targets)
+
+
+# ---------------------------------------------------------------- reference
 
 
 def cross_entropy_reference(logits: jax.Array, targets: jax.Array, *, ignore_index: int | None):
@@ -35,6 +158,11 @@ def cross_entropy_reference(logits: jax.Array, targets: jax.Array, *, ignore_ind
     return loss.astype(logits.dtype), grad.astype(logits.dtype)
 
 
-def cross_entropy_fwd(logits: jax.Array, targets: jax.Array, ignore_index: int | None = None):
+# ---------------------------------------------------------------- entry point
+
+
+def cross_entropy_fwd(
+    logits: jax.Array, targets: jax.Array, ignore_index: int | None = None
+) -> tuple[jax.Array, jax.Array]:
     """``(loss, grad)`` for 2-D logits and 1-D integer targets."""
-    return call(cross_entropy_reference, None, logits, targets, ignore_index=ignore_index)
+    return call(cross_entropy_reference, cross_entropy_pallas, logits, targets, ignore_index=ignore_index)

@@ -1,21 +1,59 @@
 """Kernel dispatch: Pallas on GPU/TPU, the jax.numpy reference on CPU.
 
 Modes: ``"auto"`` (default), ``"reference"``, ``"pallas"``, ``"interpret"``.
-Choose one with ``rf.kernels.use(mode)`` or the ``RUMUS_FX_KERNELS`` variable.
+Choose one with ``rf.kernels.use(mode)`` or the ``RUMUS_FX_KERNELS`` variable;
+``rf.kernels.backend()`` says what the next call will run.
+
+How ``"auto"`` chooses, and why
+-------------------------------
+With an accelerator in the process (``jax.default_backend()`` is ``gpu`` or
+``tpu``) the choice is staged into the program with
+``jax.lax.platform_dependent(cpu=reference, cuda/rocm=Pallas-GPU,
+tpu=Pallas-TPU, default=reference)``: every branch is traced, and lowering keeps
+only the branch of the platform being compiled for, so a program exported or
+AOT-compiled for several platforms stays right on each (eager calls run only
+the chosen branch).
+
+In a CPU-only process ``"auto"`` calls the reference directly, without
+``platform_dependent``. Staging the Pallas branches there is *sound* (lowering
+for CPU prunes them, checked by ``tests/kernels/test_dispatch.py``) but costs a
+trace of every kernel on every jitted op, for programs that can only ever run
+the reference: a CPU-only jaxlib cannot lower a Pallas GPU/TPU kernel at all,
+so a program exported from such a process could not contain one anyway. The
+exported program then runs the (correct) reference on every platform.
+
+The mode is read when an op is *traced*: a function already jitted keeps the
+kernels it was traced with (as with any trace-time Python state), so choose the
+mode before the first call of a jitted function, or jit a fresh one.
+
+``"pallas"`` forces the compiled kernels (Triton on GPU, Mosaic on TPU;
+lowering fails on CPU); ``"interpret"`` runs them with Pallas' interpreter on any
+platform (how the CPU tests exercise them). Float64 inputs always take the
+reference: the kernels accumulate in float32 and TPUs have no float64; so do
+empty arrays.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._pallas import Config
+from .blocks import GPU, TARGETS, TPU
 
 MODES = ("auto", "reference", "pallas", "interpret")
 _MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_kernel_mode", default=None)
+# Which target's block shapes interpret mode uses ("gpu" by default; tests also run "tpu").
+_INTERPRET_TARGET: contextvars.ContextVar[str] = contextvars.ContextVar("rumus_fx_interpret_target", default=GPU)
+_KERNEL_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _check(mode: str) -> str:
@@ -34,7 +72,13 @@ def mode() -> str:
 
 @contextlib.contextmanager
 def use(mode: str) -> Iterator[None]:
-    """Force a kernel mode inside the block (per thread / asyncio task)."""
+    """Force a kernel mode inside the block (per thread / asyncio task).
+
+    >>> import rumus_fx as rf
+    >>> with rf.kernels.use("reference"):
+    ...     rf.kernels.backend()
+    'reference'
+    """
     token = _MODE.set(_check(mode))
     try:
         yield
@@ -42,23 +86,57 @@ def use(mode: str) -> Iterator[None]:
         _MODE.reset(token)
 
 
+@contextlib.contextmanager
+def interpret_target(target: str) -> Iterator[None]:
+    """Interpret mode with another target's block shapes (``"gpu"`` or ``"tpu"``)."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown kernel target {target!r}; expected one of {TARGETS}")
+    token = _INTERPRET_TARGET.set(target)
+    try:
+        yield
+    finally:
+        _INTERPRET_TARGET.reset(token)
+
+
+def _accelerator_present() -> bool:
+    return jax.default_backend() in ("gpu", "tpu")
+
+
 def backend() -> str:
     """What the next kernel call will run: ``"pallas"`` or ``"reference"``."""
     m = mode()
     if m == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+        return "pallas" if _accelerator_present() else "reference"
     return "reference" if m == "reference" else "pallas"
 
 
+def _kernel_ok(args: tuple[Any, ...]) -> bool:
+    """True when every floating array argument has a dtype the kernels support
+    and no array is empty (an empty grid has nothing to run)."""
+    for leaf in jax.tree.leaves(args):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            continue
+        if getattr(leaf, "size", 1) == 0:
+            return False
+        if jnp.issubdtype(dtype, jnp.inexact) and dtype not in _KERNEL_FLOATS:
+            return False
+    return True
+
+
 def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args: Any, **static: Any) -> Any:
-    """Run ``reference(*args, **static)`` or ``pallas(*args, interpret=..., **static)``."""
+    """Run ``reference(*args, **static)`` or ``pallas(*args, cfg=Config(...), **static)``
+    according to the mode (see the module docstring)."""
     m = mode()
-    if pallas is None or m == "reference":
+    if pallas is None or m == "reference" or not _kernel_ok(args):
         return reference(*args, **static)
     if m == "interpret":
-        return pallas(*args, interpret=True, **static)
+        return pallas(*args, cfg=Config(_INTERPRET_TARGET.get(), True), **static)
+    gpu = functools.partial(pallas, cfg=Config(GPU, False), **static)
+    tpu = functools.partial(pallas, cfg=Config(TPU, False), **static)
     if m == "pallas":
-        return pallas(*args, interpret=False, **static)
-    if jax.default_backend() in ("gpu", "tpu"):
-        return pallas(*args, interpret=False, **static)
-    return reference(*args, **static)
+        return lax.platform_dependent(*args, tpu=tpu, default=gpu)
+    if not _accelerator_present():
+        return reference(*args, **static)
+    ref = functools.partial(reference, **static)
+    return lax.platform_dependent(*args, cpu=ref, cuda=gpu, rocm=gpu, tpu=tpu, default=ref)

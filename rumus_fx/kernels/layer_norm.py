@@ -1,13 +1,269 @@
-"""Layer norm over the last axis: forward (saving mean and 1/std) and backward."""
+"""Layer norm over the last axis: Pallas forward (saving mean and 1/std) and
+backward kernels, their ``custom_jvp`` glue, and the jax.numpy reference.
+
+Rows ``[N, D]`` are normalised per program: one pass over the row's chunks
+gives the mean and variance (each chunk's centred moments merged with Chan's
+update, as stable as two passes), a second pass writes. The backward writes ``dx`` per row and, for ``dw``/``db``,
+one partial column sum per row block (in an 8-row tile for TPU alignment) that
+the host adds up: GPU programs run concurrently, so they cannot accumulate into
+one shared output.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
-from ._util import upcast
+from . import _norm_jvp, blocks
+from ._pallas import Config, chunk_loop, chunk_reader, ds, first_row, iota, merge_moments, pad_to, pallas_call, unpad
+from ._sharding import sharded_call
+from ._util import compute_dtype, upcast
 from .dispatch import call
+
+_PARTIAL_ROWS = blocks.SUBLANE
+
+# ---------------------------------------------------------------- kernels
+
+
+def _ln_fwd_kernel(*refs, n_cols: int, chunk: int, n_chunks: int, eps: float, has_w: bool, has_b: bool):
+    # Inputs: x_ref [rows, cols_pad], w_ref [1, cols_pad]?, b_ref [1, cols_pad]?
+    # Outputs: y_ref [rows, cols_pad], mean_ref [rows, 1], rstd_ref [rows, 1]
+    x_ref, rest = refs[0], list(refs[1:])
+    w_ref = rest.pop(0) if has_w else None
+    b_ref = rest.pop(0) if has_b else None
+    y_ref, mean_ref, rstd_ref = rest
+    rows = x_ref.shape[0]
+    read = chunk_reader(n_chunks, chunk)
+    zero = jnp.zeros((rows, 1), jnp.float32)
+
+    def moments(i, state):
+        # one read per chunk: its own mean and centred squares, merged (padded columns hold zeros)
+        x = read(x_ref, i)
+        valid = iota((rows, chunk), 1, i * chunk) < n_cols
+        count = jnp.minimum(n_cols - i * chunk, chunk).astype(jnp.float32)
+        total = jnp.sum(x, axis=1, keepdims=True)
+        xc = jnp.where(valid, x - total / count, 0.0)
+        return merge_moments(state, count, total, jnp.sum(xc * xc, axis=1, keepdims=True))
+
+    _, mean, m2 = chunk_loop(n_chunks, moments, (jnp.float32(0.0), zero, zero))
+    rstd = lax.rsqrt(m2 / n_cols + eps)
+
+    def write(i, carry):
+        y = (read(x_ref, i) - mean) * rstd
+        if w_ref is not None:
+            y = y * read(w_ref, i)
+        if b_ref is not None:
+            y = y + read(b_ref, i)
+        y_ref[:, ds(i, chunk)] = y.astype(y_ref.dtype)
+        return carry
+
+    chunk_loop(n_chunks, write, 0)
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
+
+
+def _ln_bwd_kernel(*refs, n_cols: int, chunk: int, n_chunks: int, has_w: bool):
+    # Inputs: x_ref [rows, cols_pad], w_ref [1, cols_pad]?, mean_ref, rstd_ref [rows, 1],
+    #         g_ref [rows, cols_pad]
+    # Outputs: dx_ref [rows, cols_pad], dw_ref, db_ref [8, cols_pad] (row 0: this block's column sums)
+    x_ref, rest = refs[0], list(refs[1:])
+    w_ref = rest.pop(0) if has_w else None
+    mean_ref, rstd_ref, g_ref, dx_ref, dw_ref, db_ref = rest
+    rows = x_ref.shape[0]
+    read = chunk_reader(n_chunks, chunk)
+    mean, rstd = mean_ref[...], rstd_ref[...]
+
+    def parts(i):
+        g = read(g_ref, i)
+        xhat = (read(x_ref, i) - mean) * rstd
+        dxhat = g * read(w_ref, i) if w_ref is not None else g
+        return g, xhat, dxhat
+
+    def sums(i, carry):
+        c1, c2 = carry
+        g, xhat, dxhat = parts(i)
+        dw_ref[:, ds(i, chunk)] = first_row(jnp.sum(g * xhat, axis=0, keepdims=True), _PARTIAL_ROWS)
+        db_ref[:, ds(i, chunk)] = first_row(jnp.sum(g, axis=0, keepdims=True), _PARTIAL_ROWS)
+        c1 = c1 + jnp.sum(dxhat, axis=1, keepdims=True)
+        c2 = c2 + jnp.sum(dxhat * xhat, axis=1, keepdims=True)
+        return c1, c2
+
+    zero = jnp.zeros((rows, 1), jnp.float32)
+    c1, c2 = chunk_loop(n_chunks, sums, (zero, zero))
+    c1, c2 = c1 / n_cols, c2 / n_cols
+
+    def write(i, carry):
+        _, xhat, dxhat = parts(i)
+        dx_ref[:, ds(i, chunk)] = (rstd * (dxhat - c1 - xhat * c2)).astype(dx_ref.dtype)
+        return carry
+
+    chunk_loop(n_chunks, write, 0)
+
+
+def _row_spec(b: blocks.RowBlocks) -> pl.BlockSpec:
+    return pl.BlockSpec((b.block_rows, b.cols_pad), lambda i: (i, 0))
+
+
+def _param_spec(b: blocks.RowBlocks) -> pl.BlockSpec:
+    return pl.BlockSpec((1, b.cols_pad), lambda i: (0, 0))
+
+
+def _stat_spec(b: blocks.RowBlocks) -> pl.BlockSpec:
+    return pl.BlockSpec((b.block_rows, 1), lambda i: (i, 0))
+
+
+# Static keys: a tuple (Config, ...) so one jit/custom_partitioning cache entry
+# serves each configuration.
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ln_fwd_local(key: tuple, x: jax.Array, *params: jax.Array):
+    cfg, eps, has_w, has_b = key
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n, c = x2.shape
+    b = blocks.row_blocks(n, c, cfg.target)
+    kernel = functools.partial(
+        _ln_fwd_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks, eps=eps, has_w=has_w, has_b=has_b
+    )
+    args = [pad_to(x2, (b.rows_pad, b.cols_pad))] + [pad_to(p.reshape(1, c), (1, b.cols_pad)) for p in params]
+    y, mean, rstd = pallas_call(
+        kernel,
+        cfg,
+        name="layer_norm_fwd",
+        grid=(b.rows_pad // b.block_rows,),
+        in_specs=[_row_spec(b)] + [_param_spec(b)] * len(params),
+        out_specs=(_row_spec(b), _stat_spec(b), _stat_spec(b)),
+        out_shape=(
+            jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), x.dtype),
+            jax.ShapeDtypeStruct((b.rows_pad, 1), jnp.float32),
+            jax.ShapeDtypeStruct((b.rows_pad, 1), jnp.float32),
+        ),
+        num_warps=b.num_warps,
+    )(*args)
+    st = compute_dtype(x.dtype)
+    stat = lambda v: v[:n, 0].reshape(shape[:-1]).astype(st)  # noqa: E731
+    return unpad(y, (n, c)).reshape(shape), stat(mean), stat(rstd)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ln_bwd_local(key: tuple, x: jax.Array, *rest: jax.Array):
+    cfg, has_w = key
+    w = rest[0] if has_w else None
+    mean, rstd, g = rest[1:] if has_w else rest
+    shape = x.shape
+    x2, g2 = x.reshape(-1, shape[-1]), g.reshape(-1, shape[-1])
+    n, c = x2.shape
+    b = blocks.row_blocks(n, c, cfg.target)
+    grid = b.rows_pad // b.block_rows
+    col = lambda v: pad_to(v.reshape(-1, 1).astype(jnp.float32), (b.rows_pad, 1))  # noqa: E731
+    args = [pad_to(x2, (b.rows_pad, b.cols_pad))]
+    if has_w:
+        args.append(pad_to(w.reshape(1, c), (1, b.cols_pad)))
+    args += [col(mean), col(rstd), pad_to(g2, (b.rows_pad, b.cols_pad))]
+    partial_spec = pl.BlockSpec((_PARTIAL_ROWS, b.cols_pad), lambda i: (i, 0))
+    partial_shape = jax.ShapeDtypeStruct((grid * _PARTIAL_ROWS, b.cols_pad), jnp.float32)
+    kernel = functools.partial(_ln_bwd_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks, has_w=has_w)
+    dx, dw, db = pallas_call(
+        kernel,
+        cfg,
+        name="layer_norm_bwd",
+        grid=(grid,),
+        in_specs=[_row_spec(b)] + [_param_spec(b)] * has_w + [_stat_spec(b), _stat_spec(b), _row_spec(b)],
+        out_specs=(_row_spec(b), partial_spec, partial_spec),
+        out_shape=(jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), x.dtype), partial_shape, partial_shape),
+        num_warps=b.num_warps,
+    )(*args)
+    return unpad(dx, (n, c)).reshape(shape), jnp.sum(dw, axis=0)[:c], jnp.sum(db, axis=0)[:c]
+
+
+# ---------------------------------------------------------------- custom_jvp glue
+# Tangent rules are jax.numpy (shared with batch norm in _norm_jvp.py), linear
+# in the tangents, so jax.jvp / linearize / grad all work on the Pallas path.
+
+
+def _stat(v: jax.Array) -> jax.Array:
+    return v[..., None]
+
+
+def _last_axis(x: jax.Array):
+    nd = x.ndim
+    param = lambda v: v.reshape((1,) * (nd - 1) + v.shape)  # noqa: E731
+    return dict(axes=(nd - 1,), stat=_stat, param=param)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ln_fwd(key: tuple, x: jax.Array, w: jax.Array | None, b: jax.Array | None):
+    cfg, eps = key
+    params = [p for p in (w, b) if p is not None]
+    rule = "... d" + ", d" * len(params) + " -> ... d, ..., ..."
+    return sharded_call(_ln_fwd_local, (cfg, eps, w is not None, b is not None), rule, x, *params, replicated="d")
+
+
+@_ln_fwd.defjvp
+def _ln_fwd_jvp(key, primals, tangents):
+    x, w, b = primals
+    dx, dw, db = tangents
+    y, mean, rstd = _ln_fwd(key, x, w, b)
+    dy, dmean, _, drstd = _norm_jvp.forward_tangents(x, w, mean, rstd, dx, dw, db, **_last_axis(x))
+    return (y, mean, rstd), (dy.astype(y.dtype), dmean.astype(mean.dtype), drstd.astype(rstd.dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ln_bwd(cfg: Config, x, w, mean, rstd, g):
+    has_w = w is not None
+    arrays = (x, w, mean, rstd, g) if has_w else (x, mean, rstd, g)
+    rule = "... d" + ", d" * has_w + ", ..., ..., ... d -> ... d, d, d"
+    return sharded_call(_ln_bwd_local, (cfg, has_w), rule, *arrays, replicated="d")
+
+
+@_ln_bwd.defjvp
+def _ln_bwd_jvp(cfg, primals, tangents):
+    x, w, mean, rstd, g = primals
+    out = _ln_bwd(cfg, x, w, mean, rstd, g)
+    dims = _last_axis(x)
+    t = _norm_jvp.backward_tangents(*primals, *tangents, param_axes=tuple(range(x.ndim - 1)), **dims)
+    return out, tuple(ti.astype(o.dtype) for ti, o in zip(t, out))
+
+
+def layer_norm_fwd_pallas(
+    x: jax.Array, weight: jax.Array | None, bias: jax.Array | None, *, eps: float, cfg: Config
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Pallas forward (see :func:`layer_norm_fwd`)."""
+    if x.ndim == 1:  # one row: give the statistics a (size-1) row axis
+        y, mean, rstd = _ln_fwd((cfg, eps), x[None], weight, bias)
+        return y[0], mean[0], rstd[0]
+    return _ln_fwd((cfg, eps), x, weight, bias)
+
+
+def layer_norm_bwd_pallas(
+    x: jax.Array,
+    weight: jax.Array | None,
+    mean: jax.Array,
+    rstd: jax.Array,
+    g: jax.Array,
+    *,
+    has_bias: bool,
+    cfg: Config,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The Pallas backward (see :func:`layer_norm_bwd`)."""
+    if x.ndim == 1:
+        dx, dw, db = _ln_bwd(cfg, x[None], weight, mean[None], rstd[None], g[None])
+        dx = dx[0]
+    else:
+        dx, dw, db = _ln_bwd(cfg, x, weight, mean, rstd, g)
+    return (
+        dx,
+        dw.astype(weight.dtype) if weight is not None else None,
+        db.astype(g.dtype) if has_bias else None,
+    )
+
+
+# ---------------------------------------------------------------- reference
 
 
 def _row(v: jax.Array, ndim: int) -> jax.Array:
@@ -43,12 +299,19 @@ def layer_norm_bwd_reference(x, weight, mean, rstd, g, *, has_bias: bool):
     return dx, dw, db
 
 
-def layer_norm_fwd(x: jax.Array, weight: jax.Array | None, bias: jax.Array | None, eps: float = 1e-5):
+# ---------------------------------------------------------------- entry points
+
+
+def layer_norm_fwd(
+    x: jax.Array, weight: jax.Array | None, bias: jax.Array | None, eps: float = 1e-5
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(y, mean, rstd)``; ``mean``/``rstd`` have shape ``x.shape[:-1]`` (float32
     for low-precision inputs)."""
-    return call(layer_norm_fwd_reference, None, x, weight, bias, eps=eps)
+    return call(layer_norm_fwd_reference, layer_norm_fwd_pallas, x, weight, bias, eps=eps)
 
 
-def layer_norm_bwd(x, weight, mean, rstd, g, has_bias: bool = True):
+def layer_norm_bwd(
+    x: jax.Array, weight: jax.Array | None, mean: jax.Array, rstd: jax.Array, g: jax.Array, has_bias: bool = True
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """``(dx, dweight | None, dbias | None)`` from the saved statistics."""
-    return call(layer_norm_bwd_reference, None, x, weight, mean, rstd, g, has_bias=has_bias)
+    return call(layer_norm_bwd_reference, layer_norm_bwd_pallas, x, weight, mean, rstd, g, has_bias=has_bias)

@@ -1,0 +1,172 @@
+"""Plumbing shared by the Pallas kernels: the static config every kernel takes,
+compiler parameters per target, host-side padding and in-kernel chunk loops.
+
+Kernels are written so that one body serves both GPU (Pallas on Triton) and
+TPU (Pallas on Mosaic): the grid is *parallel* (no program relies on another
+having run, because GPU programs run concurrently), accumulators live in loop
+carries (Triton has no scratch memory), and reductions over a long axis are
+loops over chunks inside one program. ``blocks.py`` picks the chunking per
+target (one chunk per row on TPU, where lane-dimension dynamic slices are
+avoided).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .blocks import GPU, TARGETS
+
+# A finite "minus infinity" for masked scores: exp(MASK - m) is exactly 0 and,
+# unlike -inf, MASK - MASK is 0 rather than NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static configuration every Pallas entry point takes (hashable, so it can
+    be a ``nondiff_argnums`` / jit static argument).
+
+    ``target`` chooses the block shapes and compiler parameters (``"gpu"``:
+    Triton, ``"tpu"``: Mosaic); ``interpret`` runs the kernel with Pallas'
+    interpreter (any platform, used by the CPU tests)."""
+
+    target: str = GPU
+    interpret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"unknown kernel target {self.target!r}; expected one of {TARGETS}")
+
+
+def _compiler_params(cfg: Config, *, num_warps: int, num_stages: int | None, grid_rank: int) -> Any:
+    if cfg.interpret:
+        return None
+    if cfg.target == GPU:
+        # Pallas' Triton backend: supported by jax 0.10 and deprecated (not yet
+        # removed) from 0.11, where Mosaic GPU via ``plgpu.kernel`` is the
+        # replacement. Importing it lazily keeps CPU-only use free of it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas import triton as pl_triton
+        return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    from jax.experimental.pallas import tpu as pl_tpu
+
+    return pl_tpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+
+
+def pallas_call(
+    kernel: Callable[..., None],
+    cfg: Config,
+    *,
+    name: str,
+    grid: tuple[int, ...],
+    in_specs: Sequence[pl.BlockSpec],
+    out_specs: Any,
+    out_shape: Any,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> Callable[..., Any]:
+    """``pl.pallas_call`` with the target's compiler parameters filled in."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=list(in_specs),
+        out_specs=out_specs,
+        interpret=cfg.interpret,
+        compiler_params=_compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, grid_rank=len(grid)),
+        name=name,
+    )
+
+
+def pad_to(x: jax.Array, shape: Sequence[int], value: Any = 0) -> jax.Array:
+    """Pad ``x`` at the end of each axis up to ``shape`` (no copy when equal)."""
+    widths = [(0, int(s) - d) for d, s in zip(x.shape, shape)]
+    if any(w < 0 for _, w in widths):
+        raise ValueError(f"pad_to: cannot pad {x.shape} to the smaller {tuple(shape)}")
+    if not any(w for _, w in widths):
+        return x
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def unpad(x: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """The leading ``shape`` corner of a padded result (no copy when equal)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, int(s)) for s in shape)]
+
+
+def ds(i: Any, size: int) -> Any:
+    """The ``i``-th chunk of ``size`` elements along one axis of a ref."""
+    if isinstance(i, int):
+        return pl.ds(i * size, size)
+    return pl.ds(pl.multiple_of(i * size, size), size)
+
+
+def chunk_loop(n: int, body: Callable[[Any, Any], Any], init: Any) -> Any:
+    """``fori_loop(0, n, body, init)``, unrolled when there is one chunk (the
+    common case, and the only one on TPU) so the kernel has no loop at all."""
+    if n == 1:
+        return body(0, init)
+    return lax.fori_loop(0, n, body, init)
+
+
+def iota(shape: tuple[int, ...], dim: int, offset: Any = 0) -> jax.Array:
+    """int32 positions along ``dim`` of a tile, shifted by ``offset``."""
+    return lax.broadcasted_iota(jnp.int32, shape, dim) + offset
+
+
+def f32(x: jax.Array) -> jax.Array:
+    return x if x.dtype == jnp.float32 else x.astype(jnp.float32)
+
+
+def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int] = (1, 0)) -> jax.Array:
+    """2-D matrix product with a float32 accumulator; ``contract`` names the
+    contracted axis of each operand (``(1, 1)`` is ``a @ b.T``, ``(0, 0)`` is
+    ``a.T @ b``)."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def chunk_reader(n_chunks: int, chunk: int) -> Callable[[Any, Any], jax.Array]:
+    """``read(ref, i)``: chunk ``i`` of a ``[rows, cols]`` ref as float32.
+
+    With a single chunk every pass of a kernel reads the same tile, so it is
+    loaded once and reused (Triton does not merge repeated loads)."""
+    cache: dict[int, jax.Array] = {}
+
+    def read(ref: Any, i: Any) -> jax.Array:
+        if n_chunks != 1:
+            return f32(ref[:, ds(i, chunk)])
+        if id(ref) not in cache:
+            cache[id(ref)] = f32(ref[:, ds(0, chunk)])
+        return cache[id(ref)]
+
+    return read
+
+
+def first_row(v: jax.Array, rows: int) -> jax.Array:
+    """A ``[1, n]`` row placed in row 0 of a ``[rows, n]`` zero tile (partial
+    sums are written in sublane-aligned tiles of 8 rows for TPU)."""
+    return jnp.where(iota((rows, v.shape[1]), 0) == 0, v, 0.0)
+
+
+def merge_moments(state: tuple, count: Any, total: jax.Array, centred_sq: jax.Array) -> tuple:
+    """Fold one chunk's ``count`` values (their sum and centred sum of squares)
+    into running ``(n, mean, m2)`` with Chan et al.'s parallel update, so a
+    chunked pass gives the mean and variance in one read of the data."""
+    n, mean, m2 = state
+    n_new = n + count
+    chunk_mean = total / count
+    delta = chunk_mean - mean
+    mean = mean + delta * (count / n_new)
+    m2 = m2 + centred_sq + delta * delta * (n * count / n_new)
+    return n_new, mean, m2

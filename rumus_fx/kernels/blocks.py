@@ -1,0 +1,241 @@
+"""Block shapes for every Pallas kernel, chosen in one place.
+
+Why one module: interpret mode (the only mode CPU tests can run) does not
+enforce any backend's tiling rules, so a bad block shape would only show up on
+real hardware. Keeping every choice here lets ``tests/kernels/test_blocks.py``
+check them for a range of sizes without a GPU or TPU.
+
+The rules, per target:
+
+* ``"gpu"`` (Pallas on Triton): every tile a kernel loads or stores has a
+  power-of-two number of elements, and matrix-product operands are at least
+  16 x 16. Rows are reduced in column *chunks* of at most ``GPU_MAX_CHUNK``
+  inside the kernel (a loop), so one block may span a whole (padded) row even
+  for a large vocabulary; Triton only ever materialises the chunk.
+* ``"tpu"`` (Pallas on Mosaic TPU): the last two dimensions of every block are
+  divisible by 8 and 128, or equal to the (padded) array's dimensions. Kernels
+  never slice the lane (last) dimension with a dynamic offset on TPU: a row is
+  one chunk there, bounded by VMEM.
+
+All block dimensions are powers of two or equal to the full padded array
+dimension; arrays are padded on the host to a multiple of their block and
+sliced afterwards, and kernels mask the padded columns where it matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GPU = "gpu"
+TPU = "tpu"
+TARGETS = (GPU, TPU)
+
+SUBLANE = 8
+LANE = 128
+MIN_DOT = 16  # Triton's tl.dot needs every operand dimension >= 16
+GPU_MAX_CHUNK = 1024  # widest column chunk a GPU row kernel loads at once
+GPU_ROW_TILE = 8192  # elements per (rows x chunk) tile on GPU (registers)
+TPU_ROW_TILE_BYTES = 1 << 20  # bytes per (rows x row) f32 tile on TPU (VMEM)
+MAX_BLOCK_ROWS = 256
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-int(n) // m) * m
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"unknown kernel target {target!r}; expected one of {TARGETS}")
+    return target
+
+
+def _clamp_pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, prev_pow2(n)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """A row-wise kernel over ``[rows, cols]``: ``block_rows`` rows per program,
+    the (padded) row read in ``n_chunks`` chunks of ``chunk`` columns."""
+
+    block_rows: int
+    chunk: int
+    n_chunks: int
+    rows_pad: int
+    cols_pad: int
+    num_warps: int
+
+
+def row_blocks(rows: int, cols: int, target: str) -> RowBlocks:
+    """Blocks for softmax, layer norm and cross-entropy (reductions over the last axis)."""
+    _check_target(target)
+    rows, cols = max(int(rows), 1), max(int(cols), 1)
+    if target == GPU:
+        chunk = min(next_pow2(max(cols, MIN_DOT)), GPU_MAX_CHUNK)
+        cols_pad = round_up(cols, chunk)
+        block_rows = _clamp_pow2(GPU_ROW_TILE // chunk, SUBLANE, MAX_BLOCK_ROWS)
+    else:
+        cols_pad = round_up(cols, LANE)
+        chunk = cols_pad
+        block_rows = _clamp_pow2(TPU_ROW_TILE_BYTES // (4 * cols_pad), SUBLANE, MAX_BLOCK_ROWS)
+    block_rows = max(SUBLANE, min(block_rows, next_pow2(rows)))
+    num_warps = 4 if block_rows * chunk <= 4096 else 8
+    return RowBlocks(block_rows, chunk, cols_pad // chunk, round_up(rows, block_rows), cols_pad, num_warps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelBlocks:
+    """Batch norm over ``[B, C, HW]``: tiles of ``block_channels`` channels by
+    ``chunk`` spatial positions; the statistics kernels also take
+    ``batch_block`` samples per program (a divisor of ``B``, so no sample is
+    padding)."""
+
+    block_channels: int
+    batch_block: int
+    chunk: int
+    n_chunks: int
+    channels_pad: int
+    hw_pad: int
+    num_warps: int
+
+
+def channel_blocks(batch: int, channels: int, hw: int, target: str) -> ChannelBlocks:
+    """Blocks for batch norm: per-channel statistics over the batch and spatial axes."""
+    _check_target(target)
+    batch, channels, hw = max(int(batch), 1), max(int(channels), 1), max(int(hw), 1)
+    block_channels = SUBLANE
+    batch_block = next(b for b in (4, 2, 1) if batch % b == 0)
+    if target == GPU:
+        chunk = min(next_pow2(max(hw, MIN_DOT)), GPU_MAX_CHUNK)
+        hw_pad = round_up(hw, chunk)
+    else:
+        hw_pad = round_up(hw, LANE)
+        chunk = hw_pad
+    num_warps = 4 if block_channels * chunk <= 4096 else 8
+    return ChannelBlocks(
+        block_channels, batch_block, chunk, hw_pad // chunk, round_up(channels, block_channels), hw_pad, num_warps
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulBlocks:
+    """``[M, K] @ [K, N]`` tiled ``bm x bn`` per program, K reduced in ``n_k``
+    steps of ``bk`` inside the kernel (float32 accumulator)."""
+
+    bm: int
+    bk: int
+    bn: int
+    n_k: int
+    m_pad: int
+    k_pad: int
+    n_pad: int
+    num_warps: int
+    num_stages: int
+
+
+def _lane_block(n: int, cap: int) -> tuple[int, int]:
+    """TPU block along a lane axis: the whole (padded) axis when small, else ``cap``."""
+    if n <= LANE:
+        full = next_pow2(max(n, SUBLANE))
+        return full, full
+    return cap, round_up(n, cap)
+
+
+def matmul_blocks(m: int, k: int, n: int, target: str) -> MatmulBlocks:
+    """Blocks for the tiled matrix product."""
+    _check_target(target)
+    m, k, n = max(int(m), 1), max(int(k), 1), max(int(n), 1)
+    if target == GPU:
+        bm = min(128, next_pow2(max(m, MIN_DOT)))
+        bn = min(128, next_pow2(max(n, MIN_DOT)))
+        bk = min(64, next_pow2(max(k, MIN_DOT)))  # 128x64 + 64x128 f32 tiles fit 3 pipeline stages
+        num_warps = 8 if bm * bn >= 128 * 128 else 4
+        return MatmulBlocks(
+            bm, bk, bn, round_up(k, bk) // bk, round_up(m, bm), round_up(k, bk), round_up(n, bn), num_warps, 3
+        )
+    bm = min(256, next_pow2(max(m, SUBLANE)))
+    bn, n_pad = _lane_block(n, 256)
+    bk, k_pad = _lane_block(k, round_up(k, LANE))  # the whole K in one block: no dynamic lane slices
+    return MatmulBlocks(bm, bk, bn, 1, round_up(m, bm), k_pad, n_pad, 4, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Flash attention: ``bq`` query rows per program, keys visited in blocks
+    of ``bk``; head dims padded to ``d_pad`` / ``dv_pad``."""
+
+    bq: int
+    bk: int
+    sq_pad: int
+    sk_pad: int
+    d_pad: int
+    dv_pad: int
+    num_warps: int
+    num_stages: int
+
+
+def _head_dim(d: int, target: str) -> int:
+    if target == GPU:
+        return next_pow2(max(d, MIN_DOT))
+    return next_pow2(max(d, SUBLANE)) if d <= LANE else round_up(d, LANE)
+
+
+def attention_blocks(sq: int, sk: int, d: int, dv: int, target: str) -> AttentionBlocks:
+    """Blocks for the flash-attention forward and backward kernels."""
+    _check_target(target)
+    sq, sk = max(int(sq), 1), max(int(sk), 1)
+    d_pad, dv_pad = _head_dim(d, target), _head_dim(dv, target)
+    if target == GPU:
+        cap = 64 if max(d_pad, dv_pad) >= 128 else 128
+        bq = min(cap, next_pow2(max(sq, MIN_DOT)))
+        bk = min(64, next_pow2(max(sk, MIN_DOT)))
+        num_warps = 4 if max(d_pad, dv_pad) <= 64 else 8
+        return AttentionBlocks(bq, bk, round_up(sq, bq), round_up(sk, bk), d_pad, dv_pad, num_warps, 2)
+    bq = min(128, next_pow2(max(sq, SUBLANE)))
+    bk = min(128, next_pow2(max(sk, SUBLANE)))
+    return AttentionBlocks(bq, bk, round_up(sq, bq), round_up(sk, bk), d_pad, dv_pad, 4, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingBlocks:
+    """Embedding backward: a ``bv x bd`` tile of the table per program; the
+    sorted lookups are visited in chunks of ``bn``."""
+
+    bv: int
+    bd: int
+    bn: int
+    n_chunks: int
+    n_pad: int
+    v_pad: int
+    d_pad: int
+    num_warps: int
+
+
+def embedding_blocks(n: int, vocab: int, d: int, target: str) -> EmbeddingBlocks:
+    """Blocks for the scatter-add (one-hot matmul over sorted lookups)."""
+    _check_target(target)
+    n, vocab, d = max(int(n), 1), max(int(vocab), 1), max(int(d), 1)
+    if target == GPU:
+        bv = min(64, next_pow2(max(vocab, MIN_DOT)))
+        bd = min(128, next_pow2(max(d, MIN_DOT)))
+        d_pad = round_up(d, bd)
+    else:
+        bv = min(128, next_pow2(max(vocab, SUBLANE)))
+        bd, d_pad = _lane_block(d, 256)
+    bn = min(64, next_pow2(max(n, MIN_DOT)))
+    n_pad = round_up(n, bn)
+    return EmbeddingBlocks(bv, bd, bn, n_pad // bn, n_pad, round_up(vocab, bv), d_pad, 4)
