@@ -23,17 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import AutogradError
+from .record import run_backward_rule
 from .tape import TapeEntry
 
 # anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
-# mode string ("eager-or-callback")
-ANOMALY: contextvars.ContextVar[bool] = contextvars.ContextVar("rumus_fx_anomaly", default=False)
+# mode string ("callback" or "checkify")
+ANOMALY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_anomaly", default=None)
 
 
 def run_backward(entries: Sequence[TapeEntry], seeds: dict[int, jax.Array]) -> dict[int, jax.Array]:
     """Walk ``entries`` in reverse from the seed gradients; gradients by grad id."""
     grads: dict[int, jax.Array] = dict(seeds)
     anomaly = ANOMALY.get()
+    anomaly_state = None  # traced "an earlier record failed" flag (see rumus_fx.debug)
     for index in range(len(entries) - 1, -1, -1):
         entry = entries[index]
         grad_out = grads.get(entry.outputs[0])
@@ -42,19 +44,19 @@ def run_backward(entries: Sequence[TapeEntry], seeds: dict[int, jax.Array]) -> d
         op = entry.op
         op.check_versions()
         needs = tuple(i is not None for i in entry.inputs)
-        in_grads = op.backward(grad_out, needs)
+        in_grads = run_backward_rule(op, grad_out, needs)
         if len(in_grads) != len(entry.inputs):
             raise AutogradError(f"{op.name} returned {len(in_grads)} gradients for {len(entry.inputs)} inputs")
         for k, (gid, g) in enumerate(zip(entry.inputs, in_grads)):
             if gid is None or g is None:
                 continue
             _validate(op.name, k, g, entry.input_avals[k] if entry.input_avals else None)
-            if anomaly:
-                from ..debug import check_finite
-
-                check_finite(g, op.name, index, entry)
             prev = grads.get(gid)
             grads[gid] = g if prev is None else prev + g
+        if anomaly:  # Note [Anomaly mode] in rumus_fx/debug.py
+            from ..debug import check_finite
+
+            anomaly_state = check_finite(entry, index, grad_out, in_grads, anomaly_state, anomaly)
     return grads
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 import numpy as np
 
+from ..storage import nbytes_of
 from .errors import AutogradError
 from .record import Record
 
@@ -113,11 +114,23 @@ class Tape:
 
     @property
     def saved_bytes(self) -> int:
-        """Total bytes of array data held by all records on this tape."""
-        return sum(e.op.saved_bytes for e in self._entries)
+        """Total bytes of array data held by all records on this tape.
+
+        A buffer that several records keep (a tensor read by three ops, or both
+        operands of ``x * x``) is held once, so it is counted once here; each
+        record's own ``saved_bytes`` (and ``saved_bytes_by_record``) counts
+        everything that record keeps.
+        """
+        seen: dict[int, int] = {}
+        for e in self._entries:
+            for value in e.op.saved_arrays().values():
+                for v in value if isinstance(value, tuple) else (value,):
+                    seen.setdefault(id(v), nbytes_of(v))
+        return sum(seen.values())
 
     def saved_bytes_by_record(self) -> dict[str, int]:
-        """Saved bytes summed per record type, largest first."""
+        """Saved bytes summed per record type, largest first (a buffer shared
+        by several records counts for each of them)."""
         totals: dict[str, int] = {}
         for e in self._entries:
             totals[e.op.name] = totals.get(e.op.name, 0) + e.op.saved_bytes

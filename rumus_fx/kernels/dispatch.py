@@ -124,12 +124,28 @@ def _kernel_ok(args: tuple[Any, ...]) -> bool:
     return True
 
 
+_EAGER_REFERENCES: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def run_reference(reference: Callable[..., Any], args: tuple[Any, ...], static: dict[str, Any]) -> Any:
+    """``reference(*args, **static)``. Called eagerly (no tracer among the
+    arguments) it runs as one cached compiled call, so a reference of many
+    primitives costs one dispatch and its elementwise work is fused; under a
+    trace it is traced inline."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+        return reference(*args, **static)
+    jitted = _EAGER_REFERENCES.get(reference)
+    if jitted is None:
+        jitted = _EAGER_REFERENCES[reference] = jax.jit(reference, static_argnames=tuple(static))
+    return jitted(*args, **static)
+
+
 def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args: Any, **static: Any) -> Any:
     """Run ``reference(*args, **static)`` or ``pallas(*args, cfg=Config(...), **static)``
     according to the mode (see the module docstring)."""
     m = mode()
     if pallas is None or m == "reference" or not _kernel_ok(args):
-        return reference(*args, **static)
+        return run_reference(reference, args, static)
     if m == "interpret":
         return pallas(*args, cfg=Config(_INTERPRET_TARGET.get(), True), **static)
     gpu = functools.partial(pallas, cfg=Config(GPU, False), **static)
@@ -137,6 +153,6 @@ def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args
     if m == "pallas":
         return lax.platform_dependent(*args, tpu=tpu, default=gpu)
     if not _accelerator_present():
-        return reference(*args, **static)
+        return run_reference(reference, args, static)
     ref = functools.partial(reference, **static)
     return lax.platform_dependent(*args, cpu=ref, cuda=gpu, rocm=gpu, tpu=tpu, default=ref)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
@@ -109,6 +110,8 @@ def scaled_dot_product_attention(
         mask_info = broadcast_info(mask if not isinstance(mask, Tensor) else mask.value, scores_shape)
     if scale is None:
         scale = 1.0 / math.sqrt(qv.shape[-1])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{op}: scale must be a python float or None, got {scale!r}")
     scale = float(scale)
     out, lse = kattn.attention_fwd(qv, kv, vv, mv, causal=causal, scale=scale)
     inputs = (q, k, v) if mask is None else (q, k, v, mask)

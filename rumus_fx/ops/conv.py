@@ -227,6 +227,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
         raise ShapeError(
             f"{op}: expects x [B, C, H, W] and weight [O, C, K, K] with matching C, got {xv.shape} and {wv.shape}"
         )
+    if xv.dtype != wv.dtype:  # lax.conv needs one dtype, and so do the backward convolutions
+        raise TypeError(f"{op}: x and weight must have the same dtype, got {xv.dtype} and {wv.dtype}")
     bv = None if bias is None else array_of(bias, op, "bias")
     if bv is not None and shape_of(bv) != (wv.shape[0],):
         raise ShapeError(f"{op}: bias must have shape ({wv.shape[0]},) for weight {wv.shape}, got {shape_of(bv)}")

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
@@ -53,7 +54,7 @@ def embedding(indices: Any, weight: Any) -> Tensor:
     check_index_range(op, iv, v, "index")
     valid = (iv >= 0) & (iv < v)
     rows = jnp.take(wv, jnp.clip(iv, 0, v - 1), axis=0)
-    out = jnp.where(valid[..., None], rows, jnp.asarray(jnp.nan, wv.dtype))
+    out = jnp.where(valid[..., None], rows, np.nan)
     tape = tape_for(indices, weight)
     if tape is None:
         return Tensor._wrap(out)

@@ -47,6 +47,7 @@ class LayerNormBackward(Record):
     num_instances: int
     norm_size: int
     has_bias: bool
+    bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
 
     def backward(self, g, needs):
         mean, rstd = self.save
@@ -54,8 +55,12 @@ class LayerNormBackward(Record):
         return (
             dx if needs[0] else None,
             dw if needs[1] else None,
-            db if needs[2] else None,
+            _as_bias(db, self.bias_dtype) if needs[2] else None,
         )
+
+
+def _as_bias(db: Any, dtype: Any) -> Any:
+    return db if db is None or dtype is None or db.dtype == dtype else db.astype(dtype)
 
 
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Tensor:
@@ -80,7 +85,9 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     need_x, need_w = is_tracked(x), is_tracked(weight)
     saved_x, x_v = reads(x, need_x or need_w)
     saved_w, w_v = reads(weight, weight is not None and need_x)
-    rec = LayerNormBackward(saved_x, x_v, saved_w, w_v, (mean, rstd), xv.size // max(d, 1), d, bias is not None)
+    rec = LayerNormBackward(
+        saved_x, x_v, saved_w, w_v, (mean, rstd), xv.size // max(d, 1), d, bias is not None, getattr(bv, "dtype", None)
+    )
     return record(tape, rec, (x, weight, bias), new_output(y, tape))
 
 
@@ -112,20 +119,22 @@ class BatchNorm2dBackward(Record):
     height: int
     width: int
     has_bias: bool
+    bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
 
     def backward(self, g, needs):
         mean, rstd = self.save
         x = self.input
         if self.training:
             dx, dw, db = kbn.batch_norm_train_bwd(x, self.weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
-            return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None)
+            db = _as_bias(db, self.bias_dtype) if needs[2] else None
+            return (dx if needs[0] else None, dw if needs[1] else None, db, None, None)
         gf = upcast(g)
         # the weight is saved exactly when a needed gradient reads it
         dxhat = gf * _chan(upcast(self.weight)) if self.weight is not None else gf
         xc = upcast(x) - _chan(mean) if x is not None else None
         dx = (dxhat * _chan(rstd)).astype(g.dtype) if needs[0] else None
         dw = jnp.sum(gf * xc * _chan(rstd), axis=(0, 2, 3)).astype(self.weight_dtype) if needs[1] else None
-        db = jnp.sum(gf, axis=(0, 2, 3)).astype(g.dtype) if needs[2] else None
+        db = _as_bias(jnp.sum(gf, axis=(0, 2, 3)).astype(g.dtype), self.bias_dtype) if needs[2] else None
         d_mean = (-jnp.sum(dxhat, axis=(0, 2, 3)) * rstd).astype(self.stats_dtype) if needs[3] else None
         d_var = None
         if needs[4]:
@@ -222,6 +231,7 @@ def batch_norm_2d(
         h,
         w,
         bias is not None,
+        getattr(bv, "dtype", None),
     )
     out = record(tape, rec, (x, weight, bias, running_mean, running_var), new_output(y, tape))
     return (out, *stats)

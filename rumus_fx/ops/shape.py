@@ -278,6 +278,13 @@ def index(x: Any, key: Any) -> Tensor:
             axis = _int_axis(template, t)
             if axis is not None and axis < xv.ndim and not -xv.shape[axis] <= t[1] < xv.shape[axis]:
                 raise IndexError(f"{op}: index {t[1]} is out of range for axis {axis} of size {xv.shape[axis]}")
+    for t in template:  # concrete index arrays: numpy's bounds, not jnp's silent clamping
+        if t[0] == "array" and not isinstance(arrays[t[1]], jax.core.Tracer):
+            axis = _array_axis(template, t, xv.ndim)
+            a = np.asarray(arrays[t[1]])
+            if axis is not None and a.size and ((a < -xv.shape[axis]) | (a >= xv.shape[axis])).any():
+                first = int(a[(a < -xv.shape[axis]) | (a >= xv.shape[axis])].reshape(-1)[0])
+                raise IndexError(f"{op}: index {first} is out of range for axis {axis} of size {xv.shape[axis]}")
     try:
         out = xv[_index_key(template, arrays)]
     except IndexError as e:
@@ -287,6 +294,16 @@ def index(x: Any, key: Any) -> Tensor:
         return Tensor._wrap(out)
     rec = IndexBackward(tuple(xv.shape), xv.dtype, template, arrays)
     return record(tape, rec, (x,), new_output(out, tape))
+
+
+def _array_axis(template: tuple, item: tuple, ndim: int) -> int | None:
+    """The input axis an index array applies to (counted from the end after an
+    ellipsis); None when the key does not fit the input (jnp reports that)."""
+    axis = _int_axis(template, item)
+    if axis is None:  # after an ellipsis: count the axes the rest of the key uses
+        after = template[template.index(item) :]
+        axis = ndim - sum(1 for t in after if t[0] != "none")
+    return axis if 0 <= axis < ndim else None
 
 
 def _int_axis(template: tuple, item: tuple) -> int | None:
