@@ -118,8 +118,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "|---|---|---|---|---|---|"]
     for r in rows:
-        torch_col = "n/a (torch not installed)" if r["torch_ratio"] is None else (
-            f"{r['torch_ratio']:.2f} ({r['eager_rf_ms']:.1f} / {r['torch_ms']:.1f} ms)"
+        torch_col = (
+            "n/a (torch not installed)"
+            if r["torch_ratio"] is None
+            else (f"{r['torch_ratio']:.2f} ({r['eager_rf_ms']:.1f} / {r['torch_ms']:.1f} ms)")
         )
         lines.append(
             f"| {r['model']} | {r['jit_ratio']:.2f} ({r['jit_rf_ms']:.2f} / {r['jit_jax_ms']:.2f} ms) "

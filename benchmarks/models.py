@@ -9,6 +9,7 @@ implementations give the same loss and gradients.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,7 @@ def mlp(batch: int = 256, widths: tuple[int, ...] = (784, 512, 512, 10), seed: i
     keys = jax.random.split(jax.random.key(seed), 2 * len(widths))
     params = [
         {"weight": _init(keys[2 * i], (a, b), a), "bias": _init(keys[2 * i + 1], (b,), a)}
-        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
+        for i, (a, b) in enumerate(itertools.pairwise(widths))
     ]
     x = jax.random.normal(keys[-2], (batch, widths[0]), jnp.float32)
     y = jax.random.randint(keys[-1], (batch,), 0, widths[-1])
@@ -124,8 +125,9 @@ def cnn(batch: int = 64, seed: int = 0) -> Model:
 # ---------------------------------------------------------------------------
 
 
-def tiny_gpt(batch: int = 16, seq: int = 64, vocab: int = 65, d: int = 128, heads: int = 4, blocks: int = 2,
-             seed: int = 0) -> Model:
+def tiny_gpt(
+    batch: int = 16, seq: int = 64, vocab: int = 65, d: int = 128, heads: int = 4, blocks: int = 2, seed: int = 0
+) -> Model:
     keys = iter(jax.random.split(jax.random.key(seed), 64))
 
     def lin(a, b):
@@ -138,8 +140,16 @@ def tiny_gpt(batch: int = 16, seq: int = 64, vocab: int = 65, d: int = 128, head
         "wte": jax.random.normal(next(keys), (vocab, d)) * 0.02,
         "wpe": jax.random.normal(next(keys), (seq, d)) * 0.02,
         "blocks": [
-            {"ln1": ln(), "q": lin(d, d), "k": lin(d, d), "v": lin(d, d), "proj": lin(d, d), "ln2": ln(),
-             "fc1": lin(d, 4 * d), "fc2": lin(4 * d, d)}
+            {
+                "ln1": ln(),
+                "q": lin(d, d),
+                "k": lin(d, d),
+                "v": lin(d, d),
+                "proj": lin(d, d),
+                "ln2": ln(),
+                "fc1": lin(d, 4 * d),
+                "fc2": lin(4 * d, d),
+            }
             for _ in range(blocks)
         ],
         "ln_f": ln(),
@@ -179,8 +189,9 @@ def tiny_gpt(batch: int = 16, seq: int = 64, vocab: int = 65, d: int = 128, head
         causal = jnp.tril(jnp.ones((t, t), bool))
         for blk in params["blocks"]:
             a = layer_norm(h, blk["ln1"])
-            q, k, v = ((a @ blk[n]["weight"] + blk[n]["bias"]).reshape(b, t, heads, hd).transpose(0, 2, 1, 3)
-                       for n in "qkv")
+            q, k, v = (
+                (a @ blk[n]["weight"] + blk[n]["bias"]).reshape(b, t, heads, hd).transpose(0, 2, 1, 3) for n in "qkv"
+            )
             s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
             s = jnp.where(causal[None, None], s, -jnp.inf)
             att = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
@@ -191,8 +202,9 @@ def tiny_gpt(batch: int = 16, seq: int = 64, vocab: int = 65, d: int = 128, head
         h = layer_norm(h, params["ln_f"])
         return _ce_jax(h @ params["head"], targets)
 
-    return Model("TinyGPT d128 h4 L2 T64 b16", loss_rf, loss_jax, params, (x, y),
-                 lambda: _torch_gpt(params, (x, y), heads))
+    return Model(
+        "TinyGPT d128 h4 L2 T64 b16", loss_rf, loss_jax, params, (x, y), lambda: _torch_gpt(params, (x, y), heads)
+    )
 
 
 MODELS: dict[str, Callable[[], Model]] = {"mlp": mlp, "cnn": cnn, "gpt": tiny_gpt}

@@ -130,14 +130,6 @@ def test_functional_steps_keep_storages_flat():
     assert compiles[0] == 0
 
 
-@pytest.mark.xfail(
-    reason=(
-        "run_backward_rule (autograd/record.py) jits each record eagerly with its python-scalar "
-        "fields as static arguments: every new scalar (x * lr with a schedule) compiles again "
-        "and the jit cache grows without bound"
-    ),
-    strict=False,
-)
 def test_changing_python_scalars_do_not_recompile():
     w = jnp.ones((4, 4), F32)
     g = rf.grad(lambda w, s: rf.sum(rf.leaky_relu(w * s, 0.1)))

@@ -238,3 +238,10 @@ def test_float64_matches_to_1e10(x64):
     want = jax.grad(loss_jnp)(params, x, y)
     chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
     assert got["scale"].dtype == jnp.float64
+
+
+def test_errors_name_the_transform_called():
+    with pytest.raises(TypeError, match=r"^grad: "):
+        rf.grad(lambda x: rf.sum(x), argnums=1)(jnp.ones(3))
+    with pytest.raises(TypeError, match=r"^value_and_grad: "):
+        rf.value_and_grad(lambda x: rf.sum(x), argnums=1)(jnp.ones(3))

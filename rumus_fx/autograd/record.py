@@ -140,19 +140,24 @@ _CHILD = object()  # marks a field stored among the pytree children
 
 
 def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
+    """Saved data (fields annotated with ``Array``, whatever they hold: arrays,
+    python scalars such as the ``lr`` of ``w * lr``, None) are children, so a new
+    value never recompiles; version snapshots are dropped (checked before the
+    rule runs); everything else is static metadata."""
+    cls = type(rec)
+    if cls.__dict__.get("_array_fields") is None:
+        cls._classify_fields()
     children: list[Any] = []
     aux: list[Any] = []
     for f in dataclasses.fields(rec):
-        v = getattr(rec, f.name)
-        if isinstance(v, jax.Array) or (isinstance(v, tuple) and v and all(isinstance(e, jax.Array) for e in v)):
-            children.append(v)
+        name = f.name
+        if name in cls._array_fields:
+            children.append(getattr(rec, name))
             aux.append(_CHILD)
-        elif isinstance(v, VersionSnapshot) or (
-            isinstance(v, tuple) and any(isinstance(e, VersionSnapshot) for e in v)
-        ):
-            aux.append(None)  # version checks happen before the rule runs
+        elif name in cls._snapshot_fields:
+            aux.append(None)
         else:
-            aux.append(v)
+            aux.append(getattr(rec, name))
     return children, tuple(aux)
 
 

@@ -125,10 +125,13 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     >>> gw.shape
     (3, 2)
     """
+    return _value_and_grad(fun, argnums, has_aux, "value_and_grad")
 
+
+def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, name: str) -> Callable:
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        nums, single = _argnums_tuple(argnums, len(args), "value_and_grad")
+        nums, single = _argnums_tuple(argnums, len(args), name)
         tape = Tape()
         new_args = list(args)
         tracked: list[tuple[list[Tensor | None], Any]] = []
@@ -173,7 +176,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False)
     >>> rf.grad(lambda x: rf.sum(x * x))(jnp.arange(3.0))
     Array([0., 2., 4.], dtype=float32)
     """
-    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+    vg = _value_and_grad(fun, argnums, has_aux, "grad")
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -62,6 +63,11 @@ def require_ndim(op: str, x: Any, ndims: Sequence[int] | int, what: str = "input
     ok = nd in ndims if isinstance(ndims, (tuple, list, range)) else nd == ndims
     if not ok:
         raise ShapeError(f"{op}: {what} must have rank {ndims}, got shape {shape_of(x)}")
+
+
+def is_real_scalar(value: Any) -> bool:
+    """A python or numpy real number (not a bool, not an array)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def static_int(op: str, name: str, value: Any, minimum: int = 0) -> int:

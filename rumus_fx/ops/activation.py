@@ -14,7 +14,17 @@ from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
-from ._core import array_of, new_output, normalize_axis, reads, record, require_float, snapshot, tape_for
+from ._core import (
+    array_of,
+    is_real_scalar,
+    new_output,
+    normalize_axis,
+    reads,
+    record,
+    require_float,
+    snapshot,
+    tape_for,
+)
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -172,7 +182,7 @@ def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
     """``x`` where ``x >= 0``, else ``alpha * x`` (records LeakyReluBackward)."""
     xv = array_of(x, "leaky_relu")
     require_float("leaky_relu", xv)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    if not is_real_scalar(alpha):
         raise TypeError(f"leaky_relu: alpha must be a python float, got {alpha!r}")
     alpha = float(alpha)
     out = jnp.where(xv >= 0, xv, xv * alpha)

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
@@ -18,6 +17,7 @@ from ._core import (
     array_of,
     broadcast_info,
     broadcast_shapes,
+    is_real_scalar,
     new_output,
     reads,
     record,
@@ -110,7 +110,7 @@ def scaled_dot_product_attention(
         mask_info = broadcast_info(mask if not isinstance(mask, Tensor) else mask.value, scores_shape)
     if scale is None:
         scale = 1.0 / math.sqrt(qv.shape[-1])
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+    if not is_real_scalar(scale):
         raise TypeError(f"{op}: scale must be a python float or None, got {scale!r}")
     scale = float(scale)
     out, lse = kattn.attention_fwd(qv, kv, vv, mv, causal=causal, scale=scale)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from ..autograd.record import Record
 from ..tensor import Tensor
-from ._core import array_of, new_output, record, require_float, tape_for
+from ._core import array_of, is_real_scalar, new_output, record, require_float, tape_for
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -34,7 +34,7 @@ def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
     same mask. With ``training=False`` (or ``p == 0``) it returns ``x``
     unchanged (records DropoutBackward)."""
     op = "dropout"
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+    if not is_real_scalar(p) or not 0 <= p < 1:
         raise ValueError(f"{op}: p must be a float in [0, 1), got {p!r}")
     if not isinstance(training, bool):
         raise TypeError(f"{op}: training must be a bool, got {training!r}")

@@ -15,7 +15,7 @@ from ..kernels import batch_norm as kbn
 from ..kernels import layer_norm as kln
 from ..kernels._util import upcast
 from ..tensor import Tensor
-from ._core import array_of, is_tracked, new_output, reads, record, require_float, shape_of, tape_for
+from ._core import array_of, is_real_scalar, is_tracked, new_output, reads, record, require_float, shape_of, tape_for
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -26,7 +26,7 @@ def _optional(x: Any, op: str, what: str) -> Any:
 
 
 def _check_eps(op: str, eps: Any) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+    if not is_real_scalar(eps) or eps < 0:
         raise ValueError(f"{op}: eps must be a non-negative python float, got {eps!r}")
     return float(eps)
 
@@ -171,7 +171,7 @@ def batch_norm_2d(
     if not isinstance(training, bool):
         raise TypeError(f"{op}: training must be a bool, got {training!r}")
     eps = _check_eps(op, eps)
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+    if not is_real_scalar(momentum) or not 0 <= momentum <= 1:
         raise ValueError(f"{op}: momentum must be a float in [0, 1], got {momentum!r}")
     b, c, h, w = xv.shape
     wv = _optional(weight, op, "weight")

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..autograd.record import Record
 from ..tensor import Tensor
@@ -64,6 +65,8 @@ class MeanBackward(Record):
 
 def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
     xv = array_of(x, kind)
+    if not isinstance(keepdims, (bool, np.bool_)):
+        raise TypeError(f"{kind}: keepdims must be a bool, got {keepdims!r}")
     shape = shape_of(xv)
     axes = _axes(kind, axis, len(shape))
     count = 1

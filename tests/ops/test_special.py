@@ -215,3 +215,15 @@ def test_stack_and_slice_batch_roundtrip_gradients():
     np.testing.assert_array_equal(np.asarray(gc), np.stack([np.zeros(3), w[2]]))
     with pytest.raises(IndexError, match="slice_batch"):
         rf.slice_batch(xs[0], 2)
+
+
+def test_numpy_scalars_are_accepted_as_static_arguments():
+    x = jnp.ones((2, 3))
+    np.testing.assert_allclose(np.asarray(rf.leaky_relu(-x, np.float32(0.2))), -0.2 * np.ones((2, 3)), rtol=1e-6)
+    out = rf.dropout(x, np.float64(0.5), jax.random.key(0))
+    assert set(np.unique(np.asarray(out))) <= {0.0, 2.0}
+    rf.layer_norm(x, eps=np.float32(1e-3))
+    with pytest.raises(TypeError, match="keepdims"):
+        rf.sum(x, keepdims="no")
+    with pytest.raises(ValueError, match="dropout"):
+        rf.dropout(x, True, jax.random.key(0))
