@@ -19,3 +19,20 @@ def compute_dtype(dtype: Any) -> Any:
 def upcast(x: jax.Array) -> jax.Array:
     dt = compute_dtype(x.dtype)
     return x if x.dtype == dt else x.astype(dt)
+
+
+def explicit_sharding(x: Any) -> Any:
+    """The sharding of ``x`` when it is sharded over *Explicit* mesh axes
+    (sharding in types, ``jax.make_mesh``'s default), else None. Backward rules
+    pass it as ``out_sharding`` to contractions over a sharded axis, which JAX
+    otherwise refuses (it cannot guess the result's sharding)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return None
+    return sharding

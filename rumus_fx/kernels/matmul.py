@@ -111,21 +111,29 @@ def _low(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
 
 
-def matmul_reference(a: jax.Array, b: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+def matmul_reference(a: jax.Array, b: jax.Array, *, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
     out_dtype = out_dtype or jnp.result_type(a, b)
     if _low(a.dtype) or _low(b.dtype) or _low(out_dtype):
-        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
-    return jnp.matmul(a, b).astype(out_dtype)
+        out = jnp.matmul(a, b, preferred_element_type=jnp.float32, out_sharding=out_sharding)
+        return out.astype(out_dtype)
+    return jnp.matmul(a, b, out_sharding=out_sharding).astype(out_dtype)
 
 
 # ---------------------------------------------------------------- entry points
 
 
-def matmul(a: jax.Array, b: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """``a @ b`` for ``[M, K] @ [K, N]`` (also with equal leading batch axes)."""
+def matmul(a: jax.Array, b: jax.Array, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
+    """``a @ b`` for ``[M, K] @ [K, N]`` (also with equal leading batch axes).
+
+    ``out_sharding`` (for operands sharded over Explicit mesh axes) takes the
+    reference path, which passes it to XLA's dot."""
+    if out_sharding is not None:
+        return matmul_reference(a, b, out_dtype=out_dtype, out_sharding=out_sharding)
     return call(matmul_reference, matmul_pallas, a, b, out_dtype=out_dtype)
 
 
-def bmm(a: jax.Array, b: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """Batched ``[..., M, K] @ [..., K, N]``."""
+def bmm(a: jax.Array, b: jax.Array, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
+    """Batched ``[..., M, K] @ [..., K, N]`` (``out_sharding`` as for ``matmul``)."""
+    if out_sharding is not None:
+        return matmul_reference(a, b, out_dtype=out_dtype, out_sharding=out_sharding)
     return call(matmul_reference, matmul_pallas, a, b, out_dtype=out_dtype)

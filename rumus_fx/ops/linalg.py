@@ -8,10 +8,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels import matmul as kmm
+from ..kernels._util import explicit_sharding
 from ..tensor import Tensor
 from ._core import (
     is_tracked,
@@ -28,9 +30,14 @@ Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 
-def _contract_rows(a: Array, g: Array, out_dtype: Any) -> Array:
+def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None) -> Array:
     """``a[..., K]^T g[..., N]`` summed over all leading rows -> ``[K, N]`` (the
     weight gradient of ``x @ W`` for any number of leading axes)."""
+    if out_sharding is not None:  # sharded rows: one dot_general, no reshape of sharded axes
+        lead = tuple(range(a.ndim - 1))
+        pref = jnp.float32 if jnp.dtype(out_dtype).itemsize < 4 else None
+        dims = ((lead, lead), ((), ()))
+        return lax.dot_general(a, g, dims, preferred_element_type=pref, out_sharding=out_sharding).astype(out_dtype)
     k, n = a.shape[-1], g.shape[-1]
     return kmm.matmul(a.reshape(-1, k).T, g.reshape(-1, n), out_dtype=out_dtype)
 
@@ -50,10 +57,12 @@ class MatmulBackward(Record):
     n: int
     lhs_dtype: Any
     rhs_dtype: Any
+    lhs_sharding: Any = None  # set for operands sharded over Explicit mesh axes
+    rhs_sharding: Any = None
 
     def backward(self, g, needs):
-        ga = kmm.matmul(g, self.rhs.T, out_dtype=self.lhs_dtype) if needs[0] else None
-        gb = _contract_rows(self.lhs, g, self.rhs_dtype) if needs[1] else None
+        ga = kmm.matmul(g, self.rhs.T, self.lhs_dtype, self.lhs_sharding) if needs[0] else None
+        gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding) if needs[1] else None
         return ga, gb
 
 
@@ -71,10 +80,12 @@ class BmmBackward(Record):
     n: int
     lhs_dtype: Any
     rhs_dtype: Any
+    lhs_sharding: Any = None  # set for operands sharded over Explicit mesh axes
+    rhs_sharding: Any = None
 
     def backward(self, g, needs):
-        ga = kmm.bmm(g, jnp.swapaxes(self.rhs, -1, -2), out_dtype=self.lhs_dtype) if needs[0] else None
-        gb = kmm.bmm(jnp.swapaxes(self.lhs, -1, -2), g, out_dtype=self.rhs_dtype) if needs[1] else None
+        ga = kmm.bmm(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype, self.lhs_sharding) if needs[0] else None
+        gb = kmm.bmm(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype, self.rhs_sharding) if needs[1] else None
         return ga, gb
 
 
@@ -93,7 +104,19 @@ def matmul(a: Any, b: Any) -> Tensor:
         return Tensor._wrap(out)
     lhs, lhs_v = reads(a, is_tracked(b))
     rhs, rhs_v = reads(b, is_tracked(a))
-    rec = MatmulBackward(lhs, lhs_v, rhs, rhs_v, math.prod(sa[:-1]), sa[-1], sb[1], av.dtype, bv.dtype)
+    rec = MatmulBackward(
+        lhs,
+        lhs_v,
+        rhs,
+        rhs_v,
+        math.prod(sa[:-1]),
+        sa[-1],
+        sb[1],
+        av.dtype,
+        bv.dtype,
+        explicit_sharding(av),
+        explicit_sharding(bv),
+    )
     return record(tape, rec, (a, b), new_output(out, tape))
 
 
@@ -113,7 +136,20 @@ def bmm(a: Any, b: Any) -> Tensor:
         return Tensor._wrap(out)
     lhs, lhs_v = reads(a, is_tracked(b))
     rhs, rhs_v = reads(b, is_tracked(a))
-    rec = BmmBackward(lhs, lhs_v, rhs, rhs_v, math.prod(sa[:-2]), sa[-2], sa[-1], sb[-1], av.dtype, bv.dtype)
+    rec = BmmBackward(
+        lhs,
+        lhs_v,
+        rhs,
+        rhs_v,
+        math.prod(sa[:-2]),
+        sa[-2],
+        sa[-1],
+        sb[-1],
+        av.dtype,
+        bv.dtype,
+        explicit_sharding(av),
+        explicit_sharding(bv),
+    )
     return record(tape, rec, (a, b), new_output(out, tape))
 
 
