@@ -134,27 +134,33 @@ def cross_entropy_pallas(
 
 
 def cross_entropy_reference(logits: jax.Array, targets: jax.Array, *, ignore_index: int | None):
-    """``logits:[N, C]``, ``targets:[N]`` -> (mean loss over kept rows, dloss/dlogits)."""
+    """``logits:[N, C]``, ``targets:[N]`` -> (mean loss over kept rows, dloss/dlogits).
+
+    The target logit is gathered and the one-hot subtracted with a scatter-add:
+    on XLA:CPU this measured ~4% faster for a whole MLP training step than
+    building a ``[N, C]`` one-hot mask (benchmarks/models.py)."""
     lf = upcast(logits)
-    n, c = lf.shape
-    m = jnp.max(lf, axis=-1, keepdims=True)
-    shifted = lf - m
-    sumexp = jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)
-    log_z = jnp.log(sumexp)
+    n = lf.shape[0]
+    shifted = lf - jnp.max(lf, axis=-1, keepdims=True)
+    e = jnp.exp(shifted)
+    sumexp = jnp.sum(e, axis=-1, keepdims=True)
+    log_z = jnp.log(sumexp)[:, 0]
     if ignore_index is None:
-        valid = jnp.ones((n,), bool)
         safe_t = targets
+        count = n
+        row_w = jnp.full((n,), 1.0 / n, lf.dtype) if n else jnp.zeros((0,), lf.dtype)
     else:
         valid = targets != ignore_index
         safe_t = jnp.where(valid, targets, 0)
-    onehot = safe_t[:, None] == jnp.arange(c, dtype=safe_t.dtype)[None, :]
-    picked = jnp.sum(jnp.where(onehot, shifted, 0), axis=-1)
-    count = jnp.sum(valid).astype(lf.dtype)
-    losses = jnp.where(valid, log_z[:, 0] - picked, 0)
+        count = jnp.sum(valid).astype(lf.dtype)
+        row_w = jnp.where(valid, 1.0 / count, 0.0).astype(lf.dtype)
+    picked = jnp.take_along_axis(shifted, safe_t[:, None], axis=-1)[:, 0]
+    losses = log_z - picked
+    if ignore_index is not None:
+        losses = jnp.where(valid, losses, 0)
     loss = jnp.sum(losses) / count
-    probs = jnp.exp(shifted - log_z)
-    weight = jnp.where(valid, 1.0 / count, 0.0).astype(lf.dtype)[:, None]
-    grad = (probs - onehot.astype(lf.dtype)) * weight
+    grad = (e / sumexp) * row_w[:, None]
+    grad = grad.at[jnp.arange(n), safe_t].add(-row_w)
     return loss.astype(logits.dtype), grad.astype(logits.dtype)
 
 
