@@ -2,8 +2,11 @@
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
+import jax.numpy as jnp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -34,3 +37,52 @@ def test_tape_example_runs():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1].strip()
     assert ci in README, f".ci/run runs {ci!r}, which the README does not print"
+
+
+def _output_after(marker: str) -> str:
+    """The plain ``` block printed right after the python block of ``marker``."""
+    m = re.search(rf"<!-- {marker} -->\s*```python\n.*?```\s*```\n(.*?)```", README, re.S)
+    assert m, f"README shows no output after <!-- {marker} -->"
+    return m.group(1).strip()
+
+
+_PRELUDE = "import jax, jax.numpy as jnp\nimport rumus_fx as rf\n"
+
+
+def test_nn_tour_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(_block("example-nn"), "README.md:example-nn", "exec"), ns)
+    x = jnp.ones((2, 1, 8, 8))
+    y = jnp.array([1, 2])
+    params, opt_state, state, loss = ns["step"](ns["params"], ns["opt_state"], ns["state"], x, y)
+    assert jnp.isfinite(loss)
+    assert jax.tree_util.tree_structure(ns["restored"]) == jax.tree_util.tree_structure(
+        {"params": ns["params"], "state": ns["state"]}
+    )
+
+
+def test_debugging_outputs_are_real():
+    import pytest
+
+    import rumus_fx as rf
+
+    with pytest.raises(rf.AutogradError) as info:
+        exec(_PRELUDE + _block("example-anomaly"), {})
+    assert f"{type(info.value).__name__}: {info.value}" == _output_after("example-anomaly")
+    # in a fresh interpreter, as a reader runs it (grad ids count from 1)
+    out = subprocess.run(
+        [sys.executable, "-c", _PRELUDE + _block("example-table")], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == _output_after("example-table")
+    with pytest.raises(rf.VersionMismatch) as info:
+        exec(_PRELUDE + _block("example-version"), {})
+    assert f"VersionMismatch: {info.value}" == _output_after("example-version")
+
+
+def test_tape_example_table_is_real():
+    out = subprocess.run([sys.executable, "-c", _block("example-tape")], capture_output=True, text=True, check=True)
+    table = [line for line in out.stdout.splitlines() if line.startswith(("#", "0 ", "1 "))]
+    assert len(table) == 3
+    for line in table:
+        assert line in README, line

@@ -245,3 +245,16 @@ def test_errors_name_the_transform_called():
         rf.grad(lambda x: rf.sum(x), argnums=1)(jnp.ones(3))
     with pytest.raises(TypeError, match=r"^value_and_grad: "):
         rf.value_and_grad(lambda x: rf.sum(x), argnums=1)(jnp.ones(3))
+
+
+def test_nested_reverse_mode_raises_instead_of_zero():
+    f = lambda x: rf.sum(rf.exp(x))  # noqa: E731
+    with pytest.raises(rf.AutogradError, match="jax.jvp"):
+        rf.grad(lambda x: rf.sum(rf.grad(f)(x)))(jnp.ones(3))
+    # the supported second-order routes
+    x = jnp.array([0.1, 0.2, 0.3])
+    want = jax.grad(lambda x: jnp.sum(jax.grad(lambda y: jnp.sum(jnp.exp(y)))(x)))(x)
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(rf.grad(f)(x)))(x), want, rtol=1e-6)
+    # an independent rf.grad on plain arrays inside a recording tape is fine
+    with rf.Tape():
+        np.testing.assert_allclose(rf.grad(f)(x), jnp.exp(x), rtol=1e-6)

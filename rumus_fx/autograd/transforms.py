@@ -19,7 +19,8 @@ import numpy as np
 
 from ..tensor import Tensor, next_grad_id
 from .engine import run_backward
-from .tape import Tape
+from .errors import AutogradError
+from .tape import Tape, current_tape
 
 
 def _is_tensor(x: Any) -> bool:
@@ -56,9 +57,19 @@ def _check_float_leaf(x: jax.Array, name: str) -> None:
         )
 
 
+NESTED_MESSAGE = (
+    "{name}: an argument is a Tensor tracked by an enclosing tape (rf.grad inside "
+    "rf.grad?). Reverse-over-reverse through the tape is not supported: backward rules "
+    "are not recorded, so the outer gradient would silently be zero. Use "
+    "jax.jvp(rf.grad(f), ...) (forward-over-reverse) or jax.grad(rf.grad(f)) instead."
+)
+
+
 def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor | None], Any]:
     """Replace each leaf of ``tree`` by a tracked leaf Tensor."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
+    if current_tape() is not None and any(isinstance(x, Tensor) and x.grad_id is not None for x in leaves):
+        raise AutogradError(NESTED_MESSAGE.format(name=name))
     tensors: list[Tensor | None] = []
     new_leaves = []
     for leaf in leaves:

@@ -150,6 +150,7 @@ def test_embedding_index_checks_and_traced_out_of_range():
     out = jax.jit(lambda i: rf.embedding(i, w).value)(jnp.array([1, 7]))
     np.testing.assert_array_equal(np.asarray(out[0]), [3.0, 4.0, 5.0])
     assert np.isnan(np.asarray(out[1])).all()
+
     def f(w, i):
         return rf.sum(rf.slice_batch(rf.embedding(i, w), 0))  # row 1 (index 7) is NaN, unused
 
