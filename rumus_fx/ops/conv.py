@@ -80,6 +80,18 @@ def _place(piece: Array, kh: int, kw: int, s: int, p: int, h: int, w: int) -> Ar
     return lax.pad(piece, np.zeros((), piece.dtype), _spatial_pad(piece.ndim, lo_h, hi_h, lo_w, hi_w, s - 1))
 
 
+def _col2im(piece_of: Any, k: int, s: int, p: int, h: int, w: int) -> Array:
+    """The sum over window offsets ``j = kh*K + kw`` of ``piece_of(j)`` (a
+    ``[..., OH, OW]`` gradient slice) placed back at its input positions: the
+    adjoint of taking the k*k strided window slices."""
+    dx = None
+    for j in range(k * k):
+        kh, kw = divmod(j, k)
+        placed = _place(piece_of(j), kh, kw, s, p, h, w)
+        dx = placed if dx is None else dx + placed
+    return dx
+
+
 # ---------------------------------------------------------------------------
 # im2col
 # ---------------------------------------------------------------------------
@@ -103,12 +115,7 @@ class Im2ColBackward(Record):
         k, s, p = self.kernel_size, self.stride, self.padding
         lead = tuple(g.shape[:-2])
         g5 = g.reshape((*lead, self.c_in, k * k, self.out_h, self.out_w))
-        dx = None
-        for idx in range(k * k):
-            kh, kw = divmod(idx, k)
-            placed = _place(g5[..., idx, :, :], kh, kw, s, p, self.h, self.w)
-            dx = placed if dx is None else dx + placed
-        return (dx,)
+        return (_col2im(lambda j: g5[..., j, :, :], k, s, p, self.h, self.w),)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
@@ -332,13 +339,7 @@ class MaxPool2dBackward(Record):
             nd = len(lead)
             d = jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, oh * k, ow * k))
             return (lax.pad(d, np.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
-        dx = None
-        for j in range(k * k):
-            kh, kw = divmod(j, k)
-            piece = jnp.where(idx == j, g, 0)
-            placed = _place(piece, kh, kw, s, p, self.h, self.w)
-            dx = placed if dx is None else dx + placed
-        return (dx,)
+        return (_col2im(lambda j: jnp.where(idx == j, g, 0), k, s, p, self.h, self.w),)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))

@@ -89,68 +89,44 @@ class BmmBackward(Record):
         return ga, gb
 
 
-def matmul(a: Any, b: Any) -> Tensor:
-    """``a @ b`` for ``a:[M, K]`` (or ``[..., M, K]``) and ``b:[K, N]`` (records MatmulBackward)."""
-    av = value_of(a, "matmul", "lhs")
-    bv = value_of(b, "matmul", "rhs")
+def _product(op: str, a: Any, b: Any) -> Tensor:
+    """``matmul`` (2-D rhs) or ``bmm`` (equal batch axes): validate, multiply,
+    record the saved operands each needed gradient reads."""
+    av = value_of(a, op, "lhs")
+    bv = value_of(b, op, "rhs")
     sa, sb = shape_of(av), shape_of(bv)
-    if len(sa) < 2 or len(sb) != 2 or sa[-1] != sb[0]:
-        raise ShapeError(f"matmul: expects [M, K] @ [K, N] (lhs may have leading axes), got {sa} @ {sb}")
-    require_float("matmul", av, "lhs")
-    require_float("matmul", bv, "rhs")
-    out = kmm.matmul(av, bv)
+    if op == "matmul":
+        if len(sa) < 2 or len(sb) != 2 or sa[-1] != sb[0]:
+            raise ShapeError(f"matmul: expects [M, K] @ [K, N] (lhs may have leading axes), got {sa} @ {sb}")
+    elif len(sa) < 3 or len(sa) != len(sb) or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
+        raise ShapeError(f"bmm: expects [..., M, K] @ [..., K, N] with equal batch axes (rank >= 3), got {sa} @ {sb}")
+    require_float(op, av, "lhs")
+    require_float(op, bv, "rhs")
+    out = kmm.matmul(av, bv) if op == "matmul" else kmm.bmm(av, bv)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)
     lhs, lhs_v = reads(a, is_tracked(b))
     rhs, rhs_v = reads(b, is_tracked(a))
-    rec = MatmulBackward(
-        lhs,
-        lhs_v,
-        rhs,
-        rhs_v,
-        math.prod(sa[:-1]),
-        sa[-1],
-        sb[1],
-        av.dtype,
-        bv.dtype,
-        explicit_sharding(av),
-        explicit_sharding(bv),
-    )
+    saved = (lhs, lhs_v, rhs, rhs_v)
+    shardings = (explicit_sharding(av), explicit_sharding(bv))
+    dtypes = (av.dtype, bv.dtype)
+    if op == "matmul":
+        rec: Record = MatmulBackward(*saved, math.prod(sa[:-1]), sa[-1], sb[1], *dtypes, *shardings)
+    else:
+        rec = BmmBackward(*saved, math.prod(sa[:-2]), sa[-2], sa[-1], sb[-1], *dtypes, *shardings)
     return record(tape, rec, (a, b), new_output(out, tape))
+
+
+def matmul(a: Any, b: Any) -> Tensor:
+    """``a @ b`` for ``a:[M, K]`` (or ``[..., M, K]``) and ``b:[K, N]`` (records MatmulBackward)."""
+    return _product("matmul", a, b)
 
 
 def bmm(a: Any, b: Any) -> Tensor:
     """Batched ``a @ b``: ``[B, M, K] @ [B, K, N]``; any equal leading batch axes
     (records BmmBackward)."""
-    av = value_of(a, "bmm", "lhs")
-    bv = value_of(b, "bmm", "rhs")
-    sa, sb = shape_of(av), shape_of(bv)
-    if len(sa) < 3 or len(sa) != len(sb) or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
-        raise ShapeError(f"bmm: expects [..., M, K] @ [..., K, N] with equal batch axes (rank >= 3), got {sa} @ {sb}")
-    require_float("bmm", av, "lhs")
-    require_float("bmm", bv, "rhs")
-    out = kmm.bmm(av, bv)
-    tape = tape_for(a, b)
-    if tape is None:
-        return Tensor._wrap(out)
-    lhs, lhs_v = reads(a, is_tracked(b))
-    rhs, rhs_v = reads(b, is_tracked(a))
-    rec = BmmBackward(
-        lhs,
-        lhs_v,
-        rhs,
-        rhs_v,
-        math.prod(sa[:-2]),
-        sa[-2],
-        sa[-1],
-        sb[-1],
-        av.dtype,
-        bv.dtype,
-        explicit_sharding(av),
-        explicit_sharding(bv),
-    )
-    return record(tape, rec, (a, b), new_output(out, tape))
+    return _product("bmm", a, b)
 
 
 def matmul_any(a: Any, b: Any) -> Tensor:
