@@ -223,3 +223,17 @@ def test_to_dot_lists_every_entry():
     assert dot.startswith("digraph tape {") and dot.rstrip().endswith("}")
     for i, e in enumerate(tape.entries):
         assert f"op{i}" in dot and e.op.name in dot
+
+
+def test_backward_with_keep_drops_intermediate_gradients():
+    from rumus_fx.autograd.engine import run_backward
+
+    with rf.Tape() as tape:
+        w = rf.tensor(np.ones(3, np.float32), requires_grad=True)
+        h = rf.exp(w)
+        loss = rf.sum(h * h)
+    seeds = {loss.grad_id: jnp.ones((), jnp.float32)}
+    full = run_backward(tape.entries, dict(seeds))
+    kept = run_backward(tape.entries, dict(seeds), keep={w.grad_id})
+    assert h.grad_id in full and set(kept) == {w.grad_id}
+    np.testing.assert_array_equal(kept[w.grad_id], full[w.grad_id])

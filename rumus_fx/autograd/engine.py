@@ -6,7 +6,8 @@ Entries are appended in execution order, so every entry comes after the entries
 that produced its inputs; walking the list backwards is a topological order of
 the reverse graph (the same order rumus derives with Kahn's algorithm). For each
 entry whose output received a gradient we (1) check the record's version
-snapshots, (2) call its hand-written backward rule, (3) check that it returned
+snapshots, (2) call its hand-written backward rule (eagerly as one cached
+compiled call, see ``record.run_backward_rule``), (3) check that it returned
 one gradient per input with that input's shape and dtype, and (4) accumulate the
 gradients by grad id. Entries whose output got no gradient are dead branches and
 are skipped. Nothing here calls JAX's autodiff: records are plain jnp/lax/Pallas.
@@ -31,8 +32,16 @@ from .tape import TapeEntry
 ANOMALY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_anomaly", default=None)
 
 
-def run_backward(entries: Sequence[TapeEntry], seeds: dict[int, jax.Array]) -> dict[int, jax.Array]:
-    """Walk ``entries`` in reverse from the seed gradients; gradients by grad id."""
+def run_backward(
+    entries: Sequence[TapeEntry], seeds: dict[int, jax.Array], keep: set[int] | None = None
+) -> dict[int, jax.Array]:
+    """Walk ``entries`` in reverse from the seed gradients; gradients by grad id.
+
+    With ``keep``, only those ids' gradients are returned and every other
+    gradient is dropped as soon as its producing record has used it (its
+    consumers all come later on the tape, so it is final by then): eager
+    backward then holds at most the gradients still in flight, not one per
+    intermediate tensor."""
     grads: dict[int, jax.Array] = dict(seeds)
     anomaly = ANOMALY.get()
     anomaly_state = None  # traced "an earlier record failed" flag (see rumus_fx.debug)
@@ -45,6 +54,8 @@ def run_backward(entries: Sequence[TapeEntry], seeds: dict[int, jax.Array]) -> d
         op.check_versions()
         needs = tuple(i is not None for i in entry.inputs)
         in_grads = run_backward_rule(op, grad_out, needs)
+        if keep is not None and entry.outputs[0] not in keep:
+            del grads[entry.outputs[0]]
         if len(in_grads) != len(entry.inputs):
             raise AutogradError(f"{op.name} returned {len(in_grads)} gradients for {len(entry.inputs)} inputs")
         for k, (gid, g) in enumerate(zip(entry.inputs, in_grads)):

@@ -160,7 +160,8 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
         value, loss = _scalar_output(out, "grad")
         if loss is not None:
             seed = jnp.ones(loss.shape, loss.dtype)
-            grads = run_backward(tape._entries, {loss.grad_id: seed})
+            keep = {t.grad_id for tensors, _ in tracked for t in tensors if t is not None}
+            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep)
         else:
             grads = {}
         tape._entries = []
@@ -238,7 +239,8 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
                 continue
             ct = ct.astype(arr.dtype)
             seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
-        grads = run_backward(entries, seeds) if seeds else {}
+        keep = {t.grad_id for tensors, _, _ in tracked for t in tensors if t is not None}
+        grads = run_backward(entries, seeds, keep) if seeds else {}
         return tuple(
             jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
         )
