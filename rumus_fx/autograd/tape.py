@@ -29,10 +29,6 @@ def current_tape() -> Tape | None:
     return _TAPE.get()
 
 
-def is_recording() -> bool:
-    return current_tape() is not None
-
-
 class no_grad(contextlib.ContextDecorator):
     """Context manager (and decorator) inside which no op records.
 
@@ -253,10 +249,3 @@ def tape_to_dot(tape: Tape) -> str:
             lines.append(f"  op{i} -> t{gid};")
     lines.append("}")
     return "\n".join(lines)
-
-
-def aval_of(x: Any) -> tuple[tuple[int, ...], Any] | None:
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        return None
-    return (tuple(shape), x.dtype)

@@ -9,11 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def is_low_precision(dtype: Any) -> bool:
+    """bfloat16/float16 (and smaller floats): accumulate these in float32."""
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
+
+
 def compute_dtype(dtype: Any) -> Any:
     """float32 for bfloat16/float16 inputs (statistics accumulate in f32)."""
-    if jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4:
-        return jnp.float32
-    return dtype
+    return jnp.float32 if is_low_precision(dtype) else dtype
 
 
 def upcast(x: jax.Array) -> jax.Array:

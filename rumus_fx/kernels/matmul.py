@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from . import blocks
 from ._pallas import Config, chunk_loop, dot, ds, pad_to, pallas_call
 from ._sharding import sharded_call
+from ._util import is_low_precision
 from .dispatch import call
 
 # ---------------------------------------------------------------- kernel
@@ -107,13 +108,9 @@ def matmul_pallas(a: jax.Array, b: jax.Array, *, out_dtype: Any, cfg: Config) ->
 # ---------------------------------------------------------------- reference
 
 
-def _low(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
-
-
 def matmul_reference(a: jax.Array, b: jax.Array, *, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
     out_dtype = out_dtype or jnp.result_type(a, b)
-    if _low(a.dtype) or _low(b.dtype) or _low(out_dtype):
+    if is_low_precision(a.dtype) or is_low_precision(b.dtype) or is_low_precision(out_dtype):
         out = jnp.matmul(a, b, preferred_element_type=jnp.float32, out_sharding=out_sharding)
         return out.astype(out_dtype)
     return jnp.matmul(a, b, out_sharding=out_sharding).astype(out_dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -14,6 +13,7 @@ import numpy as np
 from ..autograd.errors import ShapeError
 from ..autograd.record import Aval, VersionSnapshot
 from ..autograd.tape import Tape, TapeEntry, current_tape
+from ..kernels._util import is_low_precision as is_low_precision
 from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array
@@ -56,13 +56,6 @@ def require_float(op: str, x: Any, what: str = "input") -> None:
     dtype = getattr(x, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{op}: {what} must have a floating dtype, got {np.dtype(dtype).name}")
-
-
-def require_ndim(op: str, x: Any, ndims: Sequence[int] | int, what: str = "input") -> None:
-    nd = len(shape_of(x))
-    ok = nd in ndims if isinstance(ndims, (tuple, list, range)) else nd == ndims
-    if not ok:
-        raise ShapeError(f"{op}: {what} must have rank {ndims}, got shape {shape_of(x)}")
 
 
 def is_real_scalar(value: Any) -> bool:
@@ -210,23 +203,11 @@ def cast(g: Array, dtype: Any) -> Array:
     return g if g.dtype == dtype else g.astype(dtype)
 
 
-def is_low_precision(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
-
-
 def acc_sum(x: Array, axis: Any = None, keepdims: bool = False) -> Array:
     """Sum that accumulates bfloat16/float16 in float32."""
     if is_low_precision(x.dtype):
         return jnp.sum(x, axis=axis, keepdims=keepdims, dtype=jnp.float32).astype(x.dtype)
     return jnp.sum(x, axis=axis, keepdims=keepdims)
-
-
-def result_dtype(*xs: Any) -> Any:
-    return jnp.result_type(*xs)
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
 
 
 def array_of(x: Any, op: str, what: str = "input") -> Any:

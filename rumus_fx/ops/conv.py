@@ -400,12 +400,14 @@ def _bin_matrix(size_in: int, size_out: int, dtype: Any) -> np.ndarray:
     return m.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _adaptive_pool(x: Array, oh: int, ow: int, dtype: Any) -> Array:
-    """``P_h x P_w^T`` over the last two axes with bin-averaging matrices."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _bin_pool(t: Array, h: int, w: int, oh: int, ow: int, dtype: Any, adjoint: bool) -> Array:
+    """``P_h t P_w^T`` (``[..., h, w]`` -> ``[..., oh, ow]``) with the bin-averaging
+    matrices, or with ``adjoint`` its transpose ``P_h^T t P_w`` (the gradient)."""
     cd = compute_dtype(dtype)
-    ph, pw = _bin_matrix(x.shape[-2], oh, cd), _bin_matrix(x.shape[-1], ow, cd)
-    return jnp.einsum("...hw,oh,pw->...op", upcast(x), ph, pw).astype(dtype)
+    ph, pw = _bin_matrix(h, oh, cd), _bin_matrix(w, ow, cd)
+    spec = "...op,oh,pw->...hw" if adjoint else "...hw,oh,pw->...op"
+    return jnp.einsum(spec, upcast(t), ph, pw).astype(dtype)
 
 
 @frozen
@@ -422,13 +424,7 @@ class AdaptiveAvgPool2dBackward(Record):
     dtype: Any
 
     def backward(self, g, needs):
-        # the adjoint of P_h x P_w^T is P_h^T dy P_w: the same pooling with the
-        # matrices transposed, i.e. _adaptive_pool's einsum read the other way
-        cd = compute_dtype(self.dtype)
-        ph = _bin_matrix(self.h_in, self.h_out, cd)
-        pw = _bin_matrix(self.w_in, self.w_out, cd)
-        dx = jnp.einsum("...op,oh,pw->...hw", upcast(g), ph, pw)
-        return (dx.astype(self.dtype),)
+        return (_bin_pool(g, self.h_in, self.w_in, self.h_out, self.w_out, self.dtype, True),)
 
 
 def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
@@ -450,7 +446,7 @@ def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
     *lead, c, h, w = xv.shape
     if h == 0 or w == 0:
         raise ShapeError(f"{op}: input spatial size must be non-empty, got {xv.shape}")
-    out = _adaptive_pool(xv, oh, ow, xv.dtype)
+    out = _bin_pool(xv, h, w, oh, ow, xv.dtype, False)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)

@@ -13,7 +13,7 @@ from jax import lax
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels import matmul as kmm
-from ..kernels._util import explicit_sharding
+from ..kernels._util import explicit_sharding, is_low_precision
 from ..tensor import Tensor
 from ._core import (
     is_tracked,
@@ -35,7 +35,7 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None)
     weight gradient of ``x @ W`` for any number of leading axes)."""
     if out_sharding is not None:  # sharded rows: one dot_general, no reshape of sharded axes
         lead = tuple(range(a.ndim - 1))
-        pref = jnp.float32 if jnp.dtype(out_dtype).itemsize < 4 else None
+        pref = jnp.float32 if is_low_precision(out_dtype) else None
         dims = ((lead, lead), ((), ()))
         return lax.dot_general(a, g, dims, preferred_element_type=pref, out_sharding=out_sharding).astype(out_dtype)
     k, n = a.shape[-1], g.shape[-1]
