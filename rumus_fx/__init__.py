@@ -3,6 +3,7 @@
 from . import autograd as autograd
 from . import debug as debug
 from . import kernels as kernels
+from . import lift as _lift_pkg
 from . import nn as nn
 from . import ops as ops
 from .autograd.engine import GradientStore as GradientStore
@@ -52,6 +53,7 @@ from .ops import sub as sub
 from .ops import sum as sum  # noqa: A004
 from .ops import tanh as tanh
 from .ops import transpose as transpose
+from .lift import lift as lift
 from .storage import Layout as Layout
 from .storage import StorageHandle as StorageHandle
 from .storage import WeakStorageHandle as WeakStorageHandle

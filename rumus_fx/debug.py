@@ -276,6 +276,9 @@ def _error(op, index, shapes, inputs, bad, nan, grad_out_finite, saved_finite) -
 def _finite(x: Any) -> Any:
     if x is None:
         return True
+    if isinstance(x, tuple):  # a record with several outputs
+        flags = [jnp.all(jnp.isfinite(g)) for g in x if g is not None]
+        return jnp.all(jnp.stack(flags)) if flags else True
     return jnp.all(jnp.isfinite(x))
 
 

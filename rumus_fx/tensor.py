@@ -16,6 +16,10 @@ from .storage import Layout, StorageHandle
 
 _grad_ids = itertools.count(1)
 
+# set by rf.lift while it traces a function: finds and substitutes tracked
+# Tensors the function reads without receiving them (see rumus_fx/lift)
+CAPTURE: Any = None
+
 
 def next_grad_id() -> int:
     """A fresh, process-unique grad id."""
@@ -84,6 +88,10 @@ class Tensor:
     @property
     def value(self) -> jax.Array:
         """The materialised (immutable) jax array this tensor currently shows."""
+        if CAPTURE is not None:
+            sub = CAPTURE.value(self)
+            if sub is not None:
+                return sub
         layout = self._layout
         storage = self._storage
         if layout is None:

@@ -47,15 +47,22 @@ def run_backward(
     anomaly_state = None  # traced "an earlier record failed" flag (see rumus_fx.debug)
     for index in range(len(entries) - 1, -1, -1):
         entry = entries[index]
-        grad_out = grads.get(entry.outputs[0])
-        if grad_out is None:
-            continue  # dead branch: nothing downstream needs this op
         op = entry.op
+        if op.multi_output:  # one gradient (or None) per output
+            grad_out = tuple(grads.get(o) for o in entry.outputs)
+            if all(g is None for g in grad_out):
+                continue
+        else:
+            grad_out = grads.get(entry.outputs[0])
+            if grad_out is None:
+                continue  # dead branch: nothing downstream needs this op
         op.check_versions()
         needs = tuple(i is not None for i in entry.inputs)
         in_grads = run_backward_rule(op, grad_out, needs)
-        if keep is not None and entry.outputs[0] not in keep:
-            del grads[entry.outputs[0]]
+        if keep is not None:
+            for o in entry.outputs:
+                if o not in keep:
+                    grads.pop(o, None)
         if len(in_grads) != len(entry.inputs):
             raise AutogradError(f"{op.name} returned {len(in_grads)} gradients for {len(entry.inputs)} inputs")
         for k, (gid, g) in enumerate(zip(entry.inputs, in_grads)):

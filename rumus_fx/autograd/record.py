@@ -63,6 +63,9 @@ class Record:
     (or ``None`` for "no gradient") per input, each of the input's shape and dtype.
     """
 
+    # records of ops with several outputs get a tuple of gradients (None where
+    # an output got none) instead of one gradient
+    multi_output: ClassVar[bool] = False
     _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
     _array_fields: ClassVar[tuple[str, ...] | None] = None
 

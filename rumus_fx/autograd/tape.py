@@ -29,6 +29,17 @@ def current_tape() -> Tape | None:
     return _TAPE.get()
 
 
+@contextlib.contextmanager
+def suspend_recording() -> Iterator[None]:
+    """No tape is active inside (rf.lift traces functions this way; a tape
+    opened inside, e.g. by a nested rf.grad, records as usual)."""
+    token = _TAPE.set(None)
+    try:
+        yield
+    finally:
+        _TAPE.reset(token)
+
+
 class no_grad(contextlib.ContextDecorator):
     """Context manager (and decorator) inside which no op records.
 
@@ -209,15 +220,22 @@ def format_tape(tape: Tape) -> str:
         outs = ", ".join(str(x) for x in e.outputs)
         shapes_in = ", ".join(_fmt_aval(a) for a in e.input_avals)
         shapes_out = ", ".join(_fmt_aval(a) for a in e.output_avals)
+        label = getattr(e.op, "label", e.op.name)
         rows.append(
-            (str(i), e.op.name, f"({ids}) -> ({outs})", f"{shapes_in} -> {shapes_out}", _fmt_bytes(e.op.saved_bytes))
+            (str(i), label, f"({ids}) -> ({outs})", f"{shapes_in} -> {shapes_out}", _fmt_bytes(e.op.saved_bytes))
         )
+        inner = getattr(e.op, "records", None)
+        if inner is not None:  # a composite entry (rf.lift): one row per primitive record
+            for j, rec in enumerate(inner()):
+                s_in = ", ".join(_fmt_aval(a) for a in rec.in_avals)
+                s_out = ", ".join(_fmt_aval(a) for a in rec.out_avals)
+                rows.append((f"{i}.{j}", f"  {rec.name}", "", f"{s_in} -> {s_out}", _fmt_bytes(rec.saved_bytes)))
     widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     state = " (consumed)" if tape._consumed else ""
-    lines.append(f"{len(rows)} entries, {_fmt_bytes(tape.saved_bytes)} saved for backward{state}")
+    lines.append(f"{len(tape._entries)} entries, {_fmt_bytes(tape.saved_bytes)} saved for backward{state}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,544 @@
+"""``rf.lift``: run any JAX function on the tape, one hand-written rule per primitive.
+
+Note [Lifting]
+~~~~~~~~~~~~~~
+``lift(fun)(*args)`` traces ``fun`` once per signature (the avals of its array
+leaves, the values of its static leaves, which leaves are tracked) with
+``jax.make_jaxpr`` and compiles the jaxpr into a ``Program``: a flat list of
+steps (calls such as ``jit`` and ``custom_jvp_call`` are inlined, so rf
+differentiates the primal implementation of a ``custom_jvp`` function), each with
+the rule of its primitive (``lift/rules.py``) and the slots it reads and writes.
+A static pass marks which slots depend on tracked inputs; a differentiable
+primitive without a rule on that path raises ``AutogradError`` naming it.
+
+The program runs as one function ``forward(inputs) -> (outputs, residuals)``
+(eagerly one cached compiled call; inline under an outer trace) and appears on
+the tape as one composite entry, ``LiftedBackward``, holding the residuals. Its
+backward walks the steps in reverse, calling each primitive record's formula
+(eagerly again one compiled call). ``print(tape)`` lists the per-primitive
+records (``SinBackward``, ``DotGeneralBackward``, ...) under the entry.
+
+Closures: a tracked Tensor that ``fun`` reads without receiving it as an argument
+(a parameter in a closure) is found during tracing and made an extra input, so its
+gradient is never silently lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from .. import tensor as tensor_mod
+from ..autograd.errors import AutogradError
+from ..autograd.record import Aval, Record, VersionSnapshot
+from ..autograd.tape import current_tape, suspend_recording
+from ..tensor import Tensor, next_grad_id
+from .rules import NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_float
+
+Array = jax.Array
+_Tracer = jax.core.Tracer
+
+# call primitives inlined into the program (their body is run with rf's rules)
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_lin"}
+
+
+class _Const:
+    """A literal or a closed-over constant of the jaxpr."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """One primitive application: reads slots (or constants), writes slots."""
+
+    prim: Any
+    params: Params
+    ins: tuple[Any, ...]  # int slot or _Const
+    outs: tuple[int, ...]
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+    rule: Rule | None = None
+    needs: tuple[bool, ...] = ()
+    saved_in: tuple[int, ...] = ()
+    saved_out: tuple[int, ...] = ()
+    sub: Any = None  # control flow: nested programs
+
+
+def _aval(v: Any) -> Aval:
+    a = v.aval
+    return Aval(tuple(a.shape), np.dtype(a.dtype))
+
+
+class Program:
+    """A jaxpr flattened into steps, with which slots are tracked."""
+
+    def __init__(self, closed: jcore.ClosedJaxpr, tracked_in: Sequence[bool], name: str = "lifted"):
+        self.name = name
+        self.steps: list[Step] = []
+        self.nslots = 0
+        jaxpr = closed.jaxpr
+        self.in_slots = [self._new() for _ in jaxpr.invars]
+        self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
+        env: dict[Any, Any] = {}
+        for v, s in zip(jaxpr.invars, self.in_slots):
+            env[v] = s
+        for v, c in zip(jaxpr.constvars, closed.consts):
+            env[v] = _Const(c)
+        self._flatten(jaxpr, env)
+        self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
+        self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
+        self._mark(tracked_in)
+        self._jit_forward: Callable | None = None
+
+    # -- building -------------------------------------------------------------
+    def _new(self) -> int:
+        self.nslots += 1
+        return self.nslots - 1
+
+    @staticmethod
+    def _read(env: dict, v: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return _Const(v.val)
+        return env[v]
+
+    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = [self._read(env, v) for v in eqn.invars]
+            if name in INLINE_CALLS:
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                if isinstance(inner, jcore.ClosedJaxpr):
+                    inner_jaxpr, consts = inner.jaxpr, inner.consts
+                else:
+                    inner_jaxpr, consts = inner, ()
+                sub_env: dict[Any, Any] = {}
+                for v, c in zip(inner_jaxpr.constvars, consts):
+                    sub_env[v] = _Const(c)
+                for v, x in zip(inner_jaxpr.invars, ins):
+                    sub_env[v] = x
+                self._flatten(inner_jaxpr, sub_env)
+                for v, w in zip(eqn.outvars, inner_jaxpr.outvars):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = self._read(sub_env, w)
+                continue
+            outs = []
+            for v in eqn.outvars:
+                s = self._new()
+                outs.append(s)
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = s
+            self.steps.append(
+                Step(
+                    eqn.primitive,
+                    Params(eqn.params),
+                    tuple(ins),
+                    tuple(outs),
+                    tuple(_aval(v) for v in eqn.invars),
+                    tuple(_aval(v) for v in eqn.outvars),
+                )
+            )
+
+    def _mark(self, tracked_in: Sequence[bool]) -> None:
+        tracked = [False] * self.nslots
+        for s, t in zip(self.in_slots, tracked_in):
+            tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
+        for step in self.steps:
+            needs = tuple(isinstance(x, int) and tracked[x] for x in step.ins)
+            if not any(needs):
+                continue
+            name = step.prim.name
+            if name in NON_DIFFERENTIABLE or not any(is_float(a) for a in step.out_avals):
+                continue
+            rule = RULES.get(name)
+            if rule is None:
+                raise AutogradError(
+                    f"rf.lift: no backward rule for the primitive '{name}' (in {self.name}); "
+                    "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
+                    "Write the computation with primitives rf.lift supports, or wrap it in "
+                    "jax.custom_vjp with a hand-written backward."
+                )
+            step.rule = rule
+            step.needs = needs
+            prepare = getattr(rule.vjp, "prepare", None)
+            if prepare is not None:  # control flow: nested programs for the bodies
+                step.sub = prepare(step)
+            si, so = rule.saves(needs)
+            step.saved_in = tuple(si)
+            step.saved_out = tuple(so)
+            for k, s in enumerate(step.outs):
+                tracked[s] = is_float(step.out_avals[k])
+        self.tracked = tracked
+        self.tracked_steps = [i for i, st in enumerate(self.steps) if st.rule is not None]
+        self.out_tracked = [isinstance(r, int) and tracked[r] for r in self.out_refs]
+        # residual layout: each saved slot once
+        res: dict[int, int] = {}
+        for i in self.tracked_steps:
+            st = self.steps[i]
+            for k in st.saved_in:
+                if isinstance(st.ins[k], int):
+                    res.setdefault(st.ins[k], len(res))
+            for k in st.saved_out:
+                res.setdefault(st.outs[k], len(res))
+        self.residual_slots = list(res)
+        self.residual_index = res
+
+    # -- running ----------------------------------------------------------------
+    def run(self, inputs: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
+        """Evaluate the program: (outputs, residuals)."""
+        env: list[Any] = [None] * self.nslots
+        for s, x in zip(self.in_slots, inputs):
+            env[s] = x
+        extras: list[Any] = []
+        for step in self.steps:
+            vals = [x.value if isinstance(x, _Const) else env[x] for x in step.ins]
+            if step.rule is not None and step.rule.forward is not None:
+                outs, extra = step.rule.forward(step, vals)
+                extras.append(extra)
+            else:
+                outs = step.prim.bind(*vals, **step.params)
+                if not step.prim.multiple_results:
+                    outs = (outs,)
+            for s, o in zip(step.outs, outs):
+                env[s] = o
+        outputs = [r.value if isinstance(r, _Const) else env[r] for r in self.out_refs]
+        residuals = tuple(env[s] for s in self.residual_slots)
+        return outputs, (residuals, tuple(extras))
+
+    def forward(self, inputs: Sequence[Any]) -> tuple[list[Any], Any]:
+        if any(isinstance(x, _Tracer) for x in inputs):
+            return self.run(inputs)
+        if self._jit_forward is None:
+            self._jit_forward = jax.jit(self.run)
+        return self._jit_forward(list(inputs))
+
+    def records(self, residuals: Any) -> list[PrimitiveRecord]:
+        """The per-primitive records, in forward order, built from residuals."""
+        values, extras = residuals
+        out = []
+        e = 0
+        for i in self.tracked_steps:
+            st = self.steps[i]
+            extra = ()
+            if st.rule.forward is not None:
+                extra = extras[e]
+                e += 1
+            ins = tuple(self._saved(values, st.ins[k]) if k in st.saved_in else None for k in range(len(st.ins)))
+            outs = tuple(self._saved(values, st.outs[k]) if k in st.saved_out else None for k in range(len(st.outs)))
+            rec = st.rule.record(st.params, st.in_avals, st.out_avals, st.needs, ins, outs, extra)
+            object.__setattr__(rec, "_step", st)
+            out.append(rec)
+        return out
+
+    def _saved(self, values: Sequence[Any], ref: Any) -> Any:
+        if isinstance(ref, _Const):
+            return ref.value
+        return values[self.residual_index[ref]]
+
+    def backward(self, residuals: Any, out_grads: Sequence[Any]) -> list[Any]:
+        """Gradients of the inputs (None where none) from the outputs' gradients."""
+        grads: dict[int, Any] = {}
+        for r, g in zip(self.out_refs, out_grads):
+            if g is not None and isinstance(r, int) and self.tracked[r]:
+                grads[r] = g if r not in grads else grads[r] + g
+        recs = self.records(residuals)
+        for rec in reversed(recs):
+            st = rec._step
+            gs = [grads.pop(s, None) for s in st.outs]
+            if all(g is None for g in gs):
+                continue
+            if st.rule.multiple_results or st.prim.multiple_results:
+                gs = tuple(jnp.zeros(a.shape, a.dtype) if g is None else g for g, a in zip(gs, st.out_avals))
+                in_grads = rec.backward(gs, st.needs)
+            else:
+                in_grads = rec.backward(gs[0], st.needs)
+            for x, need, g in zip(st.ins, st.needs, in_grads):
+                if not need or g is None:
+                    continue
+                g = _fit(g, self_aval=st.in_avals[st.ins.index(x)], name=rec.name)
+                grads[x] = g if x not in grads else grads[x] + g
+        return [grads.get(s) for s in self.in_slots]
+
+
+def _fit(g: Any, self_aval: Aval, name: str) -> Any:
+    if tuple(g.shape) != tuple(self_aval.shape):
+        raise AutogradError(
+            f"{name} returned a gradient of shape {tuple(g.shape)} for an input of shape "
+            f"{tuple(self_aval.shape)} (a bug in its rule)"
+        )
+    if np.dtype(g.dtype) != self_aval.dtype:
+        g = g.astype(self_aval.dtype)
+    return g
+
+
+# ---------------------------------------------------------------------------
+# the composite record
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LiftedBackward(Record):
+    """One lifted call: the program (static) and its residuals (saved arrays).
+
+    ``records()`` gives the per-primitive records it holds; its backward walks
+    them in reverse. ``versions`` snapshots the storages of tracked inputs whose
+    values are saved (a later in-place write to one is a ``VersionMismatch``).
+    """
+
+    multi_output = True
+    program: Program
+    residuals: tuple[Array, ...]
+    extras: tuple[Array, ...]
+    versions: tuple[VersionSnapshot, ...]
+
+    def backward(self, g, needs):
+        return tuple(self.program.backward((self.residuals, self.extras), g))
+
+    def records(self) -> list[PrimitiveRecord]:
+        return self.program.records((self.residuals, self.extras))
+
+    @property
+    def label(self) -> str:
+        return f"LiftedBackward({self.program.name})"
+
+
+# ---------------------------------------------------------------------------
+# tracing and closure capture
+# ---------------------------------------------------------------------------
+
+
+class _Capture:
+    """Finds (pass 1) and substitutes (pass 2) tracked Tensors read by a traced
+    function that did not receive them as arguments."""
+
+    def __init__(self, first_id: int, subst: dict[int, Any] | None = None):
+        self.first_id = first_id
+        self.found: dict[int, Tensor] = {}
+        self.subst = subst or {}
+
+    def value(self, t: Tensor) -> Any:
+        gid = t.grad_id
+        if gid is not None and gid < self.first_id:
+            sub = self.subst.get(id(t))
+            if sub is not None:
+                return sub
+            if self.subst:
+                raise AutogradError(  # pragma: no cover - tracing is deterministic
+                    "rf.lift: the function read a different set of closed-over tracked Tensors on its second trace"
+                )
+            self.found.setdefault(id(t), t)
+        return None
+
+
+_local = threading.local()
+
+
+_PROGRAMS: dict[Any, tuple[Program, Any]] = {}
+_MAX_PROGRAMS = 2048
+
+
+def is_array_leaf(x: Any) -> bool:
+    return isinstance(x, (Tensor, jax.Array, np.ndarray, np.generic)) or (isinstance(x, _Tracer))
+
+
+def _leaf_value(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return x.value
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jnp.asarray(x)
+    return x
+
+
+def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...], avals: list, name: str):
+    """make_jaxpr of ``fun`` on the array leaves; returns (closed jaxpr,
+    output treedef, static output leaves, output-is-array mask, captures)."""
+    out_info: list[Any] = []
+
+    def flat(*arrays_and_caps):
+        arrays = arrays_and_caps[: len(avals)]
+        it_a = iter(arrays)
+        it_s = iter(statics)
+        leaves = [next(it_a) if a else next(it_s) for a in is_arr]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        out = fun(*args, **kwargs)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, Tensor))
+        mask = tuple(is_array_leaf(x) for x in out_leaves)
+        out_info[:] = [out_tree, tuple(x for x, m in zip(out_leaves, mask) if not m), mask]
+        return [jnp.asarray(_leaf_value(x)) for x, m in zip(out_leaves, mask) if m]
+
+    prev = tensor_mod.CAPTURE
+    cap = _Capture(next_grad_id())
+    tensor_mod.CAPTURE = cap
+    try:
+        with suspend_recording():
+            closed = jax.make_jaxpr(flat)(*avals)
+    finally:
+        tensor_mod.CAPTURE = prev
+    if cap.found:  # pass 2: the captured tensors become inputs
+        captured = list(cap.found.values())
+        cap_avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in captured]
+
+        def flat2(*xs):
+            subst = {id(t): b for t, b in zip(captured, xs[len(avals) :])}
+            inner = tensor_mod.CAPTURE
+            tensor_mod.CAPTURE = _Capture(cap.first_id, subst)
+            try:
+                return flat(*xs[: len(avals)])
+            finally:
+                tensor_mod.CAPTURE = inner
+
+        with suspend_recording():
+            closed = jax.make_jaxpr(flat2)(*avals, *cap_avals)
+        return closed, out_info, captured
+    return closed, out_info, []
+
+
+def lift(fun: Callable, name: str | None = None) -> Callable:
+    """Run ``fun`` (written with jax.numpy / jax.nn / jax.lax / rf ops) on the tape.
+
+    Array leaves of the arguments (Tensors, jax and numpy arrays) are traced,
+    every other leaf is static. While a tape records and an input (or a Tensor
+    ``fun`` closes over) is tracked, ``fun`` is traced to a jaxpr once per
+    signature and every primitive is recorded with rf's own backward rule;
+    otherwise ``fun`` just runs. Returns ``fun``'s output pytree with Tensors for
+    array leaves (tracked where they depend on a tracked input).
+
+    >>> import jax.numpy as jnp, rumus_fx as rf
+    >>> rf.grad(rf.lift(lambda x: jnp.sum(jnp.sin(x) ** 2)))(jnp.ones(3)).shape
+    (3,)
+    """
+    label = name or getattr(fun, "__name__", "lifted")
+
+    @functools.wraps(fun)
+    def lifted(*args: Any, **kwargs: Any) -> Any:
+        tape = current_tape()
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, Tensor))
+        if tape is None:
+            return fun(
+                *jax.tree_util.tree_map(_leaf_value, args, is_leaf=_is_tensor),
+                **jax.tree_util.tree_map(_leaf_value, kwargs, is_leaf=_is_tensor),
+            )
+        return _lifted_call(fun, label, tape, leaves, treedef)
+
+    lifted.__wrapped_lift__ = fun  # type: ignore[attr-defined]
+    return lifted
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: Any) -> Any:
+    is_arr = tuple(is_array_leaf(x) for x in leaves)
+    arrays = [x for x, a in zip(leaves, is_arr) if a]
+    statics = tuple(x for x, a in zip(leaves, is_arr) if not a)
+    values = [_leaf_value(x) for x in arrays]
+    tracked_in = tuple(isinstance(x, Tensor) and x.grad_id is not None for x in arrays)
+    avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v)) for v in values]
+    try:
+        key = (fun, treedef, statics, is_arr, tuple((a.shape, a.dtype, a.weak_type) for a in avals), tracked_in)
+        hash(key)
+    except TypeError:
+        key = None
+    hit = _PROGRAMS.get(key) if key is not None else None
+    if hit is not None and _closes_over_tracked((fun, *statics)):
+        hit = None  # a closure now holds a tracked Tensor: trace again to capture it
+    if hit is None:
+        closed, out_info, captured = _trace(fun, treedef, statics, is_arr, avals, label)
+        program = Program(closed, tracked_in + (True,) * len(captured), label)
+        hit = (program, out_info)
+        if key is not None and not captured:  # captures are per call: not cached
+            if len(_PROGRAMS) >= _MAX_PROGRAMS:
+                _PROGRAMS.clear()
+            _PROGRAMS[key] = hit
+    else:
+        captured = []
+    program, (out_tree, out_statics, out_mask) = hit
+    # closed-over tracked tensors are inputs of the entry too
+    cap_tensors = list(captured)
+    all_values = values + [t.value for t in captured]
+    outputs, residuals = program.forward(all_values)
+    # inputs of the entry: tracked argument tensors and captured storages
+    in_tensors = [x if isinstance(x, Tensor) else None for x in arrays] + cap_tensors
+    in_ids = tuple(t.grad_id if (t is not None and t.grad_id is not None) else None for t in in_tensors)
+    out_tensors = []
+    for v, tr in zip(outputs, program.out_tracked):
+        out_tensors.append(Tensor._wrap(v, next_grad_id() if tr else None))
+    if any(program.out_tracked):
+        versions = []
+        for k, s in enumerate(program.in_slots):
+            if s in program.residual_index and in_tensors[k] is not None:
+                versions.append(VersionSnapshot.of(in_tensors[k].grad_id, in_tensors[k]._storage))
+        for r, t in zip(program.out_refs, out_tensors):
+            if isinstance(r, int) and r in program.residual_index and t.grad_id is not None:
+                versions.append(VersionSnapshot.of(t.grad_id, t._storage))
+        rec = LiftedBackward(program, residuals[0], residuals[1], tuple(versions))
+        out_ids = tuple(t.grad_id for t in out_tensors)
+        tape.append(
+            rec,
+            in_ids,
+            out_ids,
+            tuple(program.in_avals),
+            tuple(program.out_avals),
+        )
+    it_o = iter(out_tensors)
+    it_s = iter(out_statics)
+    out_leaves = [next(it_o) if m else next(it_s) for m in out_mask]
+    return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+
+def _closes_over_tracked(objs: Sequence[Any], depth: int = 3) -> bool:
+    """Whether a function among ``objs`` reads a tracked Tensor through a
+    closure cell or a global it names (looked at ``depth`` calls deep)."""
+    seen: set[int] = set()
+    todo = [(o, depth) for o in objs]
+    while todo:
+        o, d = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, functools.partial):
+            todo.extend((x, d) for x in (o.func, *o.args, *o.keywords.values()))
+            continue
+        code = getattr(o, "__code__", None)
+        if code is None:
+            continue
+        values = [c.cell_contents for c in (o.__closure__ or ()) if _cell_ok(c)]
+        glob = getattr(o, "__globals__", {})
+        values += [glob[n] for n in code.co_names if n in glob]
+        for v in values:
+            if isinstance(v, Tensor):
+                if v.grad_id is not None:
+                    return True
+            elif isinstance(v, (list, tuple, dict)):
+                leaves = jax.tree_util.tree_leaves(v, is_leaf=_is_tensor)
+                if any(isinstance(x, Tensor) and x.grad_id is not None for x in leaves):
+                    return True
+            elif d > 0 and callable(v) and not isinstance(v, type):
+                mod = getattr(v, "__module__", "") or ""
+                if not mod.startswith(("jax", "numpy", "rumus_fx")):
+                    todo.append((v, d - 1))
+    return False
+
+
+def _cell_ok(c: Any) -> bool:
+    try:
+        _ = c.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _weak(v: Any) -> bool:
+    return bool(getattr(getattr(v, "aval", None), "weak_type", False))

@@ -1,0 +1,170 @@
+"""The declaration of primitive rules: one record type and one hand-written
+backward formula per JAX primitive (the table that ``rf.lift`` reads).
+
+Note [Primitive rules]
+~~~~~~~~~~~~~~~~~~~~~~
+A rule is declared with ``defrule(name, vjp, saves=...)``: ``name`` is the
+primitive's name as it appears in a jaxpr (``"sin"``, ``"dot_general"``,
+``"scatter-add"``), ``vjp(r, g)`` is the backward formula written with
+``jax.numpy``/``lax`` — ``r`` is the record (saved values, params, avals, which
+inputs need a gradient) and ``g`` the output gradient (a tuple for primitives with
+several outputs) — and it returns one gradient (or ``None``) per input.
+``saves(needs)`` says which inputs and outputs of the primitive the formula reads;
+a rule saves nothing else (a value it needs but the primitive does not return,
+such as the permutation of a ``sort``, is recomputed from what it saved). That
+keeps ``saved_bytes`` honest and makes every saved value an ordinary value of the
+program, which higher-order gradients need.
+
+Each declaration makes a record class named after the primitive in CamelCase
+(``sin`` -> ``SinBackward``, ``reduce_sum`` -> ``ReduceSumBackward``), a frozen
+dataclass with the same fields for every primitive: ``params`` (the primitive's
+parameters), ``in_avals``/``out_avals``, ``needs``, and ``ins``/``outs`` (the saved
+values, ``None`` where not saved). Control-flow primitives add ``forward`` (a
+forward that also returns residuals) and keep those in ``extra``.
+
+Nothing here calls JAX's JVP or transpose rules: ``jax.extend.core`` and
+``jax.make_jaxpr`` are the only JAX internals the interpreter uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from ..autograd.record import Aval, Record
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+class Params(Mapping):
+    """A primitive's parameters as a hashable, read-only mapping."""
+
+    __slots__ = ("_d", "_h")
+
+    def __init__(self, params: Mapping[str, Any]):
+        self._d = dict(params)
+        try:
+            self._h = hash(tuple(sorted(self._d.items())))
+        except TypeError:  # an unhashable parameter: identity is the only key
+            self._h = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __hash__(self) -> int:
+        return id(self) if self._h is None else self._h
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Params) or self._h is None or other._h is None:
+            return False
+        return self._h == other._h and self._d == other._d
+
+    def __repr__(self) -> str:
+        return f"Params({', '.join(f'{k}={v!r}' for k, v in self._d.items() if not k.endswith('jaxpr'))})"
+
+
+@frozen
+class PrimitiveRecord(Record):
+    """The record of one primitive application inside a lifted function."""
+
+    rule: ClassVar[Rule]
+    params: Params
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+    needs: tuple[bool, ...]
+    ins: tuple[Array | None, ...]
+    outs: tuple[Array | None, ...]
+    extra: tuple[Array, ...] = ()
+
+    @property
+    def p(self) -> Params:
+        return self.params
+
+    def backward(self, g, needs):
+        return self.rule.vjp(self, g)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A primitive's backward rule and its record type."""
+
+    name: str
+    record: type[PrimitiveRecord]
+    vjp: Callable[[PrimitiveRecord, Any], tuple]
+    saves: Callable[[tuple[bool, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+    forward: Callable | None = None
+    multiple_results: bool = False
+
+
+RULES: dict[str, Rule] = {}
+
+# primitives whose outputs carry no gradient: comparisons, integer and bit
+# arithmetic, random bits, rounding (derivative zero almost everywhere) and
+# stop_gradient. Any primitive with only integer/bool outputs passes through too.
+NON_DIFFERENTIABLE: set[str] = {
+    "stop_gradient", "floor", "ceil", "round", "sign", "nextafter", "is_finite",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "iota",
+    "argmax", "argmin", "random_bits", "random_seed", "random_wrap", "random_unwrap",
+    "random_fold_in", "random_split", "threefry2x32", "rng_uniform", "rng_bit_generator",
+    "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
+    "reduce_and", "reduce_or", "reduce_xor", "lu_pivots_to_permutation", "bitcast_convert_type",
+    "debug_callback", "debug_print", "random_clone", "device_put_p_nondiff",
+}  # fmt: skip
+
+
+def camel(name: str) -> str:
+    """``reduce_sum`` -> ``ReduceSum``; ``scatter-add`` -> ``ScatterAdd``."""
+    parts = name.replace("-", "_").split("_")
+    return "".join(p[:1].upper() + p[1:] for p in parts if p)
+
+
+def _saves_fixed(ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable:
+    return lambda needs: (ins, outs)
+
+
+def defrule(
+    name: str,
+    vjp: Callable,
+    saves: Callable | tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+    forward: Callable | None = None,
+    multiple_results: bool = False,
+    record_name: str | None = None,
+    doc: str | None = None,
+) -> Rule:
+    """Declare the backward rule of primitive ``name`` (see Note [Primitive rules])."""
+    cls_name = record_name or f"{camel(name)}Backward"
+    cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
+    cls = frozen(cls)
+    cls.__module__ = vjp.__module__
+    saves_fn = saves if callable(saves) else _saves_fixed(*saves)
+    rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results)
+    cls.rule = rule
+    RULES[name] = rule
+    return rule
+
+
+def in_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``saves`` value: these inputs, no outputs."""
+    return (ks, ())
+
+
+def out_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``saves`` value: these outputs, no inputs."""
+    return ((), ks)
+
+
+def is_float(aval: Any) -> bool:
+    return np.issubdtype(np.dtype(aval.dtype), np.inexact)

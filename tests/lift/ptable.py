@@ -1,0 +1,174 @@
+"""The primitive table: jax.numpy / lax programs that exercise each primitive
+rule of ``rf.lift`` (PyTorch OpInfo / jax LAX_GRAD_OPS style).
+
+Each entry: a plain jax function of arrays (the oracle is ``jax.grad`` of that
+same function: rf only ever sees it through ``rf.lift``), a sample generator,
+the differentiable argument positions, and the primitives it must exercise.
+Adding a rule = one entry here or in a ``ptable_<family>.py`` module (the
+coverage test fails otherwise).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import ptable_conv, ptable_indexing, ptable_linalg
+from .ptable_base import PInfo, PSample, away, binary, distinct, normal, positive, u, unary, unit
+
+CORE: list[PInfo] = [
+    # -- elementwise unary ------------------------------------------------------
+    u("neg", lambda x: -x, vmap=True),
+    u("exp", jnp.exp, vmap=True),
+    u("exp2", jnp.exp2),
+    u("log", jnp.log, positive),
+    u("log1p", jnp.log1p, positive),
+    u("expm1", jnp.expm1),
+    u("tanh", jnp.tanh, vmap=True),
+    u("logistic", jax.nn.sigmoid, prims=("logistic",)),
+    u("sin", jnp.sin, vmap=True),
+    u("cos", jnp.cos),
+    u("tan", jnp.tan, unit),
+    u("asin", jnp.arcsin, unit),
+    u("acos", jnp.arccos, unit),
+    u("atan", jnp.arctan),
+    u("sinh", jnp.sinh),
+    u("cosh", jnp.cosh),
+    u("asinh", jnp.arcsinh),
+    u("acosh", jnp.arccosh, lambda r, *s: 1.5 + positive(r, *s)),
+    u("atanh", jnp.arctanh, unit),
+    u("sqrt", jnp.sqrt, positive),
+    u("rsqrt", lax.rsqrt, positive),
+    u("cbrt", jnp.cbrt, positive),
+    u("abs", jnp.abs, away),
+    u("square", jnp.square),
+    u("integer_pow", lambda x: x**3 + x**2 - 1 / x**2, away),
+    u("erf", jax.scipy.special.erf),
+    u("erfc", jax.scipy.special.erfc),
+    u("erf_inv", jax.scipy.special.erfinv, unit),
+    u("lgamma", jax.scipy.special.gammaln, positive),
+    u("digamma", jax.scipy.special.digamma, positive),
+    u("reduce_precision", lambda x: lax.reduce_precision(x, 8, 23) * x, fd=False),
+    u("convert_element_type", lambda x: jnp.sin(x.astype(jnp.float32).astype(x.dtype)) * x, fd=False),
+    # -- binary ------------------------------------------------------------------
+    PInfo("add", lambda x, y: x + y, binary(), ("add",), vmap=True),
+    PInfo("sub", lambda x, y: x - y, binary(), ("sub",)),
+    PInfo("mul", lambda x, y: x * y, binary(), ("mul",), vmap=True),
+    PInfo("div", lambda x, y: x / y, binary(normal, positive), ("div",)),
+    PInfo("max", jnp.maximum, binary(distinct, distinct), ("max",)),
+    PInfo("min", jnp.minimum, binary(distinct, distinct), ("min",)),
+    PInfo("atan2", jnp.arctan2, binary(away, away), ("atan2",)),
+    PInfo("rem", lambda x, y: lax.rem(x, y), binary(positive, lambda r, *s: 0.3 + 0 * positive(r, *s)), ("rem",)),
+    PInfo("pow", lambda x, y: lax.pow(x, y), binary(positive, normal), ("pow",)),
+    PInfo(
+        "select_n",
+        lambda x, y: jnp.where(x > 0, x * 2, y),
+        binary(away, normal, shapes=(((3, 4), (3, 4)),)),
+        ("select_n",),
+    ),
+    PInfo(
+        "clamp",
+        lambda lo, x, hi: lax.clamp(lo, x, hi),
+        lambda r: [PSample((distinct(r, 3, 4) - 1, distinct(r, 3, 4), distinct(r, 3, 4) + 1), diff=(0, 1, 2))],
+        ("clamp",),
+    ),
+    u("optimization_barrier", lambda x: lax.optimization_barrier((x, x * 2))[1] * x),
+    # -- reductions -------------------------------------------------------------------
+    PInfo(
+        "reduce_sum",
+        lambda x: jnp.sum(x, axis=(0, 2)) * jnp.sum(x),
+        unary(shapes=((2, 3, 4),)),
+        ("reduce_sum",),
+        vmap=True,
+    ),
+    PInfo("reduce_max", lambda x: jnp.max(x, axis=1), unary(distinct), ("reduce_max",)),
+    PInfo("reduce_max_ties", lambda x: jnp.max(jnp.round(x), axis=0), unary(normal, ((6, 3),)), ("reduce_max",)),
+    PInfo("reduce_min", lambda x: jnp.min(x, axis=(0, 1)), unary(distinct, ((3, 4), (2, 3, 5))), ("reduce_min",)),
+    PInfo("reduce_prod", lambda x: jnp.prod(x, axis=1), unary(normal, ((3, 4), (2, 3, 5))), ("reduce_prod",)),
+    PInfo(
+        "reduce_prod_zero",
+        lambda x: jnp.prod(x.at[0, 1].set(0.0), axis=1) + jnp.prod(x),
+        unary(normal, ((3, 4),)),
+        ("reduce_prod",),
+    ),
+    # -- dot_general ----------------------------------------------------------------
+    PInfo(
+        "dot_general",
+        lambda a, b: a @ b,
+        lambda r: [
+            PSample((normal(r, 3, 4), normal(r, 4, 5)), (0, 1)),
+            PSample((normal(r, 4), normal(r, 4, 5)), (0, 1)),
+            PSample((normal(r, 3, 4), normal(r, 4)), (0, 1)),
+            PSample((normal(r, 2, 3, 4), normal(r, 2, 4, 5)), (0, 1)),
+        ],
+        ("dot_general",),
+        vmap=True,
+    ),
+    PInfo(
+        "dot_general_einsum",
+        lambda a, b: jnp.einsum("bik,jbk->bji", a, b),
+        lambda r: [PSample((normal(r, 2, 3, 4), normal(r, 5, 2, 4)), (0, 1))],
+        ("dot_general",),
+    ),
+    PInfo(
+        "dot_general_contract2",
+        lambda a, b: lax.dot_general(a, b, (((2, 0), (0, 1)), ((), ()))),
+        lambda r: [PSample((normal(r, 3, 4, 2), normal(r, 2, 3, 5)), (0, 1))],
+        ("dot_general",),
+    ),
+    # -- shape ops ---------------------------------------------------------------------
+    PInfo(
+        "broadcast_in_dim",
+        lambda x: jnp.broadcast_to(x, (2, 3, 4)) * jnp.arange(24.0).reshape(2, 3, 4),
+        unary(shapes=((3, 1), (4,))),
+        ("broadcast_in_dim",),
+    ),
+    PInfo(
+        "reshape_transpose",
+        lambda x: jnp.transpose(x.reshape(4, 3), (1, 0)) * jnp.arange(12.0).reshape(3, 4),
+        unary(shapes=((3, 4),)),
+        ("reshape", "transpose"),
+    ),
+    PInfo(
+        "squeeze_expand",
+        lambda x: jnp.squeeze(jnp.expand_dims(x, 0), 0)[None] * 2.0,
+        unary(shapes=((3, 4),)),
+        ("squeeze",),
+    ),
+    PInfo(
+        "concatenate",
+        lambda x, y: jnp.concatenate([x, y, x], axis=1) ** 2,
+        lambda r: [PSample((normal(r, 3, 2), normal(r, 3, 4)), (0, 1))],
+        ("concatenate",),
+    ),
+    PInfo(
+        "pad",
+        lambda x, v: lax.pad(x, v, ((1, 2, 1), (-1, 1, 0))) ** 2,
+        lambda r: [PSample((normal(r, 3, 4), normal(r)), (0, 1))],
+        ("pad",),
+    ),
+    PInfo(
+        "slice",
+        lambda x: x[1:3, ::2] ** 2 + lax.slice(x, (0, 1), (3, 4), (2, 2)).sum(),
+        unary(shapes=((4, 5),)),
+        ("slice",),
+    ),
+    PInfo("rev", lambda x: jnp.flip(x, (0, 1)) * jnp.arange(12.0).reshape(3, 4), unary(shapes=((3, 4),)), ("rev",)),
+    PInfo("split", lambda x: jnp.split(x, [1, 3], axis=1)[1] ** 2, unary(shapes=((3, 5),)), ("split",)),
+    PInfo(
+        "dynamic_slice",
+        lambda x, i: lax.dynamic_slice(x, (i[0], i[1]), (2, 3)) ** 2,
+        lambda r: [PSample((normal(r, 4, 5), np.array([1, 1], np.int32)))],
+        ("dynamic_slice",),
+    ),
+    PInfo(
+        "dynamic_update_slice",
+        lambda x, u, i: lax.dynamic_update_slice(x, u * 3.0, (i[0], i[1])) ** 2,
+        lambda r: [PSample((normal(r, 4, 5), normal(r, 2, 3), np.array([2, 1], np.int32)), (0, 1))],
+        ("dynamic_update_slice",),
+    ),
+]
+
+ENTRIES: list[PInfo] = CORE + ptable_conv.ENTRIES + ptable_indexing.ENTRIES + ptable_linalg.ENTRIES
