@@ -3,9 +3,11 @@
 from . import autograd as autograd
 from . import debug as debug
 from . import kernels as kernels
-from . import lift as _lift_pkg
+from . import lax as lax
 from . import nn as nn
+from . import numpy as numpy
 from . import ops as ops
+from . import tensor_methods as _tensor_methods
 from .autograd.engine import GradientStore as GradientStore
 from .autograd.errors import AutogradError as AutogradError
 from .autograd.errors import ShapeError as ShapeError
@@ -17,6 +19,7 @@ from .autograd.tape import no_grad as no_grad
 from .autograd.transforms import grad as grad
 from .autograd.transforms import value_and_grad as value_and_grad
 from .autograd.transforms import vjp as vjp
+from .lift import lift as lift
 from .ops import adaptive_avg_pool2d as adaptive_avg_pool2d
 from .ops import add as add
 from .ops import add_bias as add_bias
@@ -53,7 +56,6 @@ from .ops import sub as sub
 from .ops import sum as sum  # noqa: A004
 from .ops import tanh as tanh
 from .ops import transpose as transpose
-from .lift import lift as lift
 from .storage import Layout as Layout
 from .storage import StorageHandle as StorageHandle
 from .storage import WeakStorageHandle as WeakStorageHandle
@@ -61,6 +63,8 @@ from .tensor import Tensor as Tensor
 from .tensor import tensor as tensor
 
 __version__ = "0.1.0"
+
+_tensor_methods.install()
 
 
 def __getattr__(name: str):

@@ -44,7 +44,7 @@ class Tensor:
     layout allows) are views: they share the storage and its version counter.
     """
 
-    __slots__ = ("__weakref__", "_cache", "_layout", "_leaf", "_storage", "grad_id")
+    __slots__ = ("__weakref__", "_cache", "_gid", "_layout", "_leaf", "_storage")
     __array_ufunc__ = None  # numpy defers to our reflected operators
     __array_priority__ = 1000
 
@@ -54,33 +54,45 @@ class Tensor:
         self._layout: Layout | None = None
         self._cache: tuple[int, jax.Array] | None = None
         self._leaf = True
-        self.grad_id: int | None = None
+        self._gid: int | None = None
         if requires_grad:
             if not jnp.issubdtype(arr.dtype, jnp.floating):
                 raise TypeError(f"only floating-point tensors can require gradients, got dtype {arr.dtype}")
             self.grad_id = next_grad_id()
 
     # -- construction helpers (internal) -------------------------------------
+    @property
+    def grad_id(self) -> int | None:
+        """This tensor's autograd identity on the tape (None: not tracked)."""
+        return self._gid
+
+    @grad_id.setter
+    def grad_id(self, gid: int | None) -> None:
+        # tracked tensors are TrackedTensor instances: that class is not a
+        # pytree, so jax.tree functions keep them as leaves (see _tracked_class)
+        self._gid = gid
+        self.__class__ = Tensor if gid is None else TrackedTensor
+
     @classmethod
     def _wrap(cls, value: jax.Array, grad_id: int | None = None) -> Tensor:
         """A tensor owning a new storage with ``value`` (an op result)."""
-        t = cls.__new__(cls)
+        t = Tensor.__new__(Tensor if grad_id is None else TrackedTensor)
         t._storage = StorageHandle(value)
         t._layout = None
         t._cache = None
         t._leaf = grad_id is None
-        t.grad_id = grad_id
+        t._gid = grad_id
         return t
 
     def _view(self, layout: Layout, grad_id: int | None) -> Tensor:
         """A tensor sharing this tensor's storage through ``layout``."""
-        t = Tensor.__new__(Tensor)
+        t = Tensor.__new__(Tensor if grad_id is None else TrackedTensor)
         t._storage = self._storage
         buf_shape = tuple(self._storage._buffer.shape)
         t._layout = None if layout == Layout.contiguous(buf_shape) and layout.shape == buf_shape else layout
         t._cache = None
         t._leaf = grad_id is None
-        t.grad_id = grad_id
+        t._gid = grad_id
         self._storage._register_view(self, t)
         return t
 
@@ -319,6 +331,33 @@ class Tensor:
 
     def copy_(self, src: Any) -> Tensor:
         return _inplace().copy_(self, src)
+
+
+class TrackedTensor(Tensor):
+    """A Tensor with a grad id. Not a pytree (untracked Tensors are): the
+    ``jax.tree`` functions keep it as one leaf, so tree maps inside a loss keep
+    gradients, and a raw JAX transformation refuses it, with a message (the
+    class name below) that points to rf.lift / rf.lax instead of dropping it."""
+
+    __slots__ = ()
+
+
+TrackedTensor.__qualname__ = TrackedTensor.__name__ = (
+    "Tensor (tracked: pass it through rf.lift / rf.lax, not a raw jax transformation)"
+)
+
+
+def _flatten_tensor(t: Tensor) -> tuple[tuple[jax.Array], None]:
+    return (t.value,), None
+
+
+def _unflatten_tensor(_: None, children: Any) -> Tensor:
+    return Tensor._wrap(children[0])
+
+
+# untracked Tensors are pytrees with one array leaf: jax.jit, jax.vmap,
+# jax.eval_shape and lax.scan accept and return them
+jax.tree_util.register_pytree_node(Tensor, _flatten_tensor, _unflatten_tensor)
 
 
 def _ops() -> Any:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record
 
@@ -167,4 +167,4 @@ def out_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def is_float(aval: Any) -> bool:
-    return np.issubdtype(np.dtype(aval.dtype), np.inexact)
+    return bool(jnp.issubdtype(aval.dtype, jnp.inexact))

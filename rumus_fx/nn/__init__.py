@@ -54,3 +54,7 @@ __all__ = [
     "load",
     "save",
 ]
+
+from . import functional as _functional
+
+_functional.install(__name__)

@@ -109,7 +109,7 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     ids = []
     avals = []
     for x in inputs:
-        if type(x) is Tensor:
+        if isinstance(x, Tensor):
             ids.append(x.grad_id)
             avals.append(Aval(x.shape, x.dtype))
         else:

@@ -71,7 +71,12 @@ CORE: list[PInfo] = [
     PInfo(
         "clamp",
         lambda lo, x, hi: lax.clamp(lo, x, hi),
-        lambda r: [PSample((distinct(r, 3, 4) - 1, distinct(r, 3, 4), distinct(r, 3, 4) + 1), diff=(0, 1, 2))],
+        lambda r: [
+            PSample(
+                (-1 + 0.1 * distinct(r, 3, 4), distinct(r, 3, 4), 1 + 0.1 * distinct(r, 3, 4)),
+                diff=(0, 1, 2),
+            )
+        ],
         ("clamp",),
     ),
     u("optimization_barrier", lambda x: lax.optimization_barrier((x, x * 2))[1] * x),
@@ -145,7 +150,9 @@ CORE: list[PInfo] = [
     ),
     PInfo(
         "pad",
-        lambda x, v: lax.pad(x, v, ((1, 2, 1), (-1, 1, 0))) ** 2,
+        # (x + 0 * v: jax.grad itself cannot transpose pad w.r.t. the padding
+        # value alone when the operand is a constant)
+        lambda x, v: lax.pad(x + 0.0 * v, v, ((1, 2, 1), (-1, 1, 0))) ** 2,
         lambda r: [PSample((normal(r, 3, 4), normal(r)), (0, 1))],
         ("pad",),
     ),
