@@ -19,6 +19,7 @@ from .autograd.tape import no_grad as no_grad
 from .autograd.transforms import grad as grad
 from .autograd.transforms import value_and_grad as value_and_grad
 from .autograd.transforms import vjp as vjp
+from .lift import checkpoint as checkpoint
 from .lift import lift as lift
 from .ops import adaptive_avg_pool2d as adaptive_avg_pool2d
 from .ops import add as add

@@ -1,10 +1,13 @@
-"""Any JAX program on the tape: ``rf.lift`` and the per-primitive rules."""
+"""Any JAX program on the tape: ``rf.lift``, ``rf.checkpoint`` and the
+per-primitive rules (one module per family; importing them declares the rules)."""
 
+from . import rules_control as rules_control
 from . import rules_conv as rules_conv
 from . import rules_elementwise as rules_elementwise
 from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg
 from . import rules_structural as rules_structural
+from .remat import checkpoint as checkpoint
 from .interpreter import LiftedBackward as LiftedBackward
 from .interpreter import Program as Program
 from .interpreter import lift as lift

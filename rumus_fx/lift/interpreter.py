@@ -442,7 +442,8 @@ def _is_tensor(x: Any) -> bool:
 def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: Any) -> Any:
     is_arr = tuple(is_array_leaf(x) for x in leaves)
     arrays = [x for x, a in zip(leaves, is_arr) if a]
-    statics = tuple(x for x, a in zip(leaves, is_arr) if not a)
+    # rf.lax.add & co. given as a computation are jax's own functions inside
+    statics = tuple(getattr(x, "__wrapped_lift__", x) for x, a in zip(leaves, is_arr) if not a)
     values = [_leaf_value(x) for x in arrays]
     tracked_in = tuple(isinstance(x, Tensor) and x.grad_id is not None for x in arrays)
     avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v)) for v in values]

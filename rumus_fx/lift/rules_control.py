@@ -1,0 +1,271 @@
+"""Primitive rules for control flow and calls: scan, cond, while, remat
+(``jax.checkpoint``) and custom_vjp_call (the user's own backward).
+
+Note [Control flow on the tape]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A body jaxpr becomes a nested ``Program`` (``interpreter.py``) with its own
+per-primitive records. ``scan`` runs the body program inside ``lax.scan`` so that
+each iteration also returns the body's residuals, stacked along the scan axis
+(the record's ``extra``); its backward is a reverse ``lax.scan`` of the body's
+backward walk, carrying the carry's and the constants' gradients. The body is
+recorded once, whatever the length. ``cond`` runs ``lax.switch`` over branch
+programs that return the residuals of every branch (zeros for the branches not
+taken) and its backward switches the same way. ``remat`` saves only its inputs
+and re-runs the body's forward in backward. ``custom_vjp_call`` runs the user's
+``fwd`` and keeps its residuals; backward calls the user's ``bwd``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from ..autograd.errors import AutogradError
+from .rules import defrule, is_float
+
+
+def _program(closed, tracked, name):
+    from .interpreter import Program
+
+    if isinstance(closed, jcore.Jaxpr):
+        closed = jcore.ClosedJaxpr(closed, ())
+    return Program(closed, tracked, name)
+
+
+def _zeros_like_aval(a):
+    return jnp.zeros(a.shape, a.dtype)
+
+
+def _or_zeros(gs, avals):
+    return [(_zeros_like_aval(a) if g is None else g) for g, a in zip(gs, avals)]
+
+
+def _float_or_none(gs, avals):
+    """Gradients for non-float inputs are dropped (integer carries, indices)."""
+    return [g if is_float(a) else None for g, a in zip(gs, avals)]
+
+
+# -- scan -------------------------------------------------------------------------
+
+
+def _scan_prepare(step):
+    p = step.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body = p["jaxpr"]
+    needs = list(step.needs)
+    tracked = [bool(n) for n in needs]
+    # the carry is tracked if its initial value is or the body makes it so: iterate
+    for _ in range(nk + 1):
+        prog = _program(body, tracked, "scan body")
+        out_carry = prog.out_tracked[:nk]
+        new = tracked[:nc] + [a or b for a, b in zip(tracked[nc : nc + nk], out_carry)] + tracked[nc + nk :]
+        if new == tracked:
+            break
+        tracked = new
+    return prog
+
+
+def _scan_forward(step, vals):
+    p = step.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    prog = step.sub
+    consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
+
+    def body(carry, x):
+        outs, res = prog.run([*consts, *carry, *x])
+        return outs[:nk], (outs[nk:], res)
+
+    carry, (ys, res) = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys], res
+
+
+def _scan_vjp(r, g):
+    p = r.p
+    nc, nk = p["num_consts"], p["num_carry"]
+    prog = r._step.sub
+    g = list(g)
+    ct_carry, ct_ys = g[:nk], g[nk:]
+    avals = r.in_avals
+    const_avals = avals[:nc]
+    carry_avals = avals[nc : nc + nk]
+    x_avals = avals[nc + nk :]
+
+    def body(acc, inp):
+        ct_c, ct_consts = acc
+        res, ct_y = inp
+        grads = prog.backward(res, [*ct_c, *ct_y])
+        g_consts = grads[:nc]
+        g_carry = _or_zeros(grads[nc : nc + nk], carry_avals)
+        g_xs = _or_zeros(grads[nc + nk :], x_avals_unstacked)
+        ct_consts = [a + b if b is not None else a for a, b in zip(ct_consts, g_consts)]
+        return (g_carry, ct_consts), g_xs
+
+    x_avals_unstacked = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in x_avals]
+    init = (_or_zeros(ct_carry, carry_avals), [_zeros_like_aval(a) for a in const_avals])
+    (g_init, g_consts), g_xs = lax.scan(body, init, (r.extra, ct_ys), length=p["length"], reverse=not p["reverse"])
+    out = [*g_consts, *g_init, *g_xs]
+    return tuple(g if n else None for g, n in zip(_float_or_none(out, avals), r.needs))
+
+
+_scan_vjp.prepare = _scan_prepare
+defrule("scan", _scan_vjp, forward=_scan_forward, multiple_results=True)
+
+
+# -- cond -------------------------------------------------------------------------
+
+
+def _cond_prepare(step):
+    needs = list(step.needs[1:])
+    progs = [_program(b, needs, f"cond branch {i}") for i, b in enumerate(step.params["branches"])]
+    return progs
+
+
+def _branch_residual_avals(step, vals_avals):
+    return [jax.eval_shape(lambda *o, prog=prog: prog.run(list(o))[1], *vals_avals) for prog in step.sub]
+
+
+def _cond_forward(step, vals):
+    index, ops = vals[0], vals[1:]
+    progs = step.sub
+    op_avals = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in ops]
+    res_avals = _branch_residual_avals(step, op_avals)
+
+    def branch(k):
+        def run(*o):
+            outs, res = progs[k].run(list(o))
+            all_res = [
+                res if j == k else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), res_avals[j])
+                for j in range(len(progs))
+            ]
+            return outs, all_res
+
+        return run
+
+    outs, res = lax.switch(index, [branch(k) for k in range(len(progs))], *ops)
+    return list(outs), (index, res)
+
+
+def _cond_vjp(r, g):
+    index, res = r.extra
+    progs = r._step.sub
+    op_avals = r.in_avals[1:]
+
+    def branch(k):
+        def run(res_all, gs):
+            grads = progs[k].backward(res_all[k], list(gs))
+            return _or_zeros(grads, op_avals)
+
+        return run
+
+    grads = lax.switch(index, [branch(k) for k in range(len(progs))], res, list(g))
+    grads = _float_or_none(grads, op_avals)
+    return (None, *(gr if n else None for gr, n in zip(grads, r.needs[1:])))
+
+
+_cond_vjp.prepare = _cond_prepare
+defrule("cond", _cond_vjp, forward=_cond_forward, multiple_results=True)
+
+
+# -- while ------------------------------------------------------------------------
+
+
+def _while_vjp(r, g):
+    raise AutogradError(
+        "Reverse-mode differentiation does not work for lax.while_loop (its trip count is only "
+        "known at run time), in rf as in jax.grad. Use lax.scan or lax.fori_loop with static "
+        "bounds (rf.lax.scan / rf.lax.fori_loop), which record their body once."
+    )
+
+
+defrule("while", _while_vjp, multiple_results=True)
+
+
+# -- remat (jax.checkpoint) ------------------------------------------------------------
+
+
+def _remat_prepare(step):
+    return _program(step.params["jaxpr"], list(step.needs), "checkpoint body")
+
+
+def _remat_forward(step, vals):
+    outs, _ = step.sub.run(list(vals))  # residuals dropped: recomputed in backward
+    return outs, ()
+
+
+def _remat_vjp(r, g):
+    prog = r._step.sub
+    ins = lax.optimization_barrier(list(r.ins))  # keep XLA from reusing the forward
+    _, res = prog.run(ins)
+    grads = prog.backward(res, list(g))
+    return tuple(gr if n else None for gr, n in zip(grads, r.needs))
+
+
+_remat_vjp.prepare = _remat_prepare
+defrule(
+    "remat2",
+    _remat_vjp,
+    lambda needs: (tuple(range(len(needs))), ()),
+    forward=_remat_forward,
+    multiple_results=True,
+    record_name="RematBackward",
+)
+defrule(
+    "checkpoint",
+    _remat_vjp,
+    lambda needs: (tuple(range(len(needs))), ()),
+    forward=_remat_forward,
+    multiple_results=True,
+    record_name="CheckpointBackward",
+)
+
+
+# -- custom_vjp_call --------------------------------------------------------------------
+
+
+def _custom_vjp_prepare(step):
+    p = step.params
+    nc = p["num_consts"]
+    if any(step.needs[:nc]):
+        raise AutogradError(
+            "rf.lift: a jax.custom_vjp function closes over a tracked value; its bwd cannot "
+            "give that value a gradient. Pass it as an argument (jax.closure_convert)."
+        )
+    n_args = len(step.ins) - nc
+    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*([False] * n_args))
+    out_tree, res_tree, input_fwds = p["out_trees"]()
+    closed = jcore.ClosedJaxpr(fwd_jaxpr, fwd_consts) if isinstance(fwd_jaxpr, jcore.Jaxpr) else fwd_jaxpr
+    return {"fwd": closed, "input_fwds": tuple(input_fwds), "n_out": out_tree.num_leaves, "nc": nc}
+
+
+def _custom_vjp_forward(step, vals):
+    info = step.sub
+    nc = info["nc"]
+    args = vals[nc:]
+    outs = jcore.jaxpr_as_fun(info["fwd"])(*args)
+    n_out = info["n_out"]
+    primal, rest = list(outs[:n_out]), list(outs[n_out:])
+    it = iter(rest)
+    res = [args[k] if k is not None else next(it) for k in info["input_fwds"]]
+    return primal, tuple(res)
+
+
+def _custom_vjp_vjp(r, g):
+    info = r._step.sub
+    nc = info["nc"]
+    cts = list(g)
+    grads = r.p["bwd"].call_wrapped(*r.extra, *cts)
+    grads = list(grads)
+    out = [None] * nc
+    for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):
+        if not n or gr is None or not is_float(a) or getattr(gr, "dtype", None) == jax.dtypes.float0:
+            out.append(None)
+        else:
+            out.append(jnp.asarray(gr).astype(a.dtype).reshape(a.shape))
+    return tuple(out)
+
+
+_custom_vjp_vjp.prepare = _custom_vjp_prepare
+defrule("custom_vjp_call", _custom_vjp_vjp, forward=_custom_vjp_forward, multiple_results=True)
+defrule("custom_vjp_call_jaxpr", _custom_vjp_vjp, forward=_custom_vjp_forward, multiple_results=True)
