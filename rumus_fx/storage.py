@@ -45,6 +45,11 @@ def live_storage_count() -> int:
     return len(_LIVE)
 
 
+def current_trace_state() -> Any:
+    """An opaque token of the current jax trace (comparable with a storage's)."""
+    return _current_trace()
+
+
 def _current_trace() -> Any:
     if _get_opaque_trace_state is None:  # pragma: no cover
         return None

@@ -155,13 +155,27 @@ class Tape:
         return tape_to_dot(self)
 
     # -- backward ------------------------------------------------------------
-    def backward(self, loss: Any, retain: bool = False, grad: Any = None) -> GradientStore:
+    def backward(
+        self, loss: Any, retain: bool = False, create_graph: bool = False, grad: Any = None
+    ) -> GradientStore:
         """Reverse-walk the tape from ``loss`` and return a ``GradientStore``.
 
         ``loss`` is a tracked scalar tensor (or pass ``grad=`` of its shape for a
         non-scalar output). Unless ``retain=True`` the tape is consumed: its
         records are released and a second ``backward`` raises ``AutogradError``.
+        ``create_graph=True`` is not supported by the Tape API yet (its records
+        keep values, not the programs that made them): it raises
+        ``AutogradError``; nest the transforms instead (``rf.grad(rf.grad(f))``,
+        ``rf.vjp`` inside a loss), which record the inner backward to any order.
         """
+        if create_graph:
+            raise AutogradError(
+                "tape.backward(create_graph=True) is not supported: the tape's records hold "
+                "saved values, not the programs that made them, so the backward pass cannot be "
+                "differentiated through them without losing terms. Write the inner gradient "
+                "with rf.grad / rf.vjp inside the outer function: nested transforms record "
+                "their backward pass on the enclosing tape, to any order."
+            )
         from ..tensor import Tensor
         from .engine import GradientStore, run_backward
 

@@ -57,19 +57,21 @@ def _check_float_leaf(x: jax.Array, name: str) -> None:
         )
 
 
-NESTED_MESSAGE = (
-    "{name}: an argument is a Tensor tracked by an enclosing tape (rf.grad inside "
-    "rf.grad?). Reverse-over-reverse through the tape is not supported: backward rules "
-    "are not recorded, so the outer gradient would silently be zero. Use "
-    "jax.jvp(rf.grad(f), ...) (forward-over-reverse) or jax.grad(rf.grad(f)) instead."
-)
+def _nested(transform: Callable, name: str) -> Callable:
+    """Note [Higher order]: a transform called while an enclosing tape records
+    (``rf.grad`` inside ``rf.grad``, ``rf.vjp`` inside a loss) runs as one lifted
+    call on that tape: ``rf.lift`` traces the whole transform (its forward and
+    its backward walk, with no tape active outside it) to primitives and records
+    each with rf's rules, so the gradient is itself differentiable to any order.
+    Tracked Tensors the function closes over become inputs of that entry."""
+    from ..lift import lift  # the lift package builds on the transforms' tape
+
+    return lift(transform, name=name)
 
 
 def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor | None], Any]:
     """Replace each leaf of ``tree`` by a tracked leaf Tensor."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
-    if current_tape() is not None and any(isinstance(x, Tensor) and x.grad_id is not None for x in leaves):
-        raise AutogradError(NESTED_MESSAGE.format(name=name))
     tensors: list[Tensor | None] = []
     new_leaves = []
     for leaf in leaves:
@@ -142,6 +144,11 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, name: str) -> Callable:
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if current_tape() is not None:  # Note [Higher order]
+            return _nested(plain, f"rf.{name}({getattr(fun, '__name__', 'fun')})")(*args, **kwargs)
+        return plain(*args, **kwargs)
+
+    def plain(*args: Any, **kwargs: Any) -> Any:
         nums, single = _argnums_tuple(argnums, len(args), name)
         tape = Tape()
         new_args = list(args)
@@ -208,6 +215,33 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
     ``vjp_fn(cotangent)`` returns one gradient pytree per primal and may be
     called more than once. Integer primals get ``float0`` cotangents, as in JAX.
     """
+    if current_tape() is not None:  # Note [Higher order]: forward and vjp_fn lifted
+        return _nested_vjp(fun, primals, has_aux)
+    return _plain_vjp(fun, primals, has_aux)
+
+
+def _nested_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
+    def forward(*ps: Any) -> Any:
+        return _plain_vjp(fun, ps, has_aux)[0 if not has_aux else slice(0, None, 2)]
+
+    name = getattr(fun, "__name__", "fun")
+    out = _nested(forward, f"rf.vjp({name}).forward")(*primals)
+    aux = None
+    if has_aux:
+        out, aux = out
+
+    def pullback(ps: tuple, ct: Any) -> Any:
+        return _plain_vjp(fun, ps, has_aux)[1](ct)
+
+    lifted_pullback = _nested(pullback, f"rf.vjp({name}).backward")
+
+    def vjp_fn(cotangent: Any) -> tuple:
+        return lifted_pullback(tuple(primals), cotangent)
+
+    return (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
+
+
+def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
     tape = Tape()
     new_primals = []
     tracked = []

@@ -7,10 +7,10 @@ from . import rules_elementwise as rules_elementwise
 from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg
 from . import rules_structural as rules_structural
-from .remat import checkpoint as checkpoint
 from .interpreter import LiftedBackward as LiftedBackward
 from .interpreter import Program as Program
 from .interpreter import lift as lift
+from .remat import checkpoint as checkpoint
 from .rules import NON_DIFFERENTIABLE as NON_DIFFERENTIABLE
 from .rules import RULES as RULES
 from .rules import PrimitiveRecord as PrimitiveRecord

@@ -40,6 +40,7 @@ from .. import tensor as tensor_mod
 from ..autograd.errors import AutogradError
 from ..autograd.record import Aval, Record, VersionSnapshot
 from ..autograd.tape import current_tape, suspend_recording
+from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
 from .rules import NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_float
 
@@ -326,10 +327,19 @@ class _Capture:
         self.first_id = first_id
         self.found: dict[int, Tensor] = {}
         self.subst = subst or {}
+        self.trace: Any = None  # the trace being recorded (set when it starts)
+        self.constants: dict[int, Any] = {}  # storages of untracked tensors read
 
     def value(self, t: Tensor) -> Any:
         gid = t.grad_id
-        if gid is not None and gid < self.first_id:
+        if gid is None:
+            # an untracked tensor made before the trace: its value is baked into
+            # the program, so the entry snapshots its storage (VersionMismatch
+            # if it is written before backward)
+            if self.trace is not None and t._storage._trace != self.trace:
+                self.constants[id(t._storage)] = t._storage
+            return None
+        if gid < self.first_id:
             sub = self.subst.get(id(t))
             if sub is not None:
                 return sub
@@ -366,6 +376,8 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
     out_info: list[Any] = []
 
     def flat(*arrays_and_caps):
+        if tensor_mod.CAPTURE is not None and tensor_mod.CAPTURE.trace is None:
+            tensor_mod.CAPTURE.trace = current_trace_state()
         arrays = arrays_and_caps[: len(avals)]
         it_a = iter(arrays)
         it_s = iter(statics)
@@ -396,12 +408,13 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
             try:
                 return flat(*xs[: len(avals)])
             finally:
+                cap.constants.update(tensor_mod.CAPTURE.constants)
                 tensor_mod.CAPTURE = inner
 
         with suspend_recording():
             closed = jax.make_jaxpr(flat2)(*avals, *cap_avals)
-        return closed, out_info, captured
-    return closed, out_info, []
+        return closed, out_info, captured, list(cap.constants.values())
+    return closed, out_info, [], list(cap.constants.values())
 
 
 def lift(fun: Callable, name: str | None = None) -> Callable:
@@ -453,13 +466,14 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
     except TypeError:
         key = None
     hit = _PROGRAMS.get(key) if key is not None else None
-    if hit is not None and _closes_over_tracked((fun, *statics)):
-        hit = None  # a closure now holds a tracked Tensor: trace again to capture it
+    if hit is not None and _closes_over_tensor((fun, *statics)):
+        hit = None  # a closure holds a Tensor: trace again (capture it, snapshot it)
+    constants: list[Any] = []
     if hit is None:
-        closed, out_info, captured = _trace(fun, treedef, statics, is_arr, avals, label)
+        closed, out_info, captured, constants = _trace(fun, treedef, statics, is_arr, avals, label)
         program = Program(closed, tracked_in + (True,) * len(captured), label)
         hit = (program, out_info)
-        if key is not None and not captured:  # captures are per call: not cached
+        if key is not None and not captured and not constants:  # those are per call
             if len(_PROGRAMS) >= _MAX_PROGRAMS:
                 _PROGRAMS.clear()
             _PROGRAMS[key] = hit
@@ -484,6 +498,7 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
         for r, t in zip(program.out_refs, out_tensors):
             if isinstance(r, int) and r in program.residual_index and t.grad_id is not None:
                 versions.append(VersionSnapshot.of(t.grad_id, t._storage))
+        versions.extend(VersionSnapshot.of(None, s) for s in constants)
         rec = LiftedBackward(program, residuals[0], residuals[1], tuple(versions))
         out_ids = tuple(t.grad_id for t in out_tensors)
         tape.append(
@@ -499,9 +514,11 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
 
-def _closes_over_tracked(objs: Sequence[Any], depth: int = 3) -> bool:
-    """Whether a function among ``objs`` reads a tracked Tensor through a
-    closure cell or a global it names (looked at ``depth`` calls deep)."""
+def _closes_over_tensor(objs: Sequence[Any], depth: int = 3) -> bool:
+    """Whether a function among ``objs`` reads a Tensor through a closure cell
+    or a global it names (looked at ``depth`` calls deep): its program is then
+    traced per call, so a tracked one is captured and an untracked one is read
+    at its current value (and snapshotted)."""
     seen: set[int] = set()
     todo = [(o, depth) for o in objs]
     while todo:
@@ -520,11 +537,10 @@ def _closes_over_tracked(objs: Sequence[Any], depth: int = 3) -> bool:
         values += [glob[n] for n in code.co_names if n in glob]
         for v in values:
             if isinstance(v, Tensor):
-                if v.grad_id is not None:
-                    return True
+                return True
             elif isinstance(v, (list, tuple, dict)):
                 leaves = jax.tree_util.tree_leaves(v, is_leaf=_is_tensor)
-                if any(isinstance(x, Tensor) and x.grad_id is not None for x in leaves):
+                if any(isinstance(x, Tensor) for x in leaves):
                     return True
             elif d > 0 and callable(v) and not isinstance(v, type):
                 mod = getattr(v, "__module__", "") or ""

@@ -244,8 +244,9 @@ def _custom_vjp_forward(step, vals):
     nc = info["nc"]
     args = vals[nc:]
     outs = jcore.jaxpr_as_fun(info["fwd"])(*args)
-    n_out = info["n_out"]
-    primal, rest = list(outs[:n_out]), list(outs[n_out:])
+    # the fwd jaxpr returns the residuals that are not inputs, then the outputs
+    n_res = sum(k is None for k in info["input_fwds"])
+    rest, primal = list(outs[:n_res]), list(outs[n_res:])
     it = iter(rest)
     res = [args[k] if k is not None else next(it) for k in info["input_fwds"]]
     return primal, tuple(res)

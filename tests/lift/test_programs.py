@@ -1,0 +1,505 @@
+"""Whole programs on the tape: lifted jnp models, JAX boundaries, control flow,
+user-written backward rules, rematerialisation and higher-order gradients —
+each against jax.grad of the same jnp program."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import rumus_fx as rf
+import rumus_fx.numpy as rnp
+
+
+def _close(a, b, tol=2e-5):
+    chex.assert_trees_all_close(a, b, rtol=tol, atol=tol)
+
+
+def _key(i):
+    return jax.random.key(i)
+
+
+# -- whole programs ---------------------------------------------------------------
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for i, (w, b) in enumerate(params):
+        h = h @ w + b[None, :]
+        if i < len(params) - 1:
+            h = jax.nn.gelu(h)
+    return -jnp.mean(jax.nn.log_softmax(h) * y)
+
+
+def _mlp_params():
+    ks = jax.random.split(_key(0), 3)
+    return [(jax.random.normal(k, (m, n)) / m**0.5, jnp.zeros(n)) for k, (m, n) in zip(ks, ((5, 8), (8, 8), (8, 3)))]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_pure_jnp_mlp(jit):
+    params = _mlp_params()
+    x = jax.random.normal(_key(1), (4, 5))
+    y = jax.nn.one_hot(jnp.array([0, 2, 1, 0]), 3)
+    g = rf.grad(rf.lift(mlp_loss))
+    if jit:
+        g = jax.jit(g)
+    _close(g(params, x, y), jax.grad(mlp_loss)(params, x, y))
+
+
+def transformer_block(p, x):
+    def ln(v, g):
+        mu = jnp.mean(v, -1, keepdims=True)
+        return (v - mu) * lax.rsqrt(jnp.var(v, -1, keepdims=True) + 1e-5) * g[None, None, :]
+
+    h = ln(x, p["g1"])
+    q, k, v = jnp.split(h @ p["qkv"], 3, axis=-1)
+    s = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    mask = jnp.tril(jnp.ones((x.shape[-2], x.shape[-2]), bool))
+    s = jnp.where(mask[None], s, -1e9)
+    x = x + jax.nn.softmax(s, axis=-1) @ v @ p["o"]
+    h = ln(x, p["g2"])
+    return x + jax.nn.silu(h @ p["w1"]) @ p["w2"]
+
+
+def test_transformer_block_lifted():
+    d = 8
+    ks = jax.random.split(_key(2), 5)
+    p = {
+        "g1": jnp.ones(d),
+        "g2": jnp.ones(d),
+        "qkv": jax.random.normal(ks[0], (d, 3 * d)) * 0.3,
+        "o": jax.random.normal(ks[1], (d, d)) * 0.3,
+        "w1": jax.random.normal(ks[2], (d, 2 * d)) * 0.3,
+        "w2": jax.random.normal(ks[3], (2 * d, d)) * 0.3,
+    }
+    x = jax.random.normal(ks[4], (2, 5, d))
+
+    def loss(p, x):
+        return jnp.sum(transformer_block(p, x) ** 2)
+
+    _close(rf.grad(rf.lift(loss))(p, x), jax.grad(loss)(p, x), 1e-4)
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: a.astype(jnp.float64), p)
+        x64 = x.astype(jnp.float64)
+        chex.assert_trees_all_close(rf.grad(rf.lift(loss))(p64, x64), jax.grad(loss)(p64, x64), rtol=1e-10, atol=1e-10)
+
+
+def test_rnp_model_records_fused_ops():
+    x = jax.random.normal(_key(3), (4, 3))
+    w = jax.random.normal(_key(4), (3, 5))
+
+    def loss(w):
+        return rnp.sum(rnp.tanh(rnp.matmul(x, w)) ** 2)
+
+    with rf.Tape() as tape:
+        wt = rf.tensor(w, requires_grad=True)
+        loss(wt)
+    names = [e.op.name for e in tape.entries]
+    assert names[:2] == ["MatmulBackward", "TanhBackward"], names
+    _close(rf.grad(loss)(w), jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w))
+
+
+def test_tape_table_names_primitive_records():
+    with rf.Tape() as tape:
+        x = rf.tensor(jnp.ones((2, 3)), requires_grad=True)
+        rf.lift(lambda v: jnp.sum(jnp.sin(v) * 2.0))(x)
+    text = str(tape)
+    assert "LiftedBackward" in text and "SinBackward" in text and "ReduceSumBackward" in text
+    assert tape.saved_bytes == 2 * 3 * 4  # sin saves its input, nothing else
+
+
+def test_unsupported_primitive_raises_naming_it():
+    def f(x):
+        return jnp.sum(jnp.fft.fft(x).real)
+
+    with pytest.raises(rf.AutogradError, match="no backward rule for the primitive 'fft'"):
+        rf.grad(rf.lift(f))(jnp.ones(4))
+
+
+def test_closure_over_tracked_tensor_is_captured():
+    w = jnp.array([1.0, 2.0, 3.0])
+    x = jnp.array([0.5, -1.0, 2.0])
+
+    def loss(w):
+        return rf.lift(lambda v: jnp.sum(jnp.sin(v * w)))(x)  # w is closed over, tracked
+
+    _close(rf.grad(loss)(w), jax.grad(lambda w: jnp.sum(jnp.sin(x * w)))(w))
+
+
+def test_stax_models():
+    from jax.example_libraries import stax
+
+    init, apply = stax.serial(
+        stax.Conv(4, (3, 3), padding="SAME"), stax.Relu, stax.Flatten, stax.Dense(8), stax.Tanh, stax.Dense(3),
+        stax.LogSoftmax,
+    )  # fmt: skip
+    x = jax.random.normal(_key(6), (2, 6, 6, 1))
+    with jax.numpy_rank_promotion("allow"):  # stax's Dense relies on rank promotion
+        _, params = init(_key(5), (2, 6, 6, 1))
+
+        def loss(p):
+            return -jnp.mean(apply(p, x)[:, 0])
+
+        _close(rf.grad(rf.lift(loss))(params), jax.grad(loss)(params), 1e-4)
+
+
+def _rules():
+    from rumus_fx.lift.rules import RULES
+
+    return RULES
+
+
+# -- JAX boundaries -----------------------------------------------------------------
+
+
+def test_jit_vmap_eval_shape_of_a_model():
+    model = rf.nn.Sequential([rf.nn.Linear(3, 4), rf.relu, rf.nn.Linear(4, 2)])
+    p = model.init(_key(7))
+    x = jnp.ones((5, 3))
+    out = jax.jit(model)(p, x)
+    assert isinstance(out, rf.Tensor) and out.shape == (5, 2)
+    _close(out.value, model(p, x).value)
+    shape = jax.eval_shape(model, p, x)
+    assert jax.tree.leaves(shape)[0].shape == (5, 2)
+    v = jax.vmap(rf.relu)(jnp.array([[-1.0, 2.0]]))
+    _close(v.value, jnp.array([[0.0, 2.0]]))
+    _close(jnp.sin(rf.relu(jnp.ones(2))), jnp.sin(jnp.ones(2)))
+
+
+def test_mixed_precision_tree_map_keeps_gradients():
+    params = {"a": jnp.array([1.0, -2.0]), "b": [jnp.array([[0.5, 3.0]])]}
+
+    def loss(p):
+        p16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+        return sum((leaf.astype(jnp.float32) ** 2).sum() for leaf in jax.tree.leaves(p16))
+
+    got = rf.grad(loss)(params)
+    _close(got, jax.grad(loss)(params))
+    assert float(jnp.abs(got["a"]).sum()) > 0
+
+
+def test_tracked_tensor_into_raw_transformation_names_lift():
+    def loss(w):
+        return rf.sum(jax.jit(lambda v: v * 2)(w))
+
+    with pytest.raises(TypeError, match=r"rf\.lift"):
+        rf.grad(loss)(jnp.ones(3))
+
+    def loss_scan(w):
+        return rf.sum(lax.scan(lambda c, v: (c, v), 0.0, w)[1])
+
+    with pytest.raises(TypeError, match=r"rf\.lift"):
+        rf.grad(loss_scan)(jnp.ones(3))
+
+
+def test_tensor_methods_and_operators():
+    x = jax.random.normal(_key(8), (3, 4))
+
+    def f_rf(w):
+        h = x * w
+        return (
+            (h**2).sum()
+            + abs(h).max()
+            + h.var()
+            + h.std()
+            + h.prod()
+            + h.clip(-0.5, 0.5).sum()
+            + h.astype(jnp.float32).sqrt().sum() * 0
+            + (w @ jnp.ones(4)).sum()
+            + h.at[0, 1:].set(3.0).sum() * 0
+            + (h * (h > 0)).sum()
+            + h.swapaxes(0, 1).squeeze().sum()
+        )
+
+    def f_j(w):
+        h = x * w
+        return (
+            (h**2).sum()
+            + jnp.abs(h).max()
+            + h.var()
+            + h.std()
+            + h.prod()
+            + h.clip(-0.5, 0.5).sum()
+            + (w @ jnp.ones(4)).sum()
+            + (h * (h > 0)).sum()
+            + h.swapaxes(0, 1).squeeze().sum()
+        )
+
+    w = jax.random.normal(_key(9), (3, 4))
+    if "scatter" in _rules():
+        _close(rf.grad(f_rf)(w), jax.grad(f_j)(w), 1e-4)
+    t = rf.tensor([1.0, 2.0])
+    assert {t: 1}[t] == 1  # hash by identity
+    eq = t == t
+    assert eq.dtype == jnp.bool_ and not getattr(eq, "requires_grad", False)
+    with rf.Tape():
+        tt = rf.tensor([1.0, 2.0], requires_grad=True)
+        lt = tt < 1.5
+        assert lt.dtype == jnp.bool_ and not lt.requires_grad
+
+
+# -- control flow -------------------------------------------------------------------------
+
+
+def _scan_loss_rf(ws, x0):
+    h, _ = rf.lax.scan(lambda h, w: (rf.tanh(h @ w), None), x0, ws)
+    return rf.sum(h * h)
+
+
+def _scan_loss_jnp(ws, x0):
+    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x0, ws)
+    return jnp.sum(h * h)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_scan_rf_op_body(mode, dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        ws = (jax.random.normal(_key(10), (4, 3, 3)) * 0.5).astype(dtype)
+        x0 = jax.random.normal(_key(11), (2, 3)).astype(dtype)
+        tol = 1e-10 if dtype == jnp.float64 else 2e-5
+        g = rf.grad(_scan_loss_rf, argnums=(0, 1))
+        want = jax.grad(_scan_loss_jnp, argnums=(0, 1))
+        if mode == "jit":
+            g = jax.jit(g)
+        if mode == "vmap":
+            xs = jnp.stack([x0, 2 * x0])
+            got = jax.vmap(g, in_axes=(None, 0))(ws, xs)
+            exp = jax.vmap(want, in_axes=(None, 0))(ws, xs)
+        else:
+            got, exp = g(ws, x0), want(ws, x0)
+        chex.assert_trees_all_close(got, exp, rtol=tol, atol=tol)
+
+
+def test_scan_tape_length_independent_of_length():
+    lengths = []
+    for n in (3, 1000):
+        with rf.Tape() as tape:
+            ws = rf.tensor(jnp.full((n, 2, 2), 0.1), requires_grad=True)
+            _scan_loss_rf(ws, jnp.ones((1, 2)))
+        lengths.append((len(tape), sum(len(e.op.records()) for e in tape.entries if hasattr(e.op, "records"))))
+    assert lengths[0] == lengths[1]
+
+
+def test_scan_closure_nested_fori_map_rnp_body():
+    w = jnp.array([[0.5, -0.3], [0.2, 0.8]])
+    x = jnp.array([1.0, 2.0])
+
+    def f_rf(w):
+        def outer(c, _):
+            inner, _ = rf.lax.scan(lambda d, __: (rnp.sin(d @ w), None), c, None, length=2)
+            return inner, rnp.sum(inner)
+
+        c, ys = rf.lax.scan(outer, x, None, length=3)
+        z = rf.lax.fori_loop(0, 3, lambda i, v: rnp.tanh(v * w[0]), c)
+        m = rf.lax.map(lambda r: rnp.sum(r * w[1]), rnp.stack([z, c]))
+        return rnp.sum(ys) + rnp.sum(m)
+
+    def f_j(w):
+        def outer(c, _):
+            inner, _ = lax.scan(lambda d, __: (jnp.sin(d @ w), None), c, None, length=2)
+            return inner, jnp.sum(inner)
+
+        c, ys = lax.scan(outer, x, None, length=3)
+        z = lax.fori_loop(0, 3, lambda i, v: jnp.tanh(v * w[0]), c)
+        m = lax.map(lambda r: jnp.sum(r * w[1]), jnp.stack([z, c]))
+        return jnp.sum(ys) + jnp.sum(m)
+
+    _close(rf.grad(f_rf)(w), jax.grad(f_j)(w))
+    _close(jax.jit(rf.grad(f_rf))(w), jax.grad(f_j)(w))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_cond_and_switch(sign):
+    x = sign * jnp.array([0.5, 1.5, 2.0])
+
+    def f(x):
+        a = lax.cond(jnp.sum(x) > 0, jnp.sin, lambda v: v**2, x)
+        b = lax.switch((jnp.sum(x) > 0).astype(jnp.int32) + 1, [jnp.cos, jnp.exp, jnp.tanh], x)
+        return jnp.sum(a * b)
+
+    _close(rf.grad(rf.lift(f))(x), jax.grad(f)(x))
+    _close(jax.jit(rf.grad(rf.lift(f)))(x), jax.grad(f)(x))
+
+    def f_rf(x):
+        return rf.sum(rf.lax.cond(rf.sum(x).value > 0, rf.tanh, rf.exp, x))
+
+    _close(rf.grad(f_rf)(x), jax.grad(lambda x: jnp.sum(lax.cond(jnp.sum(x) > 0, jnp.tanh, jnp.exp, x)))(x))
+
+
+def test_while_loop_forward_works_reverse_raises():
+    def f(x):
+        return jnp.sum(lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])), (0, x))[1])
+
+    x = jnp.array([0.3, 0.7])
+    _close(rf.lift(f)(x), f(x))
+    out = rf.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1]
+    _close(rf.testing.as_array(out), x * 8)
+    with pytest.raises(rf.AutogradError, match="while_loop"):
+        rf.grad(rf.lift(f))(x)
+
+
+# -- user-written backward ------------------------------------------------------------
+
+
+@jax.custom_vjp
+def doubled(x):
+    return jnp.sin(x)
+
+
+doubled.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda cos_x, g: (2.0 * g * cos_x,))  # twice the truth
+
+
+def test_custom_vjp_bwd_is_obeyed_exactly():
+    x = jnp.array([0.1, 0.5, 1.0])
+    got = rf.grad(rf.lift(lambda v: jnp.sum(doubled(v))))(x)
+    _close(got, 2.0 * jnp.cos(x), 1e-6)
+    # as an rf op on Tensors, next to rf ops
+    got2 = rf.grad(lambda v: rf.sum(rf.lift(doubled)(rf.tanh(v))))(x)
+    _close(got2, 2.0 * jnp.cos(jnp.tanh(x)) * (1 - jnp.tanh(x) ** 2), 1e-6)
+    with rf.Tape() as tape:
+        t = rf.tensor(x, requires_grad=True)
+        rf.lift(doubled)(t)
+    assert "CustomVjpCallBackward" in str(tape)
+
+
+def test_custom_jvp_differentiates_the_primal():
+    @jax.custom_jvp
+    def f(x):
+        return x**3
+
+    f.defjvp(lambda p, t: (f(p[0]), 100.0 * t[0]))  # a custom rule rf must ignore
+    x = jnp.array([1.0, 2.0])
+    _close(rf.grad(rf.lift(lambda v: jnp.sum(f(v))))(x), 3 * x**2)
+
+
+# -- rematerialisation ------------------------------------------------------------------
+
+
+def test_checkpoint_equal_gradients_and_less_saved():
+    ws = [jax.random.normal(jax.random.key(20 + i), (16, 16)) * 0.3 for i in range(6)]
+    x = jax.random.normal(_key(30), (64, 16))
+
+    def layer(w, h):
+        return rf.tanh(rf.tanh(h @ w) @ w)
+
+    def loss(ws, ckpt):
+        h = x
+        for w in ws:
+            h = rf.checkpoint(layer)(w, h) if ckpt else layer(w, h)
+        return rf.sum(h * h)
+
+    _close(rf.grad(lambda w: loss(w, True))(ws), rf.grad(lambda w: loss(w, False))(ws))
+    saved = []
+    for ckpt in (False, True):
+        with rf.Tape() as tape:
+            loss([rf.tensor(w, requires_grad=True) for w in ws], ckpt)
+        saved.append(tape.saved_bytes)
+    assert saved[1] < saved[0] / 1.5, saved
+
+
+# -- higher order ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_grad_of_grad_rf_ops_and_lifted(jit, x64):
+    x = jnp.array([0.3, -1.2, 2.0])
+
+    def inner(x):
+        return rf.sum(rf.tanh(x) * rf.exp(x * 0.3)) + rf.lift(lambda v: jnp.sum(jnp.sin(v) * v**2))(x)
+
+    def inner_j(x):
+        return jnp.sum(jnp.tanh(x) * jnp.exp(x * 0.3)) + jnp.sum(jnp.sin(x) * x**2)
+
+    g = rf.grad(lambda x: rf.sum(rf.grad(inner)(x) ** 2))
+    if jit:
+        g = jax.jit(g)
+    want = jax.grad(lambda x: jnp.sum(jax.grad(inner_j)(x) ** 2))(x)
+    chex.assert_trees_all_close(g(x), want, rtol=1e-9, atol=1e-9)
+
+
+def test_third_order(x64):
+    x = jnp.array([0.3, -1.2, 2.0])
+    s = lambda x: rf.sum(rf.sigmoid(x) * x)  # noqa: E731
+    got = rf.grad(lambda x: rf.sum(rf.grad(lambda y: rf.sum(rf.grad(s)(y)))(x)))(x)
+    sj = lambda x: jnp.sum(jax.nn.sigmoid(x) * x)  # noqa: E731
+    want = jax.grad(lambda x: jnp.sum(jax.grad(lambda y: jnp.sum(jax.grad(sj)(y)))(x)))(x)
+    chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_reverse_over_reverse_hvp_equals_forward_over_reverse(x64):
+    x = jnp.array([0.3, -1.2, 2.0])
+    v = jnp.array([1.0, 0.5, -2.0])
+    f = lambda x: rf.sum(rf.tanh(x) ** 2 * rf.exp(x))  # noqa: E731
+    rr = rf.grad(lambda x: rf.sum(rf.grad(f)(x) * v))(x)
+    fr = jax.jvp(rf.grad(f), (x,), (v,))[1]
+    chex.assert_trees_all_close(rr, fr, rtol=1e-9, atol=1e-9)
+
+
+def test_gradient_penalty_and_maml_step(x64):
+    w = jax.random.normal(_key(40), (3, 4)).astype(jnp.float64)
+    xb = jax.random.normal(_key(41), (5, 3)).astype(jnp.float64)
+
+    def gp(w):
+        gx = rf.grad(lambda x: rf.sum(rf.tanh(x @ w)))(xb)
+        n = rf.sum(gx * gx, axis=1)
+        return rf.sum((n - 1.0) * (n - 1.0))
+
+    def gp_j(w):
+        gx = jax.grad(lambda x: jnp.sum(jnp.tanh(x @ w)))(xb)
+        return jnp.sum((jnp.sum(gx * gx, axis=1) - 1.0) ** 2)
+
+    chex.assert_trees_all_close(rf.grad(gp)(w), jax.grad(gp_j)(w), rtol=1e-9, atol=1e-9)
+
+    def maml(w):
+        inner = lambda w: rf.sum((rf.tanh(xb @ w) - 0.5) ** 2)  # noqa: E731
+        w2 = w - 0.1 * rf.grad(inner)(w)
+        return rf.sum(rf.tanh(xb @ w2) ** 2)
+
+    def maml_j(w):
+        inner = lambda w: jnp.sum((jnp.tanh(xb @ w) - 0.5) ** 2)  # noqa: E731
+        w2 = w - 0.1 * jax.grad(inner)(w)
+        return jnp.sum(jnp.tanh(xb @ w2) ** 2)
+
+    chex.assert_trees_all_close(rf.grad(maml)(w), jax.grad(maml_j)(w), rtol=1e-9, atol=1e-9)
+    chex.assert_trees_all_close(jax.jit(rf.grad(maml))(w), jax.grad(maml_j)(w), rtol=1e-9, atol=1e-9)
+
+
+def test_vjp_inside_a_loss(x64):
+    x = jnp.array([0.3, -1.2])
+
+    def loss(x):
+        out, pull = rf.vjp(lambda v: rf.tanh(v) * v, x)
+        (g,) = pull(jnp.ones(2))
+        return rf.sum(g * g) + rf.sum(out)
+
+    def loss_j(x):
+        out, pull = jax.vjp(lambda v: jnp.tanh(v) * v, x)
+        (g,) = pull(jnp.ones(2))
+        return jnp.sum(g * g) + jnp.sum(out)
+
+    chex.assert_trees_all_close(rf.grad(loss)(x), jax.grad(loss_j)(x), rtol=1e-9, atol=1e-9)
+
+
+def test_version_check_across_orders():
+    def loss(w):
+        x = rf.tensor(jnp.array([1.0, 2.0]))
+        g = rf.grad(lambda v: rf.sum(rf.tanh(v * x)))(w)  # the inner backward reads x
+        x.add_(1.0)  # written before the outer backward
+        return rf.sum(g)
+
+    with pytest.raises(rf.VersionMismatch):
+        rf.grad(loss)(jnp.array([0.5, 0.1]))
+
+
+def test_create_graph_on_tape_api_raises_clearly():
+    with rf.Tape() as tape:
+        w = rf.tensor([1.0, 2.0], requires_grad=True)
+        loss = rf.sum(w * w)
+        with pytest.raises(rf.AutogradError, match="create_graph"):
+            tape.backward(loss, create_graph=True)
