@@ -102,8 +102,10 @@ def test_operators_and_scalars():
 
 
 def test_matmul_operator_rank_errors():
-    with pytest.raises(rf.ShapeError, match="@"):
-        rf.tensor(np.ones(3)) @ rf.tensor(np.ones(3))
+    # 1-D operands follow jnp.matmul (a dot product); mismatched ones are a ShapeError
+    np.testing.assert_allclose(np.asarray(rf.tensor(np.ones(3)) @ rf.tensor(np.ones(3))), 3.0)
+    with rf.Tape(), pytest.raises(rf.ShapeError, match="matmul"):
+        rf.tensor(np.ones(3), requires_grad=True) @ rf.tensor(np.ones(4))
     with pytest.raises(rf.ShapeError, match=r"matmul.*\(2, 3\).*\(4, 5\)"):
         rf.matmul(np.ones((2, 3)), np.ones((4, 5)))
 

@@ -15,6 +15,11 @@ class ShapeError(ValueError):
     """
 
 
+class ShapeTypeError(ShapeError, TypeError):
+    """A ShapeError that is also the TypeError JAX raised for it (a lifted jax
+    function given operands of incompatible shapes)."""
+
+
 VERSION_HINT = (
     "Hint: a tensor that this record saved for the backward pass was modified in "
     "place (add_, mul_, copy_, ... or an optimizer update) after the forward op "

@@ -19,7 +19,6 @@ import numpy as np
 
 from ..tensor import Tensor, next_grad_id
 from .engine import run_backward
-from .errors import AutogradError
 from .tape import Tape, current_tape
 
 
@@ -66,7 +65,18 @@ def _nested(transform: Callable, name: str) -> Callable:
     Tracked Tensors the function closes over become inputs of that entry."""
     from ..lift import lift  # the lift package builds on the transforms' tape
 
-    return lift(transform, name=name)
+    lifted = lift(transform, name=name)
+
+    @functools.wraps(transform)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # untracked results are plain arrays, as from the transform itself
+        return jax.tree_util.tree_map(
+            lambda x: x.value if isinstance(x, Tensor) and x.grad_id is None else x,
+            lifted(*args, **kwargs),
+            is_leaf=_is_tensor,
+        )
+
+    return call
 
 
 def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor | None], Any]:

@@ -37,7 +37,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from .. import tensor as tensor_mod
-from ..autograd.errors import AutogradError
+from ..autograd.errors import AutogradError, ShapeError, ShapeTypeError
 from ..autograd.record import Aval, Record, VersionSnapshot
 from ..autograd.tape import current_tape, suspend_recording
 from ..storage import current_trace_state
@@ -395,6 +395,9 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
     try:
         with suspend_recording():
             closed = jax.make_jaxpr(flat)(*avals)
+    except (TypeError, ValueError) as e:
+        _raise_shape_error(e, name, avals)
+        raise
     finally:
         tensor_mod.CAPTURE = prev
     if cap.found:  # pass 2: the captured tensors become inputs
@@ -415,6 +418,16 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
             closed = jax.make_jaxpr(flat2)(*avals, *cap_avals)
         return closed, out_info, captured, list(cap.constants.values())
     return closed, out_info, [], list(cap.constants.values())
+
+
+def _raise_shape_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
+    """JAX's own shape errors, raised while tracing, as rf.ShapeError naming the
+    function and the shapes (nothing is recorded then)."""
+    if isinstance(e, ShapeError) or "shape" not in str(e).lower():
+        return
+    shapes = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals)
+    cls = ShapeTypeError if isinstance(e, TypeError) else ShapeError
+    raise cls(f"{name}: operands of shapes {shapes}: {e}") from e
 
 
 def lift(fun: Callable, name: str | None = None) -> Callable:
