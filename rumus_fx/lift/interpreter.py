@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -264,10 +263,10 @@ class Program:
                 in_grads = rec.backward(gs, st.needs)
             else:
                 in_grads = rec.backward(gs[0], st.needs)
-            for x, need, g in zip(st.ins, st.needs, in_grads):
+            for x, need, g, aval in zip(st.ins, st.needs, in_grads, st.in_avals):
                 if not need or g is None:
                     continue
-                g = _fit(g, self_aval=st.in_avals[st.ins.index(x)], name=rec.name)
+                g = _fit(g, self_aval=aval, name=rec.name)
                 grads[x] = g if x not in grads else grads[x] + g
         return [grads.get(s) for s in self.in_slots]
 
@@ -349,9 +348,6 @@ class _Capture:
                 )
             self.found.setdefault(id(t), t)
         return None
-
-
-_local = threading.local()
 
 
 _PROGRAMS: dict[Any, tuple[Program, Any]] = {}
@@ -486,7 +482,7 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
         closed, out_info, captured, constants = _trace(fun, treedef, statics, is_arr, avals, label)
         program = Program(closed, tracked_in + (True,) * len(captured), label)
         hit = (program, out_info)
-        if key is not None and not captured and not constants:  # those are per call
+        if key is not None and not captured and not constants and not _closes_over_tensor((fun, *statics)):
             if len(_PROGRAMS) >= _MAX_PROGRAMS:
                 _PROGRAMS.clear()
             _PROGRAMS[key] = hit
@@ -528,10 +524,11 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
 
 
 def _closes_over_tensor(objs: Sequence[Any], depth: int = 3) -> bool:
-    """Whether a function among ``objs`` reads a Tensor through a closure cell
-    or a global it names (looked at ``depth`` calls deep): its program is then
-    traced per call, so a tracked one is captured and an untracked one is read
-    at its current value (and snapshotted)."""
+    """Whether a function among ``objs`` reads a Tensor or an array through a
+    closure cell or a global it names (looked at ``depth`` calls deep). Its
+    program is then traced per call and not cached: a tracked Tensor is captured,
+    an untracked one snapshotted, and an array rebound since the last call is read
+    at its current value (a cached program would hold the old one)."""
     seen: set[int] = set()
     todo = [(o, depth) for o in objs]
     while todo:
@@ -543,17 +540,17 @@ def _closes_over_tensor(objs: Sequence[Any], depth: int = 3) -> bool:
             todo.extend((x, d) for x in (o.func, *o.args, *o.keywords.values()))
             continue
         code = getattr(o, "__code__", None)
-        if code is None:
+        if code is None or (getattr(o, "__module__", "") or "").startswith(("jax.", "numpy")):
             continue
         values = [c.cell_contents for c in (o.__closure__ or ()) if _cell_ok(c)]
         glob = getattr(o, "__globals__", {})
         values += [glob[n] for n in code.co_names if n in glob]
         for v in values:
-            if isinstance(v, Tensor):
-                return True
+            if isinstance(v, (Tensor, jax.Array, np.ndarray)):
+                return True  # its current value is what the program must read
             elif isinstance(v, (list, tuple, dict)):
                 leaves = jax.tree_util.tree_leaves(v, is_leaf=_is_tensor)
-                if any(isinstance(x, Tensor) for x in leaves):
+                if any(isinstance(x, (Tensor, jax.Array, np.ndarray)) for x in leaves):
                     return True
             elif d > 0 and callable(v) and not isinstance(v, type):
                 mod = getattr(v, "__module__", "") or ""

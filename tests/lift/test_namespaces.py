@@ -85,7 +85,7 @@ NP_CASES = _sweep(rnp, jnp, [n for n in _functions(jnp) if n not in _SKIP])
 
 
 def test_sweep_reaches_most_of_jax_numpy():
-    assert len(NP_CASES) >= 150, len(NP_CASES)
+    assert len(NP_CASES) >= 130, len(NP_CASES)
 
 
 @pytest.mark.parametrize("name,arity", NP_CASES, ids=[n for n, _ in NP_CASES])
