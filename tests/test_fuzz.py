@@ -6,7 +6,7 @@
 (c) random in-place writes under ``rf.no_grad()`` between forward and backward:
     ``rf.VersionMismatch`` is raised exactly when a live record read a storage that
     was written, as predicted by an independent model of what each record reads
-    (SPEC section 4), and gradients are unchanged otherwise.
+    (docs/SPEC.md section 4), and gradients are unchanged otherwise.
 
 Profiles
 --------
@@ -553,7 +553,7 @@ _BINARY_C = {
 class Model:
     """An independent model of the forward program: which records it appends,
     which storages (by the model's own storage ids; views share them) each
-    record's backward reads (SPEC section 4: MulBackward the other operand of
+    record's backward reads (docs/SPEC.md section 4: MulBackward the other operand of
     each tracked one, Exp/Sigmoid/Tanh/Softmax their output, Relu/Log/Gelu/
     LeakyRelu/LayerNorm their input, Add/Sub/Neg/Sum/Mean/Reshape/Transpose
     nothing), and the same program in jnp for the gradient oracle."""
@@ -621,7 +621,7 @@ class Model:
             out = self.new(mid.t.transpose(1, 0), a.tracked, a.positive, sid=a.sid)
             self.record("TransposeBackward", out, [mid], [])
             return self.step(out, jnp.transpose, mid)
-        assert a.t.is_contiguous()  # so reshape makes a view (SPEC section 2)
+        assert a.t.is_contiguous()  # so reshape makes a view (docs/SPEC.md section 2)
         shape = a.t.shape
         mid = self.new(rf.reshape(a.t, (-1,)), a.tracked, a.positive, sid=a.sid)
         self.record("ReshapeBackward", mid, [a], [])
