@@ -29,6 +29,14 @@ def _window_gather(x, i):
     return lax.gather(x, i, dn, (2, 2), mode="clip")
 
 
+def _window_scatter(x, u, i):
+    """Overlapping 2x2 windows, one of them out of bounds (dropped)."""
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(), scatter_dims_to_operand_dims=(0, 1)
+    )
+    return lax.scatter(x, i, u, dn) ** 2
+
+
 def _sort_each_axis(x):  # (jnp.stack is a primitive of its own: concatenate here)
     return jnp.concatenate([jnp.sort(x, axis=a) for a in range(x.ndim)])
 
@@ -132,6 +140,18 @@ ENTRIES: list[PInfo] = [
         "scatter_set_scalar",
         lambda x, u, i: x.at[i, 1].set(u[0]) * x,
         _upd((4, 3), _i(2, 2, 0), (3,)),
+        ("scatter",),
+    ),
+    PInfo(
+        "scatter_window",
+        _window_scatter,
+        _upd((4, 5), _i(0, 0, 1, 1, 3, 4, 1, 1).reshape(4, 2), (4, 2, 2)),
+        ("scatter",),
+    ),
+    PInfo(
+        "scatter_put_along_axis",  # operand_batching_dims
+        lambda x, u, i: jnp.put_along_axis(x, i, u, axis=1, inplace=False) ** 2,
+        _upd((3, 5), np.array([[0, 4, 4], [1, 1, 0], [2, 3, 2]], np.int32), (3, 3)),
         ("scatter",),
     ),
     # -- scatter-add / sub --------------------------------------------------------------
