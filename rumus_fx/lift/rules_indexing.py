@@ -152,7 +152,7 @@ def _scatter_mul_vjp(r, g):
 
 
 def _scatter_mul_prepare(step):
-    if len(step.needs) > 2 and step.needs[2] and not step.params["unique_indices"]:
+    if step.needs[2] and not step.params["unique_indices"]:
         raise AutogradError(
             "rf.lift: the gradient of 'scatter-mul' (x.at[idx].multiply(y)) with respect to "
             "the updates y is only defined here for unique_indices=True (jax has none for "
