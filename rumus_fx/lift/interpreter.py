@@ -174,7 +174,7 @@ class Program:
             prepare = getattr(rule.vjp, "prepare", None)
             if prepare is not None:  # control flow: nested programs for the bodies
                 step.sub = prepare(step)
-            si, so = rule.saves(needs)
+            si, so = rule.saves(needs, step.params)
             step.saved_in = tuple(si)
             step.saved_out = tuple(so)
             for k, s in enumerate(step.outs):

@@ -9,8 +9,9 @@ primitive's name as it appears in a jaxpr (``"sin"``, ``"dot_general"``,
 ``jax.numpy``/``lax`` — ``r`` is the record (saved values, params, avals, which
 inputs need a gradient) and ``g`` the output gradient (a tuple for primitives with
 several outputs) — and it returns one gradient (or ``None``) per input.
-``saves(needs)`` says which inputs and outputs of the primitive the formula reads;
-a rule saves nothing else (a value it needs but the primitive does not return,
+``saves(needs)`` (or ``saves(needs, params)`` when it depends on the primitive's
+parameters, as ``sort``'s keys do on ``num_keys``) says which inputs and outputs of
+the primitive the formula reads; a rule saves nothing else (a value it needs but the primitive does not return,
 such as the permutation of a ``sort``, is recomputed from what it saved). That
 keeps ``saved_bytes`` honest and makes every saved value an ordinary value of the
 program, which higher-order gradients need.
@@ -29,6 +30,7 @@ Nothing here calls JAX's JVP or transpose rules: ``jax.extend.core`` and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -104,7 +106,7 @@ class Rule:
     name: str
     record: type[PrimitiveRecord]
     vjp: Callable[[PrimitiveRecord, Any], tuple]
-    saves: Callable[[tuple[bool, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+    saves: Callable[[tuple[bool, ...], Params], tuple[tuple[int, ...], tuple[int, ...]]]
     forward: Callable | None = None
     multiple_results: bool = False
 
@@ -132,7 +134,14 @@ def camel(name: str) -> str:
 
 
 def _saves_fixed(ins: tuple[int, ...], outs: tuple[int, ...]) -> Callable:
-    return lambda needs: (ins, outs)
+    return lambda needs, params: (ins, outs)
+
+
+def _saves_of(saves: Callable) -> Callable:
+    """``saves`` as a function of ``(needs, params)``."""
+    if len(inspect.signature(saves).parameters) >= 2:
+        return saves
+    return lambda needs, params: saves(needs)
 
 
 def defrule(
@@ -149,7 +158,7 @@ def defrule(
     cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
     cls = frozen(cls)
     cls.__module__ = vjp.__module__
-    saves_fn = saves if callable(saves) else _saves_fixed(*saves)
+    saves_fn = _saves_of(saves) if callable(saves) else _saves_fixed(*saves)
     rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results)
     cls.rule = rule
     RULES[name] = rule
