@@ -232,3 +232,14 @@ def _dynamic_update_slice_vjp(r, g):
 
 
 defrule("dynamic_update_slice", _dynamic_update_slice_vjp, lambda needs: (tuple(range(2, len(needs))), ()))
+
+
+def _stack_vjp(r, g):
+    axis = r.p["axis"]
+    return tuple(
+        lax.index_in_dim(g, k, axis=axis, keepdims=False).astype(a.dtype) if n else None
+        for k, (a, n) in enumerate(zip(r.in_avals, r.needs))
+    )
+
+
+defrule("stack", _stack_vjp)

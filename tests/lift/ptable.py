@@ -51,7 +51,7 @@ CORE: list[PInfo] = [
     u("lgamma", jax.scipy.special.gammaln, positive),
     u("digamma", jax.scipy.special.digamma, positive),
     u("reduce_precision", lambda x: lax.reduce_precision(x, 8, 23) * x, fd=False),
-    u("convert_element_type", lambda x: jnp.sin(x.astype(jnp.float32).astype(x.dtype)) * x, fd=False),
+    u("convert_element_type", lambda x: jnp.sin(x.astype(jnp.bfloat16).astype(x.dtype)) * x, fd=False),
     # -- binary ------------------------------------------------------------------
     PInfo("add", lambda x, y: x + y, binary(), ("add",), vmap=True),
     PInfo("sub", lambda x, y: x - y, binary(), ("sub",)),
@@ -165,6 +165,12 @@ CORE: list[PInfo] = [
     PInfo("rev", lambda x: jnp.flip(x, (0, 1)) * jnp.arange(12.0).reshape(3, 4), unary(shapes=((3, 4),)), ("rev",)),
     PInfo("split", lambda x: jnp.split(x, [1, 3], axis=1)[1] ** 2, unary(shapes=((3, 5),)), ("split",)),
     PInfo(
+        "stack",
+        lambda x, y: jnp.stack([x, y * 2.0, x], axis=1) ** 2,
+        lambda r: [PSample((normal(r, 3, 4), normal(r, 3, 4)), (0, 1))],
+        ("stack",),
+    ),
+    PInfo(
         "dynamic_slice",
         lambda x, i: lax.dynamic_slice(x, (i[0], i[1]), (2, 3)) ** 2,
         lambda r: [PSample((normal(r, 4, 5), np.array([1, 1], np.int32)))],
@@ -178,4 +184,44 @@ CORE: list[PInfo] = [
     ),
 ]
 
-ENTRIES: list[PInfo] = CORE + ptable_conv.ENTRIES + ptable_indexing.ENTRIES + ptable_linalg.ENTRIES
+@jax.custom_vjp
+def _sin_cvjp(x):
+    return jnp.sin(x)
+
+
+_sin_cvjp.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,))
+
+
+def _scan_program(w, x):
+    def body(h, xi):
+        h = jnp.tanh(h * w + xi)
+        return h, h * 2.0
+
+    h, ys = lax.scan(body, x[0], x)
+    return jnp.sum(ys) + h
+
+
+CONTROL: list[PInfo] = [
+    PInfo(
+        "scan",
+        _scan_program,
+        lambda r: [PSample((normal(r, 4) * 0.5, normal(r, 5, 4)), (0, 1))],
+        ("scan",),
+        vmap=True,
+    ),
+    PInfo(
+        "cond",
+        lambda x, y: lax.cond(jnp.sum(x) > 0, lambda a, b: jnp.sin(a) * b, lambda a, b: a * b**2, x, y),
+        lambda r: [PSample((positive(r, 3), normal(r, 3)), (0, 1)), PSample((-positive(r, 3), normal(r, 3)), (0, 1))],
+        ("cond",),
+    ),
+    PInfo("custom_vjp_call", lambda x: _sin_cvjp(x) * x, unary(), ("custom_vjp_call",)),
+    PInfo(
+        "remat2",
+        lambda x, y: jax.checkpoint(lambda a, b: jnp.sin(a @ b) * a)(x, y),
+        lambda r: [PSample((normal(r, 3, 3), normal(r, 3, 3)), (0, 1))],
+        ("remat2",),
+    ),
+]
+
+ENTRIES: list[PInfo] = CORE + CONTROL + ptable_conv.ENTRIES + ptable_indexing.ENTRIES + ptable_linalg.ENTRIES
