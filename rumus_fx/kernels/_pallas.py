@@ -23,7 +23,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .blocks import GPU, TARGETS
+from ._platform import as_tuple, native_or_interpret
+from .blocks import GPU, TARGETS, TPU
 
 # A finite "minus infinity" for masked scores: exp(MASK - m) is exactly 0 and,
 # unlike -inf, MASK - MASK is 0 rather than NaN.
@@ -63,6 +64,9 @@ def _compiler_params(cfg: Config, *, num_warps: int, num_stages: int | None, gri
     return pl_tpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
 
 
+NATIVE_PLATFORMS = {GPU: ("cuda", "rocm"), TPU: ("tpu",)}
+
+
 def pallas_call(
     kernel: Callable[..., None],
     cfg: Config,
@@ -75,17 +79,38 @@ def pallas_call(
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> Callable[..., Any]:
-    """``pl.pallas_call`` with the target's compiler parameters filled in."""
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        in_specs=list(in_specs),
-        out_specs=out_specs,
-        interpret=cfg.interpret,
-        compiler_params=_compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, grid_rank=len(grid)),
-        name=name,
-    )
+    """``pl.pallas_call`` with the target's compiler parameters filled in.
+
+    A compiled (non-interpret) kernel lowers natively for its target's
+    platforms and, on any other platform, as the same kernel in Pallas'
+    interpreter (see ``_platform.py``: it lets a program holding GPU and TPU
+    kernels be lowered for several platforms at once)."""
+
+    def build(interpret: bool, params: Any) -> Callable[..., Any]:
+        return pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=list(in_specs),
+            out_specs=out_specs,
+            interpret=interpret,
+            compiler_params=params,
+            name=name,
+        )
+
+    if cfg.interpret:
+        return build(True, None)
+    native = build(False, _compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, grid_rank=len(grid)))
+    fallback = build(True, None)
+    leaves, tree = jax.tree.flatten(out_shape)
+
+    def call(*args: jax.Array) -> Any:
+        outs = native_or_interpret(
+            as_tuple(native), as_tuple(fallback), NATIVE_PLATFORMS[cfg.target], tuple(leaves), *args
+        )
+        return jax.tree.unflatten(tree, outs)
+
+    return call
 
 
 def pad_to(x: jax.Array, shape: Sequence[int], value: Any = 0) -> jax.Array:

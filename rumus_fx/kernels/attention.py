@@ -54,7 +54,9 @@ def _kv_loop(n_kv: int, bq: int, bk: int, causal: bool, body, init):
     diagonal of this program's query block."""
     if not causal or n_kv == 1:
         return chunk_loop(n_kv, body, init)
-    hi = jnp.minimum(n_kv, ((pl.program_id(1) + 1) * bq + bk - 1) // bk)
+    # lax.div, not //: the operands are non-negative, and integer // lowers through
+    # lax.sign, whose Mosaic TPU rule needs to know the TPU chip it targets
+    hi = jnp.minimum(n_kv, lax.div((pl.program_id(1) + 1) * bq + bk - 1, bk))
     return lax.fori_loop(0, hi, body, init)
 
 
@@ -124,7 +126,7 @@ def _attn_bwd_dkdv_kernel(
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     if causal and n_q > 1:  # query blocks entirely above this key block see none of it
-        dk, dv = lax.fori_loop(k_start // bq, n_q, body, init)
+        dk, dv = lax.fori_loop(lax.div(k_start, bq), n_q, body, init)
     else:
         dk, dv = chunk_loop(n_q, body, init)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)

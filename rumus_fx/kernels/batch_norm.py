@@ -39,7 +39,7 @@ def _steps(batch: int, n_chunks: int, t):
     no lane offset is dynamic on TPU."""
     if n_chunks == 1:
         return t, 0
-    return t // n_chunks, t % n_chunks
+    return lax.div(t, n_chunks), lax.rem(t, n_chunks)  # t >= 0: no lax.sign (see attention._kv_loop)
 
 
 def _bn_moments_kernel(x_ref, mean_ref, m2_ref, *, hw: int, chunk: int, n_chunks: int):

@@ -1,5 +1,6 @@
 """Walk a traced program for the ``pallas_call`` equations it contains
-(through jit, custom_jvp, custom_vmap, custom_partitioning, cond, loops)."""
+(through jit, custom_jvp, custom_vmap, custom_partitioning, cond, loops, and
+the per-platform wrapper of compiled kernels, whose native kernel is traced)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def equations(jaxpr: core.Jaxpr, *, into_kernels: bool = False) -> Iterator[Any]
     for eqn in jaxpr.eqns:
         yield eqn
         if eqn.primitive.name == "pallas_call" and not into_kernels:
+            continue
+        if eqn.primitive.name == "rumus_fx_native_or_interpret":
+            native = jax.make_jaxpr(eqn.params["native"])(*(v.aval for v in eqn.invars))
+            yield from equations(native.jaxpr, into_kernels=into_kernels)
             continue
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
