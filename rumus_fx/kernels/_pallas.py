@@ -48,7 +48,7 @@ class Config:
             raise ValueError(f"unknown kernel target {self.target!r}; expected one of {TARGETS}")
 
 
-def _compiler_params(cfg: Config, *, num_warps: int, num_stages: int | None, grid_rank: int) -> Any:
+def _compiler_params(cfg: Config, *, num_warps: int, num_stages: int | None, semantics: tuple[str, ...]) -> Any:
     if cfg.interpret:
         return None
     if cfg.target == GPU:
@@ -61,7 +61,7 @@ def _compiler_params(cfg: Config, *, num_warps: int, num_stages: int | None, gri
         return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     from jax.experimental.pallas import tpu as pl_tpu
 
-    return pl_tpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+    return pl_tpu.CompilerParams(dimension_semantics=semantics)
 
 
 NATIVE_PLATFORMS = {GPU: ("cuda", "rocm"), TPU: ("tpu",)}
@@ -78,29 +78,50 @@ def pallas_call(
     out_shape: Any,
     num_warps: int = 4,
     num_stages: int | None = None,
+    semantics: tuple[str, ...] | None = None,
+    scratch_shapes: Sequence[Any] = (),
+    num_scalar_prefetch: int = 0,
 ) -> Callable[..., Any]:
     """``pl.pallas_call`` with the target's compiler parameters filled in.
+
+    TPU only: ``semantics`` names each grid axis ``"parallel"`` (the default)
+    or ``"arbitrary"`` (steps run in order, so an output block or a
+    ``scratch_shapes`` buffer can accumulate over that axis), and the first
+    ``num_scalar_prefetch`` operands are prefetched to scalar memory for the
+    index maps (which then take them as trailing arguments). GPU grids are
+    always parallel: Triton programs run concurrently.
 
     A compiled (non-interpret) kernel lowers natively for its target's
     platforms and, on any other platform, as the same kernel in Pallas'
     interpreter (see ``_platform.py``: it lets a program holding GPU and TPU
     kernels be lowered for several platforms at once)."""
 
+    if cfg.target == GPU and (scratch_shapes or num_scalar_prefetch or "arbitrary" in (semantics or ())):
+        raise ValueError(f"{name}: GPU kernels take no scratch, scalar prefetch or sequential grid axes")
+    semantics = semantics or ("parallel",) * len(grid)
+    if num_scalar_prefetch or scratch_shapes:
+        from jax.experimental.pallas import tpu as pl_tpu
+
+        grid_kw = dict(
+            grid_spec=pl_tpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=num_scalar_prefetch,
+                grid=grid,
+                in_specs=list(in_specs),
+                out_specs=out_specs,
+                scratch_shapes=list(scratch_shapes),
+            )
+        )
+    else:
+        grid_kw = dict(grid=grid, in_specs=list(in_specs), out_specs=out_specs)
+
     def build(interpret: bool, params: Any) -> Callable[..., Any]:
         return pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=grid,
-            in_specs=list(in_specs),
-            out_specs=out_specs,
-            interpret=interpret,
-            compiler_params=params,
-            name=name,
+            kernel, out_shape=out_shape, interpret=interpret, compiler_params=params, name=name, **grid_kw
         )
 
     if cfg.interpret:
         return build(True, None)
-    native = build(False, _compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, grid_rank=len(grid)))
+    native = build(False, _compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, semantics=semantics))
     fallback = build(True, None)
     leaves, tree = jax.tree.flatten(out_shape)
 
@@ -111,6 +132,13 @@ def pallas_call(
         return jax.tree.unflatten(tree, outs)
 
     return call
+
+
+def vmem(shape: tuple[int, ...], dtype: Any = jnp.float32) -> Any:
+    """A TPU VMEM scratch buffer for ``pallas_call(scratch_shapes=...)``."""
+    from jax.experimental.pallas import tpu as pl_tpu
+
+    return pl_tpu.VMEM(shape, dtype)
 
 
 def pad_to(x: jax.Array, shape: Sequence[int], value: Any = 0) -> jax.Array:

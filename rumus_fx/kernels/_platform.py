@@ -77,9 +77,7 @@ def _batch(args, dims, *, native, interpret, platforms, out_avals):
     in_axes = tuple(None if d is None else 0 for d in dims)
     args = tuple(a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims))
     avals = tuple(jax.ShapeDtypeStruct((size, *a.shape), a.dtype) for a in out_avals)
-    outs = native_or_interpret(
-        _vmapped(native, in_axes), _vmapped(interpret, in_axes), platforms, avals, *args
-    )
+    outs = native_or_interpret(_vmapped(native, in_axes), _vmapped(interpret, in_axes), platforms, avals, *args)
     return outs, [0] * len(outs)
 
 

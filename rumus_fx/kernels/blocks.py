@@ -37,6 +37,7 @@ GPU_MAX_CHUNK = 1024  # widest column chunk a GPU row kernel loads at once
 GPU_ROW_TILE = 8192  # elements per (rows x chunk) tile on GPU (registers)
 TPU_ROW_TILE_BYTES = 1 << 20  # bytes per (rows x row) f32 tile on TPU (VMEM)
 MAX_BLOCK_ROWS = 256
+TPU_MAX_K_BLOCK = 512  # widest K step of a TPU matrix product
 
 
 def next_pow2(n: int) -> int:
@@ -169,8 +170,12 @@ def matmul_blocks(m: int, k: int, n: int, target: str) -> MatmulBlocks:
         )
     bm = min(256, next_pow2(max(m, SUBLANE)))
     bn, n_pad = _lane_block(n, 256)
-    bk, k_pad = _lane_block(k, round_up(k, LANE))  # the whole K in one block: no dynamic lane slices
-    return MatmulBlocks(bm, bk, bn, 1, round_up(m, bm), k_pad, n_pad, 4, 1)
+    if k <= TPU_MAX_K_BLOCK:  # one step: the whole (padded) K
+        bk, k_pad = _lane_block(k, round_up(k, LANE))
+    else:  # K on the grid in steps of 512 or 256, whichever pads less
+        bk = min((TPU_MAX_K_BLOCK, TPU_MAX_K_BLOCK // 2), key=lambda c: (round_up(k, c), -c))
+        k_pad = round_up(k, bk)
+    return MatmulBlocks(bm, bk, bn, k_pad // bk, round_up(m, bm), k_pad, n_pad, 4, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,7 @@ def test_small_sizes_do_not_overpad():
     assert blocks.matmul_blocks(128, 128, 128, blocks.GPU).m_pad == 128
     assert blocks.attention_blocks(128, 128, 64, 64, blocks.GPU).sq_pad == 128
     t = blocks.matmul_blocks(300, 1000, 70, blocks.TPU)
-    assert t.n_k == 1 and t.k_pad == 1024 and t.n_pad == 128
+    assert t.n_k == 2 and t.bk == 512 and t.k_pad == 1024 and t.n_pad == 128
 
 
 def test_helpers():

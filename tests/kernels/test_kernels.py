@@ -154,7 +154,9 @@ CASES = [
     *_matmul("bmm", (2, 3, 7, 5), (2, 3, 5, 6), matmul.bmm),
     *_attention("attention", (2,), 9, 13, 8, 6, False),
     *_attention("attention_causal_blocks", (1,), 150, 140, 8, 8, True),
+    *_attention("attention_causal_keys_past_queries", (1,), 20, 200, 8, 8, True),
     *_embedding("embedding_bwd", 150, 37, 5),
+    *_embedding("embedding_bwd_many_chunks", 700, 300, 9),
 ]
 
 
@@ -222,11 +224,20 @@ def test_vmap(case: Case):
         "softmax_axis1_multichunk",
         "layer_norm_plain_multichunk_bwd",
         "cross_entropy_ignore_multichunk",
+        "matmul_k_loop",
+        "bmm",
+        "attention_causal_blocks",
         "attention_causal_blocks_bwd",
+        "attention_causal_keys_past_queries_bwd",
+        "attention_bwd",
+        "embedding_bwd_many_chunks",
+        "batch_norm_plain_chunks",
+        "batch_norm_plain_chunks_bwd",
     ],
 )
 def test_tpu_block_shapes_in_interpret_mode(name):
-    """The same kernels with the TPU targets' blocks (whole rows, whole K)."""
+    """The same kernels with the TPU target's blocks and grids (whole rows; K,
+    key/query blocks and lookup chunks as sequential grid axes)."""
     (case,) = [c for c in CASES if c.name == name]
     with rf.kernels.use("reference"):
         want = case.fun(*case.args)
