@@ -38,6 +38,7 @@ GPU_ROW_TILE = 8192  # elements per (rows x chunk) tile on GPU (registers)
 TPU_ROW_TILE_BYTES = 1 << 20  # bytes per (rows x row) f32 tile on TPU (VMEM)
 MAX_BLOCK_ROWS = 256
 TPU_MAX_K_BLOCK = 512  # widest K step of a TPU matrix product
+TPU_MAX_LANES = 2048  # widest spatial chunk of a TPU batch-norm tile
 
 
 def next_pow2(n: int) -> int:
@@ -122,10 +123,9 @@ def channel_blocks(batch: int, channels: int, hw: int, target: str) -> ChannelBl
     batch_block = next(b for b in (4, 2, 1) if batch % b == 0)
     if target == GPU:
         chunk = min(next_pow2(max(hw, MIN_DOT)), GPU_MAX_CHUNK)
-        hw_pad = round_up(hw, chunk)
     else:
-        hw_pad = round_up(hw, LANE)
-        chunk = hw_pad
+        chunk = min(round_up(hw, LANE), TPU_MAX_LANES)
+    hw_pad = round_up(hw, chunk)
     num_warps = 4 if block_channels * chunk <= 4096 else 8
     return ChannelBlocks(
         block_channels, batch_block, chunk, hw_pad // chunk, round_up(channels, block_channels), hw_pad, num_warps
