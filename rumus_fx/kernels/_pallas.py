@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._platform import as_tuple, native_or_interpret
-from .blocks import GPU, TARGETS, TPU
+from .blocks import GPU, SUBLANE, TARGETS, TPU, RowBlocks
 
 # A finite "minus infinity" for masked scores: exp(MASK - m) is exactly 0 and,
 # unlike -inf, MASK - MASK is 0 rather than NaN.
@@ -223,3 +223,127 @@ def merge_moments(state: tuple, count: Any, total: jax.Array, centred_sq: jax.Ar
     mean = mean + delta * (count / n_new)
     m2 = m2 + centred_sq + delta * delta * (n * count / n_new)
     return n_new, mean, m2
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPasses:
+    """How a row kernel (softmax, layer norm, cross-entropy) walks the column
+    chunks of its block of rows: a statistics pass, then a pass that writes.
+
+    In the program (GPU, and TPU rows of one chunk) the block spans the padded
+    row and each pass is a loop over its chunks. On the grid (``on_grid``: TPU
+    rows wider than one VMEM block) the block is one chunk, grid axis 1 is the
+    pass and axis 2 the chunk, both run in order, and the statistics live in
+    VMEM scratch between steps. Outputs written by the second pass keep the
+    block of chunk 0 during the first (so it is never written back early)."""
+
+    chunk: int
+    n_chunks: int
+    on_grid: bool
+
+    @classmethod
+    def of(cls, b: RowBlocks) -> RowPasses:
+        return cls(b.chunk, b.n_chunks, b.on_grid)
+
+    # ---- in the kernel
+
+    def reader(self) -> Callable[[Any, Any], jax.Array]:
+        """``read(ref, i)``: chunk ``i`` of a ``[rows, cols]`` ref as float32."""
+        if self.on_grid:
+            return lambda ref, i: f32(ref[...])
+        return chunk_reader(self.n_chunks, self.chunk)
+
+    def store(self, ref: Any, i: Any, value: jax.Array) -> None:
+        """Write chunk ``i`` of a ``[rows, cols]`` output."""
+        if self.on_grid:
+            ref[...] = value.astype(ref.dtype)
+        else:
+            ref[:, ds(i, self.chunk)] = value.astype(ref.dtype)
+
+    def run(
+        self,
+        scratch: Sequence[Any],
+        init: Any,
+        stats: Callable[[Any, Any], Any],
+        write: Callable[[Any, Any], None],
+        done: Callable[[Any], None] | None = None,
+    ) -> None:
+        """``carry = stats(i, carry)`` over the chunks from ``init``, then
+        ``done(carry)`` once and ``write(i, carry)`` for each chunk. ``carry``
+        is a tuple of ``[rows, 1]`` float32 columns (scalars broadcast);
+        ``scratch`` holds one VMEM ref per carry leaf when ``on_grid``."""
+        if not self.on_grid:
+            carry = chunk_loop(self.n_chunks, stats, init)
+            if done is not None:
+                done(carry)
+
+            def each(i: Any, token: Any) -> Any:
+                write(i, carry)
+                return token
+
+            chunk_loop(self.n_chunks, each, 0)
+            return
+        tree = jax.tree.structure(init)
+        p, c = pl.program_id(1), pl.program_id(2)
+
+        def load() -> Any:
+            return jax.tree.unflatten(tree, [ref[...] for ref in scratch])
+
+        def save(carry: Any) -> None:
+            for ref, v in zip(scratch, jax.tree.leaves(carry)):
+                ref[...] = jnp.broadcast_to(v, ref.shape).astype(ref.dtype)
+
+        @pl.when((p == 0) & (c == 0))
+        def _():
+            save(init)
+
+        @pl.when(p == 0)
+        def _():
+            save(stats(c, load()))
+
+        @pl.when(p == 1)
+        def _():
+            carry = load()
+            if done is not None:
+                pl.when(c == 0)(lambda: done(carry))
+            write(c, carry)
+
+    # ---- on the host
+
+    def grid(self, row_blocks: int) -> tuple[int, ...]:
+        return (row_blocks, 2, self.n_chunks) if self.on_grid else (row_blocks,)
+
+    def params(self, b: RowBlocks, n_carry: int) -> dict[str, Any]:
+        """``pallas_call`` keywords: grid semantics and the carry's scratch."""
+        if not self.on_grid:
+            return dict(num_warps=b.num_warps)
+        return dict(
+            semantics=("parallel", "arbitrary", "arbitrary"),
+            scratch_shapes=[vmem((b.block_rows, 1)) for _ in range(n_carry)],
+        )
+
+    def row_spec(self, b: RowBlocks, *, written: bool = False) -> pl.BlockSpec:
+        """A ``[rows_pad, cols_pad]`` operand (``written``: an output of the second pass)."""
+        if not self.on_grid:
+            return pl.BlockSpec((b.block_rows, b.cols_pad), lambda i: (i, 0))
+        if written:
+            return pl.BlockSpec((b.block_rows, self.chunk), lambda i, p, c: (i, c * p))
+        return pl.BlockSpec((b.block_rows, self.chunk), lambda i, p, c: (i, c))
+
+    def param_spec(self, b: RowBlocks) -> pl.BlockSpec:
+        """A ``[1, cols_pad]`` per-column parameter."""
+        if not self.on_grid:
+            return pl.BlockSpec((1, b.cols_pad), lambda i: (0, 0))
+        return pl.BlockSpec((1, self.chunk), lambda i, p, c: (0, c))
+
+    def stat_spec(self, b: RowBlocks) -> pl.BlockSpec:
+        """A ``[rows_pad, 1]`` per-row value."""
+        return pl.BlockSpec((b.block_rows, 1), lambda i, *_: (i, 0))
+
+    def partial_spec(self, b: RowBlocks) -> pl.BlockSpec:
+        """A ``[row blocks * 8, cols_pad]`` output of the *first* pass (per-block
+        column sums): it keeps the last chunk's block during the second pass."""
+        if not self.on_grid:
+            return pl.BlockSpec((SUBLANE, b.cols_pad), lambda i: (i, 0))
+        last = self.n_chunks - 1
+        return pl.BlockSpec((SUBLANE, self.chunk), lambda i, p, c: (i, c * (1 - p) + last * p))

@@ -143,7 +143,7 @@ def _bn_fwd_local(key: tuple, x: jax.Array, *params: jax.Array):
     counts = jnp.asarray(counts, jnp.float32).reshape(1, -1, 1, 1)
     total = n * h * w
     mean = jnp.sum(counts * means, axis=(0, 1)) / total
-    var = (jnp.sum(m2s, axis=(0, 1)) + jnp.sum(counts * (means - mean) ** 2, axis=(0, 1))) / total
+    var = (jnp.sum(m2s, axis=(0, 1)) + jnp.sum(counts * (means - mean[None, None]) ** 2, axis=(0, 1))) / total
     rstd = lax.rsqrt(var + eps)
     weight = _as_col(params[0], b) if has_w else jnp.ones_like(rstd)
     shift = _as_col(params[-1], b) if has_b else jnp.zeros_like(rstd)

@@ -246,6 +246,29 @@ def test_tpu_block_shapes_in_interpret_mode(name):
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+ROWS_ON_THE_GRID = [
+    *_softmax("softmax_wide_rows", (3, 700), -1),
+    *_layer_norm("layer_norm_wide_rows", (4, 650), True),
+    *_layer_norm("layer_norm_plain_wide_rows", (4, 650), False),
+    *_cross_entropy("cross_entropy_wide_rows", 5, 600, 2),
+]
+
+
+@pytest.mark.parametrize("case", ROWS_ON_THE_GRID, ids=str)
+def test_tpu_rows_on_the_grid_in_interpret_mode(case, monkeypatch):
+    """TPU rows wider than one block (32768 columns) are visited in chunks on the
+    grid (pass, chunk); narrower limits here put these small rows there (shapes
+    no other test uses, since the kernels' jit caches do not see the limits)."""
+    monkeypatch.setattr(blocks, "TPU_MAX_ROW", 256)
+    monkeypatch.setattr(blocks, "TPU_ROW_CHUNK", 256)
+    assert blocks.row_blocks(5, 600, blocks.TPU).on_grid
+    with rf.kernels.use("reference"):
+        want = case.fun(*case.args)
+    with rf.kernels.use("interpret"), dispatch.interpret_target(blocks.TPU):
+        got = case.fun(*case.args)
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
 def test_bfloat16_inputs_accumulate_in_float32():
     r = np.random.default_rng(0)
     a, b = normal(r, 33, 70, dtype=jnp.bfloat16), normal(r, 70, 20, dtype=jnp.bfloat16)

@@ -87,6 +87,10 @@ CASES = {
     "layer_norm_4096x1024": (_layer_norm, _sds(((4096, 1024), None), ((1024,), None), ((1024,), None)), LAYER_NORM),
     "layer_norm_1000x777": (_layer_norm, _sds(((1000, 777), None), ((777,), None), ((777,), None)), LAYER_NORM),
     "cross_entropy_4096x32000": (_cross_entropy, _sds(((4096, 32000), None), ((4096,), i32)), {"cross_entropy"}),
+    # rows wider than one TPU block: column chunks as grid steps
+    "cross_entropy_1024x128256": (_cross_entropy, _sds(((1024, 128256), None), ((1024,), i32)), {"cross_entropy"}),
+    "layer_norm_64x65536": (_layer_norm, _sds(((64, 65536), None), ((65536,), None), ((65536,), None)), LAYER_NORM),
+    "softmax_64x65536": (_softmax, _sds(((64, 65536), None)), SOFTMAX),
     "batch_norm_32x64x28x28": (_batch_norm, _sds(((32, 64, 28, 28), None), ((64,), None), ((64,), None)), BATCH_NORM),
     "matmul_1024x1024x1024": (_matmul, _sds(((1024, 1024), None), ((1024, 1024), None)), {"matmul"}),
     "matmul_1000x700x300": (_matmul, _sds(((1000, 700), None), ((700, 300), None)), {"matmul"}),
