@@ -1,13 +1,21 @@
 """Plumbing shared by the Pallas kernels: the static config every kernel takes,
-compiler parameters per target, host-side padding and in-kernel chunk loops.
+compiler parameters per target, host-side padding, in-kernel chunk loops and
+the two-pass walk of the row kernels.
 
-Kernels are written so that one body serves both GPU (Pallas on Triton) and
-TPU (Pallas on Mosaic): the grid is *parallel* (no program relies on another
-having run, because GPU programs run concurrently), accumulators live in loop
-carries (Triton has no scratch memory), and reductions over a long axis are
-loops over chunks inside one program. ``blocks.py`` picks the chunking per
-target (one chunk per row on TPU, where lane-dimension dynamic slices are
-avoided).
+One kernel body serves GPU (Pallas on Triton) and TPU (Pallas on Mosaic)
+wherever the two agree; where they differ, so do the grids:
+
+* GPU: the grid is *parallel* (programs run concurrently, so none may rely on
+  another), accumulators live in loop carries, and a reduction over a long
+  axis is a loop over chunks inside one program. Blocks are not staged on
+  chip: a block spanning the whole axis costs nothing, each iteration loads
+  one tile.
+* TPU: every block is copied into VMEM, so a long axis is split into blocks
+  visited as sequential ("arbitrary") grid steps, with the accumulators in
+  VMEM scratch (or in the output block, which stays resident while its index
+  does not change). Lane offsets are never dynamic.
+
+``blocks.py`` picks the blocks per target and says what each program holds.
 """
 
 from __future__ import annotations
