@@ -149,3 +149,42 @@ def test_the_check_sees_a_fallback_to_the_reference(platform):
     assert kernel_names(text, platform) == []
     pallas = _traced("softmax_1000x777", "float32").lower(lowering_platforms=(platform,)).as_text()
     assert sorted(kernel_names(pallas, platform)) == ["softmax_bwd", "softmax_fwd"]
+
+
+def _every_op(x, w, img, c, a, b, q, qt, table, logits):
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(3, 4) % table.shape[0]
+    targets = jnp.arange(logits.shape[0], dtype=jnp.int32) % logits.shape[1]
+    return (
+        _softmax(x)
+        + _layer_norm(x, w, w)
+        + _batch_norm(img, c, c)
+        + _matmul(a, b)
+        + _bmm(q, qt)
+        + _attention(True)(q, q, q)
+        + _attention(False)(q, q, q)
+        + _embedding(table, ids)
+        + _cross_entropy(logits, targets)
+    )
+
+
+def test_one_export_for_cpu_cuda_and_tpu_holds_every_kernel_and_runs_the_reference_on_cpu():
+    import chex
+    import numpy as np
+
+    r = np.random.default_rng(0)
+    shapes = [(5, 7), (7,), (2, 3, 4, 5), (3,), (6, 9), (9, 4), (2, 6, 8), (2, 8, 6), (11, 5), (4, 13)]
+    args = [jnp.asarray(r.standard_normal(s), f32) for s in shapes]
+    argnums = tuple(range(len(args)))
+    with rf.kernels.use("pallas"):
+        exported = jax.export.export(
+            jax.jit(rf.grad(_every_op, argnums=argnums)),
+            platforms=["cpu", "cuda", "tpu"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
+    text = exported.mlir_module()
+    every = SOFTMAX | LAYER_NORM | BATCH_NORM | ATTENTION | {"matmul", "embedding_bwd", "cross_entropy"}
+    for platform in PLATFORMS:
+        assert set(kernel_names(text, platform)) == every, platform
+    with rf.kernels.use("reference"):
+        want = rf.grad(_every_op, argnums=argnums)(*args)
+    chex.assert_trees_all_close(exported.call(*args), want, rtol=1e-5, atol=1e-5)
