@@ -150,7 +150,8 @@ def channel_blocks(batch: int, channels: int, hw: int, target: str) -> ChannelBl
 @dataclasses.dataclass(frozen=True)
 class MatmulBlocks:
     """``[M, K] @ [K, N]`` tiled ``bm x bn`` per program, K reduced in ``n_k``
-    steps of ``bk`` inside the kernel (float32 accumulator)."""
+    steps of ``bk`` into a float32 accumulator: a loop in the kernel (GPU) or
+    sequential grid steps (TPU, at most ``TPU_MAX_K_BLOCK`` of K per step)."""
 
     bm: int
     bk: int
@@ -196,7 +197,8 @@ def matmul_blocks(m: int, k: int, n: int, target: str) -> MatmulBlocks:
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """Flash attention: ``bq`` query rows per program, keys visited in blocks
-    of ``bk``; head dims padded to ``d_pad`` / ``dv_pad``."""
+    of ``bk`` (a loop on GPU, grid steps on TPU); head dims padded to
+    ``d_pad`` / ``dv_pad``."""
 
     bq: int
     bk: int
@@ -232,8 +234,9 @@ def attention_blocks(sq: int, sk: int, d: int, dv: int, target: str) -> Attentio
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingBlocks:
-    """Embedding backward: a ``bv x bd`` tile of the table per program; the
-    sorted lookups are visited in chunks of ``bn``."""
+    """Embedding backward: a ``bv x bd`` tile of the table per program (GPU) or
+    per run of grid steps (TPU); the sorted lookups are visited in chunks of
+    ``bn``, one chunk on chip at a time."""
 
     bv: int
     bd: int
