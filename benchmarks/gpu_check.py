@@ -1,29 +1,38 @@
 """Compile every rumus_fx Pallas kernel for the GPU, check it against the
-jax.numpy reference, and time both.
+jax.numpy reference, and time both against the H200 roofline.
 
-    python benchmarks/gpu_check.py              # on a GPU: full sizes
+    python benchmarks/gpu_check.py              # on a GPU: full sizes, table into benchmarks/RESULTS.md
     python benchmarks/gpu_check.py --quick      # on a GPU: small sizes, fewer iterations
-    python benchmarks/gpu_check.py --markdown   # the table as markdown (for RESULTS.md)
+    python benchmarks/gpu_check.py --markdown   # print the table as markdown
     python benchmarks/gpu_check.py --interpret  # anywhere: tiny sizes, kernels in interpret
                                                 # mode (checks this script, times nothing real)
 
 Each row compiles the Pallas kernel (``Config("gpu")``: Pallas on Triton, no
-interpret mode) and the XLA-compiled reference, compares the outputs (largest
-error relative to the reference's largest magnitude), and reports the median
-time of each with the achieved bandwidth (GB/s, bytes read + written by the
-kernel's inputs and outputs) or arithmetic rate (TFLOP/s, for the matrix
-products and attention). A kernel that fails to compile or disagrees is
-reported in its row; the script exits non-zero if any did.
+interpret mode) and the XLA-compiled reference (XLA's fused equivalent),
+compares the outputs (largest error relative to the reference's largest
+magnitude), and reports the median time of each with the achieved bandwidth
+(GB/s: bytes of the kernel's inputs and outputs), the arithmetic rate (TFLOP/s,
+matrix products and attention) and the fraction of the roofline reached:
+``max(bytes / HBM bandwidth, flops / peak) / time`` with the H200's 4.8 TB/s
+and 989 dense bfloat16 TFLOP/s (494 TF32 TFLOP/s for float32 rows). A kernel
+that fails to compile or disagrees is reported in its row; the script exits
+non-zero if any did. Rows still to run when ``--budget-s`` (default 420 s) is
+spent are reported as skipped, so a full run stays under 8 minutes.
 
-Without a GPU (and without ``--interpret``) it says so and exits 0.
+On a GPU the table is written to ``--results`` (default benchmarks/RESULTS.md)
+as the section "GPU kernels", with the date, device and jax version; the rest
+of the file is kept. Without a GPU (and without ``--interpret``) it says so
+and exits 0; ``--interpret`` writes only when ``--results`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import math
+import re
 import statistics
 import sys
 import time
@@ -35,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from rumus_fx.kernels import (
@@ -49,6 +59,12 @@ from rumus_fx.kernels import (
 from rumus_fx.kernels._pallas import Config
 
 f32, bf16 = jnp.float32, jnp.bfloat16
+
+# H200 roofline
+HBM_BYTES_PER_S = 4.8e12
+PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}  # dense; float32 through TF32
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SECTION = "## GPU kernels (`benchmarks/gpu_check.py`)"
 
 
 @dataclasses.dataclass
@@ -240,21 +256,32 @@ def _rel_err(got, want) -> float:
     return err / max(scale, 1e-30)
 
 
-def _rate(bench: Bench, out, ms: float) -> str:
+def _rates(bench: Bench, out, ms: float) -> tuple[str, str, str]:
+    """(GB/s, TFLOP/s, % of the roofline) of one timing."""
     if not math.isfinite(ms) or ms <= 0:
-        return "-"
+        return "-", "-", "-"
+    seconds = ms / 1e3
+    nbytes = bench.nbytes(out)
+    roof = nbytes / HBM_BYTES_PER_S
+    tflops = "-"
     if bench.flops is not None:
-        return f"{bench.flops / ms / 1e9:.1f} TFLOP/s"
-    return f"{bench.nbytes(out) / ms / 1e6:.0f} GB/s"
+        roof = max(roof, bench.flops / PEAK_FLOPS[bench.dtype])
+        tflops = f"{bench.flops / seconds / 1e12:.1f}"
+    return f"{nbytes / seconds / 1e9:.0f}", tflops, f"{100 * roof / seconds:.0f}%"
 
 
-def run(scale: str, iters: int, interpret: bool) -> tuple[list[list[str]], bool]:
+def run(scale: str, iters: int, interpret: bool, budget_s: float = math.inf) -> tuple[list[list[str]], bool]:
     cfg = Config("gpu", interpret)
     rows, ok_all = [], True
+    start = time.perf_counter()
     for bench in benches(scale):
+        row = [bench.name, bench.shape, bench.dtype]
+        if time.perf_counter() - start > budget_s:
+            rows.append(row + ["-", "SKIPPED (time budget)"] + ["-"] * (len(HEADER) - 5))
+            ok_all = False
+            continue
         pallas = jax.jit(functools.partial(bench.pallas, cfg=cfg))
         reference = jax.jit(bench.reference)
-        row = [bench.name, bench.shape, bench.dtype]
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # Pallas:Triton is deprecated in jax 0.11
@@ -264,25 +291,41 @@ def run(scale: str, iters: int, interpret: bool) -> tuple[list[list[str]], bool]
             ok = err < (3e-2 if bench.dtype == "bfloat16" else 2e-3)
             t_pallas = _time(pallas, bench.args, iters)
             t_ref = _time(reference, bench.args, iters)
+            gbs, tflops, roof = _rates(bench, got, t_pallas)
             row += [
                 f"{err:.1e}",
                 "ok" if ok else "MISMATCH",
                 f"{t_pallas:.3f}",
                 f"{t_ref:.3f}",
                 f"{t_ref / t_pallas:.2f}x",
-                _rate(bench, got, t_pallas),
-                _rate(bench, got, t_ref),
+                gbs,
+                tflops,
+                roof,
+                _rates(bench, got, t_ref)[2],
             ]
         except Exception as exc:  # report the row, keep going
             ok = False
-            row += ["-", f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:60]}", "-", "-", "-", "-", "-"]
+            row += ["-", f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"] + ["-"] * (len(HEADER) - 5)
         ok_all &= ok
         rows.append(row)
         print("  " + " | ".join(row), file=sys.stderr, flush=True)
     return rows, ok_all
 
 
-HEADER = ["kernel", "shape", "dtype", "rel err", "check", "pallas ms", "xla ms", "speedup", "pallas rate", "xla rate"]
+HEADER = [
+    "kernel",
+    "shape",
+    "dtype",
+    "rel err",
+    "check",
+    "pallas ms",
+    "xla ms",
+    "speedup",
+    "pallas GB/s",
+    "pallas TFLOP/s",
+    "pallas % roof",
+    "xla % roof",
+]
 
 
 def render(rows: list[list[str]], markdown: bool) -> str:
@@ -295,12 +338,43 @@ def render(rows: list[list[str]], markdown: bool) -> str:
     return "\n".join([fmt.format(*HEADER), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
+def write_results(path: Path, rows: list[list[str]], *, devices: str, scale: str, iters: int, interpret: bool) -> None:
+    """Replace the "GPU kernels" section of ``path`` (up to the next ``## ``
+    heading) with this run's table; every other section is kept."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    kind = "Pallas interpreter on CPU: a dry run of the script, NOT GPU measurements" if interpret else devices
+    body = "\n".join(
+        [
+            SECTION,
+            "",
+            f"- Date: {datetime.date.today().isoformat()}; jax {jax.__version__} / jaxlib {jaxlib.__version__}",
+            f"- Device: {kind}; sizes {scale}, median of {iters} timed calls after two warm-ups",
+            "- Roofline: H200, 4.8 TB/s HBM, 989 dense bfloat16 TFLOP/s (494 TF32 for float32 rows);",
+            "  `% roof` = max(bytes / bandwidth, flops / peak) / measured time; xla = the jitted jnp reference.",
+            "",
+            render(rows, markdown=True),
+            "",
+        ]
+    )
+    pattern = re.compile(r"^" + re.escape(SECTION) + r"$.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: body + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + body
+    path.write_text(text.rstrip("\n") + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer iterations")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per kernel")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--interpret", action="store_true", help="tiny sizes in interpret mode (any platform)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip the rows left after this many seconds")
+    parser.add_argument(
+        "--results", type=Path, default=None, help=f"markdown file to update (default on a GPU: {RESULTS})"
+    )
+    parser.add_argument("--no-results", action="store_true", help="do not write the results file")
     args = parser.parse_args(argv)
     backend = jax.default_backend()
     devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
@@ -313,8 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jax {jax.__version__}, backend {backend} ({devices}), sizes {scale}, {iters} timed iterations")
     if args.interpret:
         print("interpret mode: the timings below measure Pallas' interpreter, not a GPU kernel")
-    rows, ok = run(scale, iters, args.interpret)
+    rows, ok = run(scale, iters, args.interpret, args.budget_s)
     print(render(rows, args.markdown))
+    results = args.results if args.results is not None else (None if args.interpret else RESULTS)
+    if results is not None and not args.no_results:
+        write_results(results, rows, devices=devices, scale=scale, iters=iters, interpret=args.interpret)
+        print(f"table written to {results}")
     return 0 if ok else 1
 
 

@@ -6,10 +6,11 @@ The input is viewed as ``[B, C, H*W]`` (a free reshape). A per-channel
 reduction over the batch would leave only ``C / 8`` programs, far too few for
 a GPU, so each direction is two kernels:
 
-* a *partials* kernel, one program per (channel block, batch block), reduces
-  its slice in one read: the forward its mean and centred sum of squares (chunk
-  moments merged with Chan's update), the backward its ``sum(g)`` and
-  ``sum(g * xhat)``; the host combines the few partials per channel;
+* a *partials* kernel, one program per (channel block, batch block, spatial
+  chunk), reduces its tile in one read: the forward its mean and centred sum
+  of squares (the samples' moments merged with Chan's update), the backward
+  its ``sum(g)`` and ``sum(g * xhat)``; the host combines the partials per
+  channel (Chan's combination, weighted by each chunk's count);
 * an elementwise kernel, one program per (sample, channel block, spatial
   chunk), writes ``y`` (forward) or ``dx`` (backward).
 """
@@ -20,11 +21,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from . import _norm_jvp, blocks
-from ._pallas import Config, chunk_loop, ds, f32, iota, merge_moments, pad_to, pallas_call
+from ._pallas import Config, f32, iota, merge_moments, pad_to, pallas_call
 from ._sharding import sharded_call
 from ._util import compute_dtype, upcast
 from .dispatch import call
@@ -34,29 +36,21 @@ _AXES = (0, 2, 3)
 # ---------------------------------------------------------------- kernels
 
 
-def _steps(batch: int, n_chunks: int, t):
-    """(sample, chunk) of step ``t``; the chunk stays static with one chunk, so
-    no lane offset is dynamic on TPU."""
-    if n_chunks == 1:
-        return t, 0
-    return t // n_chunks, t % n_chunks
-
-
-def _bn_moments_kernel(x_ref, mean_ref, m2_ref, *, hw: int, chunk: int, n_chunks: int):
-    # Inputs: x_ref [batch_block, channels, hw_pad]
-    # Outputs: mean_ref, m2_ref [channels, 1]: this slice's mean and centred sum of squares
-    batch, channels, _ = x_ref.shape
+def _bn_moments_kernel(x_ref, mean_ref, m2_ref, *, hw: int):
+    # Inputs: x_ref [batch_block, channels, chunk] (spatial chunk program_id(2))
+    # Outputs: mean_ref, m2_ref [channels, 1]: this tile's mean and centred sum of squares
+    batch, channels, chunk = x_ref.shape
+    c0 = pl.program_id(2) * chunk
+    count = jnp.minimum(hw - c0, chunk).astype(jnp.float32)  # every chunk holds a real position
+    valid = iota((channels, chunk), 1, c0) < hw
     zero = jnp.zeros((channels, 1), jnp.float32)
-
-    def moments(t, state):
-        b, c = _steps(batch, n_chunks, t)
-        x = f32(x_ref[b, :, ds(c, chunk)])
-        count = jnp.minimum(hw - c * chunk, chunk).astype(jnp.float32)
+    state = (jnp.float32(0.0), zero, zero)
+    for b in range(batch):  # a few samples: unrolled
+        x = f32(x_ref[b])
         total = jnp.sum(x, axis=1, keepdims=True)  # padded positions hold zeros
-        xc = jnp.where(iota((channels, chunk), 1, c * chunk) < hw, x - total / count, 0.0)
-        return merge_moments(state, count, total, jnp.sum(xc * xc, axis=1, keepdims=True))
-
-    _, mean, m2 = chunk_loop(batch * n_chunks, moments, (jnp.float32(0.0), zero, zero))
+        xc = jnp.where(valid, x - total / count, 0.0)
+        state = merge_moments(state, count, total, jnp.sum(xc * xc, axis=1, keepdims=True))
+    _, mean, m2 = state
     mean_ref[...] = mean
     m2_ref[...] = m2
 
@@ -68,21 +62,15 @@ def _bn_apply_kernel(x_ref, mean_ref, scale_ref, shift_ref, y_ref):
     y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _bn_grad_sums_kernel(x_ref, g_ref, mean_ref, rstd_ref, sg_ref, sgx_ref, *, chunk: int, n_chunks: int):
-    # Inputs: x_ref, g_ref [batch_block, channels, hw_pad]; mean_ref, rstd_ref [channels, 1]
-    # Outputs: sg_ref = sum(g), sgx_ref = sum(g * xhat) over this slice [channels, 1]
-    batch, channels, _ = x_ref.shape
+def _bn_grad_sums_kernel(x_ref, g_ref, mean_ref, rstd_ref, sg_ref, sgx_ref):
+    # Inputs: x_ref, g_ref [batch_block, channels, chunk]; mean_ref, rstd_ref [channels, 1]
+    # Outputs: sg_ref = sum(g), sgx_ref = sum(g * xhat) over this tile [channels, 1]
     mean, rstd = mean_ref[...], rstd_ref[...]
-
-    def sums(t, carry):
-        sg, sgx = carry
-        b, c = _steps(batch, n_chunks, t)
-        g = f32(g_ref[b, :, ds(c, chunk)])  # zero at padded positions
-        xhat = (f32(x_ref[b, :, ds(c, chunk)]) - mean) * rstd
-        return sg + jnp.sum(g, axis=1, keepdims=True), sgx + jnp.sum(g * xhat, axis=1, keepdims=True)
-
-    zero = jnp.zeros((channels, 1), jnp.float32)
-    sg, sgx = chunk_loop(batch * n_chunks, sums, (zero, zero))
+    sg = sgx = jnp.zeros(sg_ref.shape, jnp.float32)
+    for b in range(x_ref.shape[0]):
+        g = f32(g_ref[b])  # zero at padded positions
+        xhat = (f32(x_ref[b]) - mean) * rstd
+        sg, sgx = sg + jnp.sum(g, axis=1, keepdims=True), sgx + jnp.sum(g * xhat, axis=1, keepdims=True)
     sg_ref[...] = sg
     sgx_ref[...] = sgx
 
@@ -107,17 +95,18 @@ def _as_col(v: jax.Array, b: blocks.ChannelBlocks) -> jax.Array:
 
 
 def _partials_call(kernel, cfg: Config, b: blocks.ChannelBlocks, batch: int, n_big: int, n_small: int, name: str):
-    """A (channel block, batch block) grid reducing to one [channels, 1] partial per batch block."""
+    """A (channel block, batch block, spatial chunk) grid reducing each tile to one
+    ``[channels, 1]`` partial: outputs ``[groups, n_chunks, channels_pad, 1]``."""
     groups = batch // b.batch_block
-    big = pl.BlockSpec((b.batch_block, b.block_channels, b.hw_pad), lambda i, j: (j, i, 0))
-    small = pl.BlockSpec((b.block_channels, 1), lambda i, j: (i, 0))
-    part = pl.BlockSpec((pl.squeezed, b.block_channels, 1), lambda i, j: (j, i, 0))
-    shape = jax.ShapeDtypeStruct((groups, b.channels_pad, 1), jnp.float32)
+    big = pl.BlockSpec((b.batch_block, b.block_channels, b.chunk), lambda i, j, c: (j, i, c))
+    small = pl.BlockSpec((b.block_channels, 1), lambda i, j, c: (i, 0))
+    part = pl.BlockSpec((pl.squeezed, pl.squeezed, b.block_channels, 1), lambda i, j, c: (j, c, i, 0))
+    shape = jax.ShapeDtypeStruct((groups, b.n_chunks, b.channels_pad, 1), jnp.float32)
     return pallas_call(
-        functools.partial(kernel, chunk=b.chunk, n_chunks=b.n_chunks),
+        kernel,
         cfg,
         name=name,
-        grid=(b.channels_pad // b.block_channels, groups),
+        grid=(b.channels_pad // b.block_channels, groups, b.n_chunks),
         in_specs=[big] * n_big + [small] * n_small,
         out_specs=(part, part),
         out_shape=(shape, shape),
@@ -149,9 +138,12 @@ def _bn_fwd_local(key: tuple, x: jax.Array, *params: jax.Array):
     x3 = _as_bchw(x, b)
     kernel = functools.partial(_bn_moments_kernel, hw=h * w)
     means, m2s = _partials_call(kernel, cfg, b, n, 1, 0, "batch_norm_moments")(x3)
-    # Chan's combination of equal-sized groups
-    mean = jnp.mean(means, axis=0)
-    var = (jnp.sum(m2s, axis=0) + b.batch_block * h * w * jnp.sum((means - mean[None]) ** 2, axis=0)) / (n * h * w)
+    # Chan's combination of the tiles, weighted by their counts (the last chunk may be partial)
+    counts = np.minimum(h * w - b.chunk * np.arange(b.n_chunks), b.chunk) * b.batch_block
+    counts = jnp.asarray(counts, jnp.float32).reshape(1, -1, 1, 1)
+    total = n * h * w
+    mean = jnp.sum(counts * means, axis=(0, 1)) / total
+    var = (jnp.sum(m2s, axis=(0, 1)) + jnp.sum(counts * (means - mean[None, None]) ** 2, axis=(0, 1))) / total
     rstd = lax.rsqrt(var + eps)
     weight = _as_col(params[0], b) if has_w else jnp.ones_like(rstd)
     shift = _as_col(params[-1], b) if has_b else jnp.zeros_like(rstd)
@@ -172,7 +164,7 @@ def _bn_bwd_local(key: tuple, x: jax.Array, *rest: jax.Array):
     mean, rstd, g = rest[1:] if has_w else rest
     x3, g3, mean, rstd = _as_bchw(x, b), _as_bchw(g, b), _as_col(mean, b), _as_col(rstd, b)
     sgs, sgxs = _partials_call(_bn_grad_sums_kernel, cfg, b, n, 2, 2, "batch_norm_grad_sums")(x3, g3, mean, rstd)
-    sum_g, sum_gx = jnp.sum(sgs, axis=0), jnp.sum(sgxs, axis=0)
+    sum_g, sum_gx = jnp.sum(sgs, axis=(0, 1)), jnp.sum(sgxs, axis=(0, 1))
     weight = jnp.ones_like(rstd) if weight is None else weight
     count = n * h * w
     c1, c2 = weight * sum_g / count, weight * sum_gx / count

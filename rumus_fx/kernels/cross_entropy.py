@@ -16,10 +16,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from . import blocks
-from ._pallas import Config, chunk_loop, chunk_reader, ds, iota, pad_to, pallas_call, unpad
+from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
 from ._util import upcast
 from .dispatch import call
@@ -27,17 +26,17 @@ from .dispatch import call
 # ---------------------------------------------------------------- kernel
 
 
-def _ce_kernel(x_ref, t_ref, w_ref, loss_ref, grad_ref, *, n_cols: int, chunk: int, n_chunks: int):
-    # Inputs: x_ref [rows, cols_pad] logits, t_ref [rows, 1] int32 targets,
-    #         w_ref [rows, 1] float32 row weights (0 for ignored rows)
-    # Outputs: loss_ref [rows, 1] (log-sum-exp minus the target logit),
-    #          grad_ref [rows, cols_pad]
+def _ce_kernel(x_ref, t_ref, w_ref, loss_ref, grad_ref, *scratch, n_cols: int, rp: RowPasses):
+    # Inputs: x_ref [rows, cols_pad] logits (or one chunk on the grid), t_ref [rows, 1] int32
+    #         targets, w_ref [rows, 1] float32 row weights (0 for ignored rows)
+    # Outputs: loss_ref [rows, 1] (log-sum-exp minus the target logit), grad_ref like x_ref
+    # Scratch on the grid: running max, sum and target logit [rows, 1]
     rows = x_ref.shape[0]
-    read = chunk_reader(n_chunks, chunk)
+    read = rp.reader()
     t = t_ref[...]
 
     def logits(i):
-        cols = iota((rows, chunk), 1, i * chunk)
+        cols = iota((rows, rp.chunk), 1, i * rp.chunk)
         return jnp.where(cols < n_cols, read(x_ref, i), -jnp.inf), cols == t
 
     def stats(i, carry):
@@ -48,40 +47,39 @@ def _ce_kernel(x_ref, t_ref, w_ref, loss_ref, grad_ref, *, n_cols: int, chunk: i
         picked = picked + jnp.sum(jnp.where(hit, x, 0.0), axis=1, keepdims=True)
         return m_new, s, picked
 
-    zero = jnp.zeros((rows, 1), jnp.float32)
-    m, s, picked = chunk_loop(n_chunks, stats, (jnp.full((rows, 1), -jnp.inf, jnp.float32), zero, zero))
-    lse = m + jnp.log(s)
-    loss_ref[...] = lse - picked
-    weight = w_ref[...]
+    def lse(carry):
+        m, s, _ = carry
+        return m + jnp.log(s)
+
+    def done(carry):
+        loss_ref[...] = lse(carry) - carry[2]
 
     def write(i, carry):
         x, hit = logits(i)
-        grad = (jnp.exp(x - lse) - jnp.where(hit, 1.0, 0.0)) * weight
-        grad_ref[:, ds(i, chunk)] = grad.astype(grad_ref.dtype)
-        return carry
+        rp.store(grad_ref, i, (jnp.exp(x - lse(carry)) - jnp.where(hit, 1.0, 0.0)) * w_ref[...])
 
-    chunk_loop(n_chunks, write, 0)
+    zero = jnp.zeros((rows, 1), jnp.float32)
+    rp.run(scratch, (jnp.full((rows, 1), -jnp.inf, jnp.float32), zero, zero), stats, write, done)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _ce_local(cfg: Config, logits: jax.Array, targets: jax.Array, weights: jax.Array):
     n, c = logits.shape
     b = blocks.row_blocks(n, c, cfg.target)
-    row = pl.BlockSpec((b.block_rows, b.cols_pad), lambda i: (i, 0))
-    col = pl.BlockSpec((b.block_rows, 1), lambda i: (i, 0))
-    kernel = functools.partial(_ce_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks)
+    rp = RowPasses.of(b)
+    col = rp.stat_spec(b)
     loss, grad = pallas_call(
-        kernel,
+        functools.partial(_ce_kernel, n_cols=c, rp=rp),
         cfg,
         name="cross_entropy",
-        grid=(b.rows_pad // b.block_rows,),
-        in_specs=[row, col, col],
-        out_specs=(col, row),
+        grid=rp.grid(b.rows_pad // b.block_rows),
+        in_specs=[rp.row_spec(b), col, col],
+        out_specs=(col, rp.row_spec(b, written=True)),
         out_shape=(
             jax.ShapeDtypeStruct((b.rows_pad, 1), jnp.float32),
             jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), logits.dtype),
         ),
-        num_warps=b.num_warps,
+        **rp.params(b, n_carry=3),
     )(
         pad_to(logits, (b.rows_pad, b.cols_pad)),
         pad_to(targets.astype(jnp.int32).reshape(n, 1), (b.rows_pad, 1), -1),

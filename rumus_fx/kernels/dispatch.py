@@ -2,35 +2,42 @@
 
 Modes: ``"auto"`` (default), ``"reference"``, ``"pallas"``, ``"interpret"``.
 Choose one with ``rf.kernels.use(mode)`` or the ``RUMUS_FX_KERNELS`` variable;
-``rf.kernels.backend()`` says what the next call will run.
+``rf.kernels.backend()`` says what the next call in this process will run.
 
-How ``"auto"`` chooses, and why
--------------------------------
-With an accelerator in the process (``jax.default_backend()`` is ``gpu`` or
-``tpu``) the choice is staged into the program with
-``jax.lax.platform_dependent(cpu=reference, cuda/rocm=Pallas-GPU,
-tpu=Pallas-TPU, default=reference)``: every branch is traced, and lowering keeps
-only the branch of the platform being compiled for, so a program exported or
-AOT-compiled for several platforms stays right on each (eager calls run only
-the chosen branch).
+What each mode runs, and what a program exported under it holds
+----------------------------------------------------------------
+The mode is read when an op is *traced*; lowering (``jax.jit(f).lower``,
+``jax.export.export(..., platforms=[...])``) then keeps, per platform, what the
+trace staged:
 
-In a CPU-only process ``"auto"`` calls the reference directly, without
-``platform_dependent``. Staging the Pallas branches there is *sound* (lowering
-for CPU prunes them, checked by ``tests/kernels/test_dispatch.py``) but costs a
-trace of every kernel on every jitted op, for programs that can only ever run
-the reference: a CPU-only jaxlib cannot lower a Pallas GPU/TPU kernel at all,
-so a program exported from such a process could not contain one anyway. The
-exported program then runs the (correct) reference on every platform.
+* ``"pallas"`` stages ``jax.lax.platform_dependent(cpu=reference,
+  cuda/rocm=Pallas-GPU (Triton), tpu=Pallas-TPU (Mosaic), default=Pallas-GPU)``
+  in any process. Lowering keeps only the branch of the platform compiled for,
+  so a program exported from a CPU host for ``["cpu", "cuda", "tpu"]`` holds
+  the Triton kernels for ``cuda``, the Mosaic kernels for ``tpu`` and the
+  reference for ``cpu`` (which is what the CPU runs, eagerly or jitted). A
+  CPU-only jaxlib lowers both kernel flavours (``tests/kernels/test_lowering.py``
+  does it for every kernel); the Triton custom call needs
+  ``jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`` to be
+  exported, being outside ``jax.export``'s list of stable custom calls.
+* ``"auto"`` with an accelerator in the process (``jax.default_backend()`` is
+  ``gpu`` or ``tpu``) stages the same ``platform_dependent`` (with the
+  reference as the default branch), so exports hold the kernels for
+  cuda/rocm/tpu and the reference for cpu. In a CPU-only process it calls the
+  reference directly, without ``platform_dependent``: staging the Pallas
+  branches there is sound (checked by ``tests/kernels/test_dispatch.py``) but
+  costs a trace of every kernel on every jitted op for programs that, on that
+  host, can only run the reference; a program exported from a CPU-only process
+  under ``"auto"`` therefore holds the reference for every platform. Use
+  ``"pallas"`` to export kernels from a CPU host.
+* ``"reference"``: the reference everywhere, exports included.
+* ``"interpret"``: the kernels in Pallas' interpreter (plain XLA ops, so any
+  platform runs and exports them); this is how the CPU tests exercise them.
 
-The mode is read when an op is *traced*: a function already jitted keeps the
-kernels it was traced with (as with any trace-time Python state), so choose the
-mode before the first call of a jitted function, or jit a fresh one.
-
-``"pallas"`` forces the compiled kernels (Triton on GPU, Mosaic on TPU;
-lowering fails on CPU); ``"interpret"`` runs them with Pallas' interpreter on any
-platform (how the CPU tests exercise them). Float64 inputs always take the
-reference: the kernels accumulate in float32 and TPUs have no float64; so do
-empty arrays.
+A function already jitted keeps the kernels it was traced with (as with any
+trace-time Python state), so choose the mode before the first call of a jitted
+function, or jit a fresh one. Float64 inputs always take the reference (the
+kernels accumulate in float32 and TPUs have no float64); so do empty arrays.
 """
 
 from __future__ import annotations
@@ -103,11 +110,15 @@ def _accelerator_present() -> bool:
 
 
 def backend() -> str:
-    """What the next kernel call will run: ``"pallas"`` or ``"reference"``."""
+    """What the next kernel call in this process will run: ``"pallas"`` or
+    ``"reference"``. ``"pallas"`` mode runs the reference on a CPU (its
+    programs hold the kernels for GPU/TPU exports)."""
     m = mode()
-    if m == "auto":
-        return "pallas" if _accelerator_present() else "reference"
-    return "reference" if m == "reference" else "pallas"
+    if m == "interpret":
+        return "pallas"
+    if m == "reference":
+        return "reference"
+    return "pallas" if _accelerator_present() else "reference"
 
 
 def _kernel_ok(args: tuple[Any, ...]) -> bool:
@@ -148,11 +159,12 @@ def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args
         return run_reference(reference, args, static)
     if m == "interpret":
         return pallas(*args, cfg=Config(_INTERPRET_TARGET.get(), True), **static)
+    if m == "auto" and not _accelerator_present():
+        return run_reference(reference, args, static)
     gpu = functools.partial(pallas, cfg=Config(GPU, False), **static)
     tpu = functools.partial(pallas, cfg=Config(TPU, False), **static)
-    if m == "pallas":
-        return lax.platform_dependent(*args, tpu=tpu, default=gpu)
-    if not _accelerator_present():
-        return run_reference(reference, args, static)
     ref = functools.partial(reference, **static)
-    return lax.platform_dependent(*args, cpu=ref, cuda=gpu, rocm=gpu, tpu=tpu, default=ref)
+    # each branch traced once: platform_dependent traces ``default`` apart from the named ones
+    if m == "pallas":
+        return lax.platform_dependent(*args, cpu=ref, tpu=tpu, default=gpu)
+    return lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=ref)

@@ -16,10 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from . import _norm_jvp, blocks
-from ._pallas import Config, chunk_loop, chunk_reader, ds, first_row, iota, merge_moments, pad_to, pallas_call, unpad
+from ._pallas import Config, RowPasses, first_row, iota, merge_moments, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
 from ._util import compute_dtype, upcast
 from .dispatch import call
@@ -29,52 +28,64 @@ _PARTIAL_ROWS = blocks.SUBLANE
 # ---------------------------------------------------------------- kernels
 
 
-def _ln_fwd_kernel(*refs, n_cols: int, chunk: int, n_chunks: int, eps: float, has_w: bool, has_b: bool):
-    # Inputs: x_ref [rows, cols_pad], w_ref [1, cols_pad]?, b_ref [1, cols_pad]?
-    # Outputs: y_ref [rows, cols_pad], mean_ref [rows, 1], rstd_ref [rows, 1]
-    x_ref, rest = refs[0], list(refs[1:])
-    w_ref = rest.pop(0) if has_w else None
-    b_ref = rest.pop(0) if has_b else None
-    y_ref, mean_ref, rstd_ref = rest
+def _ln_fwd_kernel(*refs, n_cols: int, eps: float, has_w: bool, has_b: bool, rp: RowPasses):
+    # Inputs: x_ref [rows, cols_pad], w_ref [1, cols_pad]?, b_ref [1, cols_pad]? (or one chunk on the grid)
+    # Outputs: y_ref like x_ref, mean_ref [rows, 1], rstd_ref [rows, 1]
+    # Scratch on the grid: the running count, mean and centred sum of squares [rows, 1]
+    n_in = 1 + has_w + has_b
+    x_ref, params, (y_ref, mean_ref, rstd_ref), scratch = (
+        refs[0],
+        list(refs[1:n_in]),
+        refs[n_in : n_in + 3],
+        refs[n_in + 3 :],
+    )
+    w_ref = params.pop(0) if has_w else None
+    b_ref = params.pop(0) if has_b else None
     rows = x_ref.shape[0]
-    read = chunk_reader(n_chunks, chunk)
-    zero = jnp.zeros((rows, 1), jnp.float32)
+    read = rp.reader()
 
     def moments(i, state):
         # one read per chunk: its own mean and centred squares, merged (padded columns hold zeros)
         x = read(x_ref, i)
-        valid = iota((rows, chunk), 1, i * chunk) < n_cols
-        count = jnp.minimum(n_cols - i * chunk, chunk).astype(jnp.float32)
+        valid = iota((rows, rp.chunk), 1, i * rp.chunk) < n_cols
+        count = jnp.minimum(n_cols - i * rp.chunk, rp.chunk).astype(jnp.float32)
         total = jnp.sum(x, axis=1, keepdims=True)
         xc = jnp.where(valid, x - total / count, 0.0)
         return merge_moments(state, count, total, jnp.sum(xc * xc, axis=1, keepdims=True))
 
-    _, mean, m2 = chunk_loop(n_chunks, moments, (jnp.float32(0.0), zero, zero))
-    rstd = lax.rsqrt(m2 / n_cols + eps)
+    def stats(state):
+        _, mean, m2 = state
+        return mean, lax.rsqrt(m2 / n_cols + eps)
 
-    def write(i, carry):
+    def done(state):
+        mean_ref[...], rstd_ref[...] = stats(state)
+
+    def write(i, state):
+        mean, rstd = stats(state)
         y = (read(x_ref, i) - mean) * rstd
         if w_ref is not None:
             y = y * read(w_ref, i)
         if b_ref is not None:
             y = y + read(b_ref, i)
-        y_ref[:, ds(i, chunk)] = y.astype(y_ref.dtype)
-        return carry
+        rp.store(y_ref, i, y)
 
-    chunk_loop(n_chunks, write, 0)
-    mean_ref[...] = mean
-    rstd_ref[...] = rstd
+    zero = jnp.zeros((rows, 1), jnp.float32)
+    rp.run(scratch, (jnp.zeros((rows, 1), jnp.float32), zero, zero), moments, write, done)
 
 
-def _ln_bwd_kernel(*refs, n_cols: int, chunk: int, n_chunks: int, has_w: bool):
+def _ln_bwd_kernel(*refs, n_cols: int, has_w: bool, rp: RowPasses):
     # Inputs: x_ref [rows, cols_pad], w_ref [1, cols_pad]?, mean_ref, rstd_ref [rows, 1],
-    #         g_ref [rows, cols_pad]
-    # Outputs: dx_ref [rows, cols_pad], dw_ref, db_ref [8, cols_pad] (row 0: this block's column sums)
-    x_ref, rest = refs[0], list(refs[1:])
+    #         g_ref [rows, cols_pad] (or one chunk on the grid)
+    # Outputs: dx_ref like x_ref, dw_ref, db_ref [8, cols_pad] (row 0: this block's column sums,
+    #          written by the first pass)
+    # Scratch on the grid: the row sums c1, c2 [rows, 1]
+    n_in = 4 + has_w
+    ins, (dx_ref, dw_ref, db_ref), scratch = refs[:n_in], refs[n_in : n_in + 3], refs[n_in + 3 :]
+    x_ref, rest = ins[0], list(ins[1:])
     w_ref = rest.pop(0) if has_w else None
-    mean_ref, rstd_ref, g_ref, dx_ref, dw_ref, db_ref = rest
+    mean_ref, rstd_ref, g_ref = rest
     rows = x_ref.shape[0]
-    read = chunk_reader(n_chunks, chunk)
+    read = rp.reader()
     mean, rstd = mean_ref[...], rstd_ref[...]
 
     def parts(i):
@@ -86,34 +97,19 @@ def _ln_bwd_kernel(*refs, n_cols: int, chunk: int, n_chunks: int, has_w: bool):
     def sums(i, carry):
         c1, c2 = carry
         g, xhat, dxhat = parts(i)
-        dw_ref[:, ds(i, chunk)] = first_row(jnp.sum(g * xhat, axis=0, keepdims=True), _PARTIAL_ROWS)
-        db_ref[:, ds(i, chunk)] = first_row(jnp.sum(g, axis=0, keepdims=True), _PARTIAL_ROWS)
+        rp.store(dw_ref, i, first_row(jnp.sum(g * xhat, axis=0, keepdims=True), _PARTIAL_ROWS))
+        rp.store(db_ref, i, first_row(jnp.sum(g, axis=0, keepdims=True), _PARTIAL_ROWS))
         c1 = c1 + jnp.sum(dxhat, axis=1, keepdims=True)
         c2 = c2 + jnp.sum(dxhat * xhat, axis=1, keepdims=True)
         return c1, c2
 
-    zero = jnp.zeros((rows, 1), jnp.float32)
-    c1, c2 = chunk_loop(n_chunks, sums, (zero, zero))
-    c1, c2 = c1 / n_cols, c2 / n_cols
-
     def write(i, carry):
+        c1, c2 = carry[0] / n_cols, carry[1] / n_cols
         _, xhat, dxhat = parts(i)
-        dx_ref[:, ds(i, chunk)] = (rstd * (dxhat - c1 - xhat * c2)).astype(dx_ref.dtype)
-        return carry
+        rp.store(dx_ref, i, rstd * (dxhat - c1 - xhat * c2))
 
-    chunk_loop(n_chunks, write, 0)
-
-
-def _row_spec(b: blocks.RowBlocks) -> pl.BlockSpec:
-    return pl.BlockSpec((b.block_rows, b.cols_pad), lambda i: (i, 0))
-
-
-def _param_spec(b: blocks.RowBlocks) -> pl.BlockSpec:
-    return pl.BlockSpec((1, b.cols_pad), lambda i: (0, 0))
-
-
-def _stat_spec(b: blocks.RowBlocks) -> pl.BlockSpec:
-    return pl.BlockSpec((b.block_rows, 1), lambda i: (i, 0))
+    zero = jnp.zeros((rows, 1), jnp.float32)
+    rp.run(scratch, (zero, zero), sums, write)
 
 
 # Static keys: a tuple (Config, ...) so one jit/custom_partitioning cache entry
@@ -127,23 +123,22 @@ def _ln_fwd_local(key: tuple, x: jax.Array, *params: jax.Array):
     x2 = x.reshape(-1, shape[-1])
     n, c = x2.shape
     b = blocks.row_blocks(n, c, cfg.target)
-    kernel = functools.partial(
-        _ln_fwd_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks, eps=eps, has_w=has_w, has_b=has_b
-    )
+    rp = RowPasses.of(b)
+    kernel = functools.partial(_ln_fwd_kernel, n_cols=c, eps=eps, has_w=has_w, has_b=has_b, rp=rp)
     args = [pad_to(x2, (b.rows_pad, b.cols_pad))] + [pad_to(p.reshape(1, c), (1, b.cols_pad)) for p in params]
     y, mean, rstd = pallas_call(
         kernel,
         cfg,
         name="layer_norm_fwd",
-        grid=(b.rows_pad // b.block_rows,),
-        in_specs=[_row_spec(b)] + [_param_spec(b)] * len(params),
-        out_specs=(_row_spec(b), _stat_spec(b), _stat_spec(b)),
+        grid=rp.grid(b.rows_pad // b.block_rows),
+        in_specs=[rp.row_spec(b)] + [rp.param_spec(b)] * len(params),
+        out_specs=(rp.row_spec(b, written=True), rp.stat_spec(b), rp.stat_spec(b)),
         out_shape=(
             jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), x.dtype),
             jax.ShapeDtypeStruct((b.rows_pad, 1), jnp.float32),
             jax.ShapeDtypeStruct((b.rows_pad, 1), jnp.float32),
         ),
-        num_warps=b.num_warps,
+        **rp.params(b, n_carry=3),
     )(*args)
     st = compute_dtype(x.dtype)
     stat = lambda v: v[:n, 0].reshape(shape[:-1]).astype(st)  # noqa: E731
@@ -165,18 +160,19 @@ def _ln_bwd_local(key: tuple, x: jax.Array, *rest: jax.Array):
     if has_w:
         args.append(pad_to(w.reshape(1, c), (1, b.cols_pad)))
     args += [col(mean), col(rstd), pad_to(g2, (b.rows_pad, b.cols_pad))]
-    partial_spec = pl.BlockSpec((_PARTIAL_ROWS, b.cols_pad), lambda i: (i, 0))
+    rp = RowPasses.of(b)
+    partial_spec = rp.partial_spec(b)
     partial_shape = jax.ShapeDtypeStruct((grid * _PARTIAL_ROWS, b.cols_pad), jnp.float32)
-    kernel = functools.partial(_ln_bwd_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks, has_w=has_w)
+    kernel = functools.partial(_ln_bwd_kernel, n_cols=c, has_w=has_w, rp=rp)
     dx, dw, db = pallas_call(
         kernel,
         cfg,
         name="layer_norm_bwd",
-        grid=(grid,),
-        in_specs=[_row_spec(b)] + [_param_spec(b)] * has_w + [_stat_spec(b), _stat_spec(b), _row_spec(b)],
-        out_specs=(_row_spec(b), partial_spec, partial_spec),
+        grid=rp.grid(grid),
+        in_specs=[rp.row_spec(b)] + [rp.param_spec(b)] * has_w + [rp.stat_spec(b)] * 2 + [rp.row_spec(b)],
+        out_specs=(rp.row_spec(b, written=True), partial_spec, partial_spec),
         out_shape=(jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), x.dtype), partial_shape, partial_shape),
-        num_warps=b.num_warps,
+        **rp.params(b, n_carry=2),
     )(*args)
     return unpad(dx, (n, c)).reshape(shape), jnp.sum(dw, axis=0)[:c], jnp.sum(db, axis=0)[:c]
 

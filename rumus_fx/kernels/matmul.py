@@ -1,9 +1,12 @@
 """Matrix products (2-D and batched) with float32 accumulation: a tiled Pallas
 kernel, its ``custom_jvp`` glue, and the jax.numpy reference.
 
-Each program computes one ``bm x bn`` output tile, looping over K in steps of
-``bk`` with a float32 accumulator (bfloat16/float16 inputs feed the tensor
-cores directly). ``[..., M, K] @ [K, N]`` folds the leading axes into M; the
+Each program computes one ``bm x bn`` output tile, reducing over K in steps of
+``bk`` into a float32 accumulator (bfloat16/float16 inputs feed the tensor
+cores directly): on GPU a loop inside the program (the operands stay in global
+memory, each step loads a ``bm x bk`` and a ``bk x bn`` tile); on TPU the last
+grid axis, run in order, with the accumulator in VMEM scratch (each step copies
+one tile of each operand into VMEM). ``[..., M, K] @ [K, N]`` folds the leading axes into M; the
 batched form ``[..., M, K] @ [..., K, N]`` puts the batch on the grid. Other
 broadcasting patterns take the reference explicitly.
 """
@@ -19,7 +22,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import blocks
-from ._pallas import Config, chunk_loop, dot, ds, pad_to, pallas_call
+from ._pallas import Config, chunk_loop, dot, ds, pad_to, pallas_call, vmem
 from ._sharding import sharded_call
 from ._util import is_low_precision
 from .dispatch import call
@@ -27,7 +30,7 @@ from .dispatch import call
 # ---------------------------------------------------------------- kernel
 
 
-def _matmul_kernel(a_ref, b_ref, o_ref, *, bk: int, n_k: int):
+def _matmul_gpu_kernel(a_ref, b_ref, o_ref, *, bk: int, n_k: int):
     # Inputs: a_ref [bm, k_pad], b_ref [k_pad, bn]
     # Outputs: o_ref [bm, bn]
     def step(kk, acc):
@@ -35,6 +38,26 @@ def _matmul_kernel(a_ref, b_ref, o_ref, *, bk: int, n_k: int):
 
     acc = chunk_loop(n_k, step, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _matmul_tpu_kernel(a_ref, b_ref, o_ref, *scratch, n_k: int):
+    # Inputs: a_ref [bm, bk], b_ref [bk, bn] (step program_id(3) of n_k along K)
+    # Outputs: o_ref [bm, bn]; scratch: acc_ref [bm, bn] float32 when n_k > 1
+    if n_k == 1:
+        o_ref[...] = dot(a_ref[...], b_ref[...]).astype(o_ref.dtype)
+        return
+    (acc_ref,) = scratch
+    kk = pl.program_id(3)
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    acc_ref[...] += dot(a_ref[...], b_ref[...])
+
+    @pl.when(kk == n_k - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -50,21 +73,40 @@ def _matmul_local(key: tuple, a: jax.Array, b: jax.Array) -> tuple[jax.Array]:
     t = blocks.matmul_blocks(rows, k, n, cfg.target)
     a3 = pad_to(a3.astype(ct), (nb, t.m_pad, t.k_pad))
     b3 = pad_to(b3.astype(ct), (b3.shape[0], t.k_pad, t.n_pad))
-    b_index = (lambda bi, i, j: (bi, 0, j)) if batched else (lambda bi, i, j: (0, 0, j))
-    out = pallas_call(
-        functools.partial(_matmul_kernel, bk=t.bk, n_k=t.n_k),
-        cfg,
-        name="matmul",
-        grid=(nb, t.m_pad // t.bm, t.n_pad // t.bn),
-        in_specs=[
-            pl.BlockSpec((pl.squeezed, t.bm, t.k_pad), lambda bi, i, j: (bi, i, 0)),
-            pl.BlockSpec((pl.squeezed, t.k_pad, t.bn), b_index),
-        ],
-        out_specs=pl.BlockSpec((pl.squeezed, t.bm, t.bn), lambda bi, i, j: (bi, i, j)),
-        out_shape=jax.ShapeDtypeStruct((nb, t.m_pad, t.n_pad), out_dtype),
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
-    )(a3, b3)
+    out_shape = jax.ShapeDtypeStruct((nb, t.m_pad, t.n_pad), out_dtype)
+    out_spec = pl.BlockSpec((pl.squeezed, t.bm, t.bn), lambda bi, i, j, *_: (bi, i, j))
+    if cfg.target == blocks.GPU:
+        b_index = (lambda bi, i, j: (bi, 0, j)) if batched else (lambda bi, i, j: (0, 0, j))
+        out = pallas_call(
+            functools.partial(_matmul_gpu_kernel, bk=t.bk, n_k=t.n_k),
+            cfg,
+            name="matmul",
+            grid=(nb, t.m_pad // t.bm, t.n_pad // t.bn),
+            in_specs=[
+                pl.BlockSpec((pl.squeezed, t.bm, t.k_pad), lambda bi, i, j: (bi, i, 0)),
+                pl.BlockSpec((pl.squeezed, t.k_pad, t.bn), b_index),
+            ],
+            out_specs=out_spec,
+            out_shape=out_shape,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+        )(a3, b3)
+    else:
+        b_index = (lambda bi, i, j, kk: (bi, kk, j)) if batched else (lambda bi, i, j, kk: (0, kk, j))
+        out = pallas_call(
+            functools.partial(_matmul_tpu_kernel, n_k=t.n_k),
+            cfg,
+            name="matmul",
+            grid=(nb, t.m_pad // t.bm, t.n_pad // t.bn, t.n_k),
+            in_specs=[
+                pl.BlockSpec((pl.squeezed, t.bm, t.bk), lambda bi, i, j, kk: (bi, i, kk)),
+                pl.BlockSpec((pl.squeezed, t.bk, t.bn), b_index),
+            ],
+            out_specs=out_spec,
+            out_shape=out_shape,
+            semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            scratch_shapes=[vmem((t.bm, t.bn))] if t.n_k > 1 else [],
+        )(a3, b3)
     return (out[:, :rows, :n].reshape((*lead, m, n)),)
 
 

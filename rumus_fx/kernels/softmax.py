@@ -13,10 +13,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from . import blocks
-from ._pallas import Config, chunk_loop, ds, f32, iota, pad_to, pallas_call, unpad
+from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
 from ._util import upcast
 from .dispatch import call
@@ -24,16 +23,16 @@ from .dispatch import call
 # ---------------------------------------------------------------- kernels
 
 
-def _softmax_fwd_kernel(x_ref, y_ref, *, n_cols: int, chunk: int, n_chunks: int):
-    # Inputs: x_ref [rows, cols_pad]
-    # Outputs: y_ref [rows, cols_pad]
+def _softmax_fwd_kernel(x_ref, y_ref, *scratch, n_cols: int, rp: RowPasses):
+    # Inputs: x_ref [rows, cols_pad] (or one chunk on the grid)
+    # Outputs: y_ref likewise; scratch: the running max and sum [rows, 1] on the grid
     rows = x_ref.shape[0]
+    read = rp.reader()
 
     def load(i):
-        x = f32(x_ref[:, ds(i, chunk)])
-        return jnp.where(iota((rows, chunk), 1, i * chunk) < n_cols, x, -jnp.inf)
+        return jnp.where(iota((rows, rp.chunk), 1, i * rp.chunk) < n_cols, read(x_ref, i), -jnp.inf)
 
-    if n_chunks == 1:
+    if rp.n_chunks == 1:
         x = load(0)
         e = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
         y_ref[...] = (e / jnp.sum(e, axis=1, keepdims=True)).astype(y_ref.dtype)
@@ -46,37 +45,29 @@ def _softmax_fwd_kernel(x_ref, y_ref, *, n_cols: int, chunk: int, n_chunks: int)
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new), axis=1, keepdims=True)
         return m_new, s
 
+    def write(i, carry):
+        m, s = carry
+        rp.store(y_ref, i, jnp.exp(load(i) - m) / s)
+
     init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
-    m, s = chunk_loop(n_chunks, stats, init)
-    inv = 1.0 / s
-
-    def write(i, carry):
-        y_ref[:, ds(i, chunk)] = (jnp.exp(load(i) - m) * inv).astype(y_ref.dtype)
-        return carry
-
-    chunk_loop(n_chunks, write, 0)
+    rp.run(scratch, init, stats, write)
 
 
-def _softmax_bwd_kernel(y_ref, g_ref, dx_ref, *, chunk: int, n_chunks: int):
-    # Inputs: y_ref, g_ref [rows, cols_pad] (zero padded)
-    # Outputs: dx_ref [rows, cols_pad]
+def _softmax_bwd_kernel(y_ref, g_ref, dx_ref, *scratch, rp: RowPasses):
+    # Inputs: y_ref, g_ref [rows, cols_pad] (zero padded; or one chunk on the grid)
+    # Outputs: dx_ref likewise; scratch: sum(g * y) [rows, 1] on the grid
     rows = y_ref.shape[0]
+    read = rp.reader()
 
-    def dot(i, acc):
-        return acc + jnp.sum(f32(y_ref[:, ds(i, chunk)]) * f32(g_ref[:, ds(i, chunk)]), axis=1, keepdims=True)
-
-    s = chunk_loop(n_chunks, dot, jnp.zeros((rows, 1), jnp.float32))
+    def stats(i, carry):
+        (s,) = carry
+        return (s + jnp.sum(read(y_ref, i) * read(g_ref, i), axis=1, keepdims=True),)
 
     def write(i, carry):
-        y, g = f32(y_ref[:, ds(i, chunk)]), f32(g_ref[:, ds(i, chunk)])
-        dx_ref[:, ds(i, chunk)] = (y * (g - s)).astype(dx_ref.dtype)
-        return carry
+        (s,) = carry
+        rp.store(dx_ref, i, read(y_ref, i) * (read(g_ref, i) - s))
 
-    chunk_loop(n_chunks, write, 0)
-
-
-def _row_specs(b: blocks.RowBlocks, n: int) -> list[pl.BlockSpec]:
-    return [pl.BlockSpec((b.block_rows, b.cols_pad), lambda i: (i, 0)) for _ in range(n)]
+    rp.run(scratch, (jnp.zeros((rows, 1), jnp.float32),), stats, write)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -85,16 +76,16 @@ def _softmax_fwd_local(cfg: Config, x: jax.Array) -> tuple[jax.Array]:
     x2 = x.reshape(-1, shape[-1])
     n, c = x2.shape
     b = blocks.row_blocks(n, c, cfg.target)
-    kernel = functools.partial(_softmax_fwd_kernel, n_cols=c, chunk=b.chunk, n_chunks=b.n_chunks)
+    rp = RowPasses.of(b)
     y = pallas_call(
-        kernel,
+        functools.partial(_softmax_fwd_kernel, n_cols=c, rp=rp),
         cfg,
         name="softmax_fwd",
-        grid=(b.rows_pad // b.block_rows,),
-        in_specs=_row_specs(b, 1),
-        out_specs=_row_specs(b, 1)[0],
+        grid=rp.grid(b.rows_pad // b.block_rows),
+        in_specs=[rp.row_spec(b)],
+        out_specs=rp.row_spec(b, written=True),
         out_shape=jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), x.dtype),
-        num_warps=b.num_warps,
+        **rp.params(b, n_carry=2),
     )(pad_to(x2, (b.rows_pad, b.cols_pad)))
     return (unpad(y, (n, c)).reshape(shape),)
 
@@ -105,16 +96,16 @@ def _softmax_bwd_local(cfg: Config, y: jax.Array, g: jax.Array) -> tuple[jax.Arr
     y2, g2 = y.reshape(-1, shape[-1]), g.reshape(-1, shape[-1])
     n, c = y2.shape
     b = blocks.row_blocks(n, c, cfg.target)
-    kernel = functools.partial(_softmax_bwd_kernel, chunk=b.chunk, n_chunks=b.n_chunks)
+    rp = RowPasses.of(b)
     dx = pallas_call(
-        kernel,
+        functools.partial(_softmax_bwd_kernel, rp=rp),
         cfg,
         name="softmax_bwd",
-        grid=(b.rows_pad // b.block_rows,),
-        in_specs=_row_specs(b, 2),
-        out_specs=_row_specs(b, 1)[0],
+        grid=rp.grid(b.rows_pad // b.block_rows),
+        in_specs=[rp.row_spec(b), rp.row_spec(b)],
+        out_specs=rp.row_spec(b, written=True),
         out_shape=jax.ShapeDtypeStruct((b.rows_pad, b.cols_pad), g.dtype),
-        num_warps=b.num_warps,
+        **rp.params(b, n_carry=1),
     )(pad_to(y2, (b.rows_pad, b.cols_pad)), pad_to(g2, (b.rows_pad, b.cols_pad)))
     return (unpad(dx, (n, c)).reshape(shape),)
 

@@ -3,6 +3,8 @@ and the ``platform_dependent`` path that ``auto`` stages with an accelerator."""
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,8 @@ def test_modes_context_and_environment(monkeypatch):
     with rf.kernels.use("reference"):
         assert rf.kernels.backend() == "reference"
         with rf.kernels.use("pallas"):
-            assert rf.kernels.mode() == "pallas" and rf.kernels.backend() == "pallas"
+            # on a CPU "pallas" runs the reference (its programs hold the kernels for GPU/TPU)
+            assert rf.kernels.mode() == "pallas" and rf.kernels.backend() == "reference"
         assert rf.kernels.mode() == "reference"
     assert rf.kernels.mode() == "interpret"
     monkeypatch.setenv("RUMUS_FX_KERNELS", "bogus")
@@ -60,9 +63,54 @@ def test_float64_and_empty_inputs_take_the_reference(x64):
         chex.assert_trees_all_close(softmax.softmax_fwd(x), jax.nn.softmax(x), rtol=1e-12)
 
 
-def test_pallas_mode_does_not_lower_on_cpu(x):
-    with rf.kernels.use("pallas"), pytest.raises(Exception, match=r"(?i)interpret"):
-        jax.block_until_ready(jax.jit(softmax.softmax_fwd)(x))
+def _loss(x, w):
+    y = rf.layer_norm(x, w, None)
+    return rf.sum(rf.mul(rf.softmax(y, axis=-1), jnp.arange(5.0)))
+
+
+def _kernel_names(module_text: str) -> set[str]:
+    return set(re.findall(r'(?:kernel_name|\bname) = "([a-z_]+)"', module_text))
+
+
+def test_pallas_mode_runs_the_reference_on_cpu(x):
+    w = jnp.linspace(0.5, 1.5, 5)
+    with rf.kernels.use("reference"):
+        want = rf.grad(_loss, argnums=(0, 1))(x, w)
+    with rf.kernels.use("pallas"):
+        program = rf.grad(_loss, argnums=(0, 1))
+        assert len(pallas_calls(program, x, w)) == 8  # layer norm and softmax, fwd and bwd, GPU and TPU
+        for got in (program(x, w), jax.jit(program)(x, w)):
+            chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_pallas_mode_exports_kernels_for_cuda_and_tpu_and_the_reference_for_cpu(x):
+    """One program exported from this CPU host for three platforms: the Triton
+    kernels for cuda, the Mosaic kernels for tpu, and the reference for cpu
+    (called here, it equals the reference)."""
+    w = jnp.linspace(0.5, 1.5, 5)
+    with rf.kernels.use("pallas"):
+        exported = jax.export.export(
+            jax.jit(rf.grad(_loss, argnums=(0, 1))),
+            platforms=["cpu", "cuda", "tpu"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(x, w)
+    text = exported.mlir_module()
+    assert exported.platforms == ("cpu", "cuda", "tpu")
+    assert "__gpu$xla.gpu.triton" in text and "tpu_custom_call" in text
+    assert _kernel_names(text) == {"layer_norm_fwd", "layer_norm_bwd", "softmax_fwd", "softmax_bwd"}
+    with rf.kernels.use("reference"):
+        want = rf.grad(_loss, argnums=(0, 1))(x, w)
+    chex.assert_trees_all_close(exported.call(x, w), want, rtol=1e-6, atol=1e-7)
+    # the other modes, exported from this CPU-only process
+    plain = dict(platforms=["cpu", "cuda", "tpu"])
+    for mode in ("auto", "reference"):
+        with rf.kernels.use(mode):
+            text = jax.export.export(jax.jit(rf.grad(_loss)), **plain)(x, w).mlir_module()
+        assert "custom_call" not in text and not _kernel_names(text), mode
+    with rf.kernels.use("interpret"):
+        exported = jax.export.export(jax.jit(rf.grad(_loss)), **plain)(x, w)
+    assert "custom_call" not in exported.mlir_module()  # the interpreter is plain XLA ops
+    chex.assert_trees_all_close(exported.call(x, w), want[0], rtol=1e-5, atol=1e-6)
 
 
 def test_interpret_target_switches_block_shapes(x):

@@ -154,7 +154,9 @@ CASES = [
     *_matmul("bmm", (2, 3, 7, 5), (2, 3, 5, 6), matmul.bmm),
     *_attention("attention", (2,), 9, 13, 8, 6, False),
     *_attention("attention_causal_blocks", (1,), 150, 140, 8, 8, True),
+    *_attention("attention_causal_keys_past_queries", (1,), 20, 200, 8, 8, True),
     *_embedding("embedding_bwd", 150, 37, 5),
+    *_embedding("embedding_bwd_many_chunks", 700, 300, 9),
 ]
 
 
@@ -222,12 +224,44 @@ def test_vmap(case: Case):
         "softmax_axis1_multichunk",
         "layer_norm_plain_multichunk_bwd",
         "cross_entropy_ignore_multichunk",
+        "matmul_k_loop",
+        "bmm",
+        "attention_causal_blocks",
         "attention_causal_blocks_bwd",
+        "attention_causal_keys_past_queries_bwd",
+        "attention_bwd",
+        "embedding_bwd_many_chunks",
+        "batch_norm_plain_chunks",
+        "batch_norm_plain_chunks_bwd",
     ],
 )
 def test_tpu_block_shapes_in_interpret_mode(name):
-    """The same kernels with the TPU targets' blocks (whole rows, whole K)."""
+    """The same kernels with the TPU target's blocks and grids (whole rows; K,
+    key/query blocks and lookup chunks as sequential grid axes)."""
     (case,) = [c for c in CASES if c.name == name]
+    with rf.kernels.use("reference"):
+        want = case.fun(*case.args)
+    with rf.kernels.use("interpret"), dispatch.interpret_target(blocks.TPU):
+        got = case.fun(*case.args)
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
+ROWS_ON_THE_GRID = [
+    *_softmax("softmax_wide_rows", (3, 700), -1),
+    *_layer_norm("layer_norm_wide_rows", (4, 650), True),
+    *_layer_norm("layer_norm_plain_wide_rows", (4, 650), False),
+    *_cross_entropy("cross_entropy_wide_rows", 5, 600, 2),
+]
+
+
+@pytest.mark.parametrize("case", ROWS_ON_THE_GRID, ids=str)
+def test_tpu_rows_on_the_grid_in_interpret_mode(case, monkeypatch):
+    """TPU rows wider than one block (32768 columns) are visited in chunks on the
+    grid (pass, chunk); narrower limits here put these small rows there (shapes
+    no other test uses, since the kernels' jit caches do not see the limits)."""
+    monkeypatch.setattr(blocks, "TPU_MAX_ROW", 256)
+    monkeypatch.setattr(blocks, "TPU_ROW_CHUNK", 256)
+    assert blocks.row_blocks(5, 600, blocks.TPU).on_grid
     with rf.kernels.use("reference"):
         want = case.fun(*case.args)
     with rf.kernels.use("interpret"), dispatch.interpret_target(blocks.TPU):

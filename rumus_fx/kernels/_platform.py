@@ -1,0 +1,99 @@
+"""A compiled Pallas kernel that lowers for every platform.
+
+Why: ``jax.lax.platform_dependent`` (how dispatch picks Triton, Mosaic or the
+reference) prunes the branches of other platforms only *after* lowering them,
+and in a multi-platform lowering (``jax.export`` for ``["cpu", "cuda", "tpu"]``)
+every kept branch is lowered for every platform (jax 0.10 and 0.11). A Triton
+``pallas_call`` in the CUDA branch would then be lowered for CPU (Pallas
+refuses) and for TPU (Mosaic rejects Triton parameters), so no such program
+could be exported.
+
+:func:`native_or_interpret` binds a primitive with one lowering rule per
+platform: the compiled kernel on the platforms it was written for, and the same
+kernel in Pallas' interpreter (plain XLA ops, correct on any platform) on the
+others. In a dispatch branch the interpreter copy is dead code (the branch is
+never selected on those platforms) and exists only so that the branch lowers;
+a single-platform lowering (``jax.jit`` on a GPU) never builds it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+_BACKEND_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+
+native_or_interpret_p = jex_core.Primitive("rumus_fx_native_or_interpret")
+native_or_interpret_p.multiple_results = True
+
+
+def native_or_interpret(
+    native: Callable[..., Sequence[jax.Array]],
+    interpret: Callable[..., Sequence[jax.Array]],
+    platforms: tuple[str, ...],
+    out_avals: tuple[jax.ShapeDtypeStruct, ...],
+    *args: jax.Array,
+) -> list[jax.Array]:
+    """``native(*args)`` when lowered for one of ``platforms``, else
+    ``interpret(*args)``; both return arrays shaped like ``out_avals``."""
+    avals = tuple(jax.ShapeDtypeStruct(tuple(a.shape), jnp.dtype(a.dtype)) for a in out_avals)
+    return native_or_interpret_p.bind(*args, native=native, interpret=interpret, platforms=platforms, out_avals=avals)
+
+
+def _abstract_eval(*args, native, interpret, platforms, out_avals):
+    del args, native, interpret, platforms
+    return [jax.core.ShapedArray(a.shape, a.dtype) for a in out_avals]
+
+
+def _impl(*args, native, interpret, platforms, out_avals):
+    del out_avals
+    here = _BACKEND_PLATFORMS.get(jax.default_backend(), ())
+    fn = native if any(p in platforms for p in here) else interpret
+    return list(jax.jit(fn)(*args))
+
+
+def _lowering(platform: str):
+    def rule(ctx, *args, native, interpret, platforms, out_avals):
+        del out_avals
+        fn = native if platform in platforms else interpret
+        return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+
+    return rule
+
+
+def _vmapped(fn: Callable, in_axes: tuple[int | None, ...]) -> Callable:
+    return jax.vmap(lambda *xs: tuple(fn(*xs)), in_axes=in_axes)
+
+
+def _batch(args, dims, *, native, interpret, platforms, out_avals):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    in_axes = tuple(None if d is None else 0 for d in dims)
+    args = tuple(a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims))
+    avals = tuple(jax.ShapeDtypeStruct((size, *a.shape), a.dtype) for a in out_avals)
+    outs = native_or_interpret(_vmapped(native, in_axes), _vmapped(interpret, in_axes), platforms, avals, *args)
+    return outs, [0] * len(outs)
+
+
+native_or_interpret_p.def_abstract_eval(_abstract_eval)
+native_or_interpret_p.def_impl(_impl)
+batching.primitive_batchers[native_or_interpret_p] = _batch
+for _platform in PLATFORMS:
+    mlir.register_lowering(native_or_interpret_p, _lowering(_platform), platform=_platform)
+
+
+def as_tuple(fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, ...]]:
+    """``fn`` returning a tuple of arrays even when it returns one array."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any) -> tuple[jax.Array, ...]:
+        out = fn(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    return wrapped
