@@ -39,6 +39,7 @@ from .. import tensor as tensor_mod
 from ..autograd.errors import AutogradError, ShapeError, ShapeTypeError
 from ..autograd.record import Aval, Record, VersionSnapshot
 from ..autograd.tape import current_tape, suspend_recording
+from ..kernels.dispatch import use as kernel_mode
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
 from .rules import NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_float
@@ -389,7 +390,10 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
     cap = _Capture(next_grad_id())
     tensor_mod.CAPTURE = cap
     try:
-        with suspend_recording():
+        # rf ops inside a lifted function run their jnp reference: its primitives
+        # have rules, a Pallas kernel call has none (the kernels run where rf ops
+        # are called on the tape directly)
+        with suspend_recording(), kernel_mode("reference"):
             closed = jax.make_jaxpr(flat)(*avals)
     except (TypeError, ValueError) as e:
         _raise_shape_error(e, name, avals)
@@ -410,7 +414,7 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
                 cap.constants.update(tensor_mod.CAPTURE.constants)
                 tensor_mod.CAPTURE = inner
 
-        with suspend_recording():
+        with suspend_recording(), kernel_mode("reference"):
             closed = jax.make_jaxpr(flat2)(*avals, *cap_avals)
         return closed, out_info, captured, list(cap.constants.values())
     return closed, out_info, [], list(cap.constants.values())
