@@ -246,6 +246,10 @@ def _cum(gen):
     return _one(gen, (3, 7), (8, 2), (5, 1))
 
 
+def _zero_at(x, i, j):
+    return jnp.where((lax.broadcasted_iota(int, x.shape, 0) == i) & (lax.broadcasted_iota(int, x.shape, 1) == j), 0.0, x)
+
+
 CUMULATIVE: list[PInfo] = [
     PInfo(
         "cumsum",
@@ -257,7 +261,7 @@ CUMULATIVE: list[PInfo] = [
     PInfo("cumprod", _rev_too(lax.cumprod), _cum(normal), ("cumprod",), vmap=True),
     PInfo(
         "cumprod_zero",
-        lambda x: lax.cumprod(x.at[1, 2].set(0.0), axis=1) + jnp.cumprod(x.at[4, 0].set(0.0), axis=0),
+        lambda x: lax.cumprod(_zero_at(x, 1, 2), axis=1) + jnp.cumprod(_zero_at(x, 4, 0), axis=0),
         _one(normal, (6, 5)),
         ("cumprod",),
     ),
