@@ -193,7 +193,7 @@ WINDOW: list[PInfo] = [
     ),
     PInfo(
         "reduce_window_max_padded_base_dilation",
-        functools.partial(_max_pool, dims=(3, 2), strides=(2, 1), padding=((1, 0), (1, 2)), base=(2, 1)),
+        functools.partial(_max_pool, dims=(3, 2), strides=(2, 1), padding=((1, 0), (1, 1)), base=(2, 1)),
         _one(distinct, (5, 6)),
         ("reduce_window_max",),
     ),
