@@ -39,6 +39,19 @@ rebuilds the padded operand from the saved input, looks at the window offsets in
 order and gives each window's gradient to the first offset that hits the
 maximum.
 
+Note [Generic reduce_window]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``lax.reduce_window`` emits the generic ``reduce_window`` primitive (a jaxpr
+body and an init value) when the computation is not ``lax.add``/``lax.max``/
+``lax.min`` itself or the init value is not that monoid's identity (a sum
+starting at 1, a max starting at 0). ``jax.grad`` has no rule for it at all. rf
+differentiates the bodies that are one ``add``, ``max`` or ``min`` of the two
+arguments, with respect to the operand only: a sum like ``reduce_window_sum``;
+a max/min like ``reduce_window_max``/``min`` with the init value as every
+window's first candidate (where it attains the extreme, ties included, the
+operand gets nothing). Any other body, several operands, or a gradient for the
+init value raise ``AutogradError`` when the program is built.
+
 Note [Cumulative reductions]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``jax.grad`` differentiates ``cumprod``/``cummax``/``cummin``/``cumlogsumexp``
