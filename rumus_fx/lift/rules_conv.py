@@ -1,3 +1,473 @@
-"""Primitive rules: convolutions and windowed reductions (conv_general_dilated, reduce_window_*)."""
+"""Primitive rules: convolutions, windowed reductions and cumulative reductions
+(``conv_general_dilated``, ``reduce_window_{sum,max,min}``, ``reduce_window``,
+``cumsum``, ``cumprod``, ``cummax``, ``cummin``, ``cumlogsumexp``).
+
+Note [Convolution gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Ignoring space, a convolution contracts ``[n, c] x [o, c] -> [n, o]``, so both
+gradients are convolutions again. Per spatial dimension, with input size ``i``,
+kernel extent ``k = (w - 1) * rhs_dilation + 1``, input extent
+``I = (i - 1) * lhs_dilation + 1`` and output extent ``O = (m - 1) * stride + 1``:
+
+* the input gradient correlates the output gradient with the flipped kernel,
+  the roles of ``window_strides`` and ``lhs_dilation`` swapped, padded by
+  ``k - 1 - lo`` before and whatever makes the result ``i`` long after;
+* the kernel gradient correlates the input with the output gradient (batch and
+  feature dimensions of both swapped), ``rhs_dilation`` and ``window_strides``
+  swapped, padded by ``lo`` before and ``O - I + k - 1 - lo`` after.
+
+Feature groups turn into batch groups for the kernel gradient (each group's
+kernel sees only its slice of the input features) and batch groups into feature
+groups; for the input gradient the kernel's group axis moves from its output
+feature dimension into its input feature dimension.
+
+The dilated operand of either gradient (the output gradient dilated by the
+strides, the input by ``lhs_dilation``) is dilated explicitly with ``lax.pad``
+rather than through ``lhs_dilation``: XLA's CPU algebraic simplifier aborts the
+process on some base-dilated convolutions whose kernel is wider than their input
+(``jax.grad`` of a strided convolution crashes there, e.g. a ``(1, 6, 5, 2)``
+NHWC input, ``(2, 3, 2, 3)`` HWIO kernel, strides 2, padding ``((1, 2), (0, 1))``).
+
+Note [Windowed max gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``jax.grad`` sends each window's gradient to exactly one element: the first one,
+in row-major window order, that attains the window's maximum (XLA's
+select-and-scatter with ``>=``). Padding and the holes of ``base_dilation`` are
+candidates holding the reduction's identity, so a window whose maximum is
+``-inf`` may hand its gradient to padding, where it is dropped. The rule
+rebuilds the padded operand from the saved input, looks at the window offsets in
+order and gives each window's gradient to the first offset that hits the
+maximum.
+
+Note [Generic reduce_window]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``lax.reduce_window`` emits the generic ``reduce_window`` primitive (a jaxpr
+body and an init value) when the computation is not ``lax.add``/``lax.max``/
+``lax.min`` itself or the init value is not that monoid's identity (a sum
+starting at 1, a max starting at 0). ``jax.grad`` has no rule for it at all. rf
+differentiates the bodies that are one ``add``, ``max`` or ``min`` of the two
+arguments, with respect to the operand only: a sum like ``reduce_window_sum``;
+a max/min like ``reduce_window_max``/``min`` with the init value as every
+window's first candidate (where it attains the extreme, ties included, the
+operand gets nothing). Any other body, several operands, or a gradient for the
+init value raise ``AutogradError`` when the program is built.
+
+Note [Cumulative reductions]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``jax.grad`` differentiates ``cumprod``/``cummax``/``cummin``/``cumlogsumexp``
+through a parallel prefix scan (odd/even recursion, ``lax.associative_scan``),
+so where the combining function has a kink (ties of ``max``/``min``, which split
+the gradient in halves) the gradient depends on the scan's tree. The rules
+replay that same tree on the saved input and walk it backwards, with the partial
+derivatives of the combining function at each node.
+"""
 
 from __future__ import annotations
+
+import functools
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..autograd.errors import AutogradError
+from .rules import defrule, in_
+
+
+def _dilated(n: int, d: int) -> int:
+    return 0 if n == 0 else 1 + d * (n - 1)
+
+
+def _zeros(aval):
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+# -- conv_general_dilated ------------------------------------------------------------
+
+
+def _axis_out_of(src: int, size1: int, x):
+    """Split axis ``src`` into ``(size1, rest)``."""
+    shape = list(x.shape)
+    shape[src : src + 1] = [size1, shape[src] // size1]
+    return x.reshape(shape)
+
+
+def _axis_into(src: int, dst: int, x):
+    """Merge axis ``src`` into axis ``dst`` (numbered without ``src``), as its major part."""
+    perm = [i for i in range(x.ndim) if i != src]
+    perm.insert(dst, src)
+    shape = [s for i, s in enumerate(x.shape) if i != src]
+    shape[dst] *= x.shape[src]
+    return lax.reshape(x, tuple(shape), tuple(perm))
+
+
+def _swap(spec):
+    return (spec[1], spec[0], *spec[2:])
+
+
+def _dilate(x, spec, dilation):
+    """``x`` with ``dilation - 1`` zeros between neighbours along its spatial
+    dimensions (see Note [Convolution gradients] on why not ``lhs_dilation``)."""
+    if all(d == 1 for d in dilation):
+        return x
+    cfg = [(0, 0, 0)] * x.ndim
+    for d, k in zip(spec[2:], dilation):
+        cfg[d] = (0, 0, k - 1)
+    return lax.pad(x, jnp.zeros((), x.dtype), cfg)
+
+
+def _conv_lhs_grad(g, rhs, lhs_aval, p):
+    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+    fgc, bgc = p["feature_group_count"], p["batch_group_count"]
+    strides, lhs_dil, rhs_dil = p["window_strides"], p["lhs_dilation"], p["rhs_dilation"]
+    w_shape = [rhs.shape[d] for d in rhs_spec[2:]]
+    groups = max(fgc, bgc)
+    if groups > 1:  # the group axis of the kernel's outputs moves into its inputs
+        rhs = _axis_into(rhs_spec[0], rhs_spec[1], _axis_out_of(rhs_spec[0], groups, rhs))
+    pads = []
+    for k, (lo, _) in enumerate(p["padding"]):
+        i = lhs_aval.shape[lhs_spec[2 + k]]
+        m = g.shape[out_spec[2 + k]]
+        ext = _dilated(w_shape[k], rhs_dil[k])
+        before = ext - 1 - lo
+        after = _dilated(i, lhs_dil[k]) + ext - 1 - _dilated(m, strides[k]) - before
+        pads.append((before, after))
+    w = lax.rev(rhs, tuple(rhs_spec[2:]))
+    if w.dtype != g.dtype:
+        w = w.astype(g.dtype)
+    out = lax.conv_general_dilated(
+        _dilate(g, out_spec, strides),
+        w,
+        window_strides=tuple(lhs_dil),
+        padding=pads,
+        rhs_dilation=tuple(rhs_dil),
+        dimension_numbers=lax.ConvDimensionNumbers(tuple(out_spec), _swap(rhs_spec), tuple(lhs_spec)),
+        feature_group_count=groups,
+        precision=p["precision"],
+        preferred_element_type=p["preferred_element_type"],
+    )
+    if out.dtype != lhs_aval.dtype:
+        out = out.astype(lhs_aval.dtype)
+    if bgc > 1:  # the batch groups came out as feature groups: move them back
+        out = _axis_into(lhs_spec[1], lhs_spec[0], _axis_out_of(lhs_spec[1], bgc, out))
+    return out
+
+
+def _conv_rhs_grad(g, lhs, rhs_aval, p):
+    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+    fgc, bgc = p["feature_group_count"], p["batch_group_count"]
+    strides, lhs_dil, rhs_dil = p["window_strides"], p["lhs_dilation"], p["rhs_dilation"]
+    pads = []
+    for k, (lo, _) in enumerate(p["padding"]):
+        i = lhs.shape[lhs_spec[2 + k]]
+        m = g.shape[out_spec[2 + k]]
+        ext = _dilated(rhs_aval.shape[rhs_spec[2 + k]], rhs_dil[k])
+        pads.append((lo, _dilated(m, strides[k]) - _dilated(i, lhs_dil[k]) + ext - 1 - lo))
+    if lhs.dtype != g.dtype:
+        lhs = lhs.astype(g.dtype)
+    out = lax.conv_general_dilated(
+        _dilate(lhs, lhs_spec, lhs_dil),
+        g,
+        window_strides=tuple(rhs_dil),
+        padding=pads,
+        rhs_dilation=tuple(strides),
+        dimension_numbers=lax.ConvDimensionNumbers(_swap(lhs_spec), _swap(out_spec), _swap(rhs_spec)),
+        feature_group_count=bgc,
+        batch_group_count=fgc,
+        precision=p["precision"],
+        preferred_element_type=p["preferred_element_type"],
+    )
+    if out.dtype != rhs_aval.dtype:
+        out = out.astype(rhs_aval.dtype)
+    return out
+
+
+def _conv_vjp(r, g):
+    lhs, rhs = r.ins
+    a_lhs, a_rhs = r.in_avals
+    empty = g.size == 0
+    gl = gr = None
+    if r.needs[0]:
+        gl = _zeros(a_lhs) if empty or rhs.size == 0 else _conv_lhs_grad(g, rhs, a_lhs, r.p)
+    if r.needs[1]:
+        gr = _zeros(a_rhs) if empty or lhs.size == 0 else _conv_rhs_grad(g, lhs, a_rhs, r.p)
+    return gl, gr
+
+
+def _conv_saves(needs):
+    return tuple(k for k, n in ((1, needs[0]), (0, needs[1])) if n), ()
+
+
+defrule("conv_general_dilated", _conv_vjp, _conv_saves)
+
+
+# -- windowed reductions -------------------------------------------------------------
+
+
+def _window(p):
+    return (
+        tuple(p["window_dimensions"]),
+        tuple(p["window_strides"]),
+        tuple(tuple(lh) for lh in p["padding"]),
+        tuple(p["base_dilation"]),
+        tuple(p["window_dilation"]),
+    )
+
+
+def _pad_transpose(g, cfg, shape):
+    """Gradient of ``lax.pad(x, v, cfg)`` with respect to ``x`` (of ``shape``)."""
+    undo = [(max(-lo, 0), max(-hi, 0), 0) for lo, hi, _ in cfg]
+    g = lax.pad(g, jnp.zeros((), g.dtype), undo)
+    starts = [max(lo, 0) for lo, _, _ in cfg]
+    limits = [s + (n - 1) * (it + 1) + 1 for s, n, (_, _, it) in zip(starts, shape, cfg)]
+    return lax.slice(g, starts, limits, [it + 1 for _, _, it in cfg])
+
+
+def _window_sum_grad(g, shape, window):
+    """Gradient of a windowed sum of an operand of ``shape``: the output gradient,
+    dilated by the strides and padded, summed over (dilated) windows taken with
+    ``base_dilation`` as strides."""
+    dims, strides, padding, base, wdil = window
+    cfg = []
+    for d in range(len(shape)):
+        ext = _dilated(dims[d], wdil[d])
+        lo = ext - 1 - padding[d][0]
+        hi = (shape[d] - 1) * base[d] + ext - lo - _dilated(g.shape[d], strides[d])
+        cfg.append((lo, hi, strides[d] - 1))
+    gp = lax.pad(g, jnp.zeros((), g.dtype), cfg)
+    zero = np.zeros((), g.dtype)
+    return lax.reduce_window(gp, zero, lax.add, dims, base, [(0, 0)] * len(shape), window_dilation=wdil)
+
+
+def _window_chooser_grad(g, x, window, is_max, init=None):
+    """Each window's gradient to the first element (row-major window order) that
+    attains its extreme value; see Note [Windowed max gradients]. With ``init`` (a
+    generic ``reduce_window``) the init value comes first: where it attains the
+    extreme the gradient goes to it, not to ``x``."""
+    dims, strides, padding, base, wdil = window
+    shape = x.shape
+    if init is None:
+        fill = jnp.asarray(-np.inf if is_max else np.inf, x.dtype)
+    else:
+        fill = jnp.asarray(init, x.dtype)
+    cfg = [(lo, hi, b - 1) for (lo, hi), b in zip(padding, base)]
+    padded = lax.pad(x, fill, cfg)
+    out_shape = g.shape
+    views, places = [], []
+    for k in itertools.product(*(range(w) for w in dims)):
+        starts = [kk * wd for kk, wd in zip(k, wdil)]
+        limits = [s + (m - 1) * st + 1 for s, m, st in zip(starts, out_shape, strides)]
+        views.append(lax.slice(padded, starts, limits, strides))
+        places.append([(s, n - lim, st - 1) for s, lim, n, st in zip(starts, limits, padded.shape, strides)])
+    pick = lax.max if is_max else lax.min
+    best = functools.reduce(pick, views)
+    if init is None:
+        taken = jnp.zeros(out_shape, bool)
+    else:
+        best = pick(best, jnp.broadcast_to(fill, out_shape))
+        taken = jnp.broadcast_to(fill == best, out_shape)
+    zeros = jnp.zeros_like(g)
+    gp = jnp.zeros(padded.shape, g.dtype)
+    for v, place in zip(views, places):
+        hit = (v == best) & ~taken
+        taken = taken | hit
+        gp = gp + lax.pad(jnp.where(hit, g, zeros), jnp.zeros((), g.dtype), place)
+    return _pad_transpose(gp, cfg, shape)
+
+
+def _reduce_window_sum_vjp(r, g):
+    aval = r.in_avals[0]
+    if g.size == 0 or 0 in aval.shape:
+        return (_zeros(aval),)
+    return (_window_sum_grad(g, tuple(aval.shape), _window(r.p)).astype(aval.dtype),)
+
+
+defrule("reduce_window_sum", _reduce_window_sum_vjp)
+
+
+def _chooser_vjp(is_max):
+    def vjp(r, g):
+        aval = r.in_avals[0]
+        if g.size == 0 or 0 in aval.shape:
+            return (_zeros(aval),)
+        return (_window_chooser_grad(g, r.ins[0], _window(r.p), is_max),)
+
+    vjp.__name__ = f"_reduce_window_{'max' if is_max else 'min'}_vjp"
+    return vjp
+
+
+defrule("reduce_window_max", _chooser_vjp(True), in_(0))
+defrule("reduce_window_min", _chooser_vjp(False), in_(0))
+
+
+_MONOIDS = {"add": "sum", "max": "max", "min": "min"}
+
+
+def _generic_body(step) -> str:
+    """The reduction a generic ``reduce_window`` (a program step or its record)
+    performs: ``sum``, ``max`` or ``min`` when its body is one ``add``/``max``/
+    ``min`` of its two arguments; anything else raises (no rule can be right
+    for every body)."""
+    body = step.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    n = len(step.in_avals) // 2
+    kind = None
+    if n == 1 and not step.params["consts"] and len(body.eqns) == 1:
+        eqn = body.eqns[0]
+        if (
+            eqn.primitive.name in _MONOIDS
+            and set(map(id, eqn.invars)) == set(map(id, body.invars))
+            and len(eqn.invars) == 2
+            and body.outvars[0] is eqn.outvars[0]
+        ):
+            kind = _MONOIDS[eqn.primitive.name]
+    if kind is None:
+        raise AutogradError(
+            "rf.lift: no backward rule for a reduce_window whose computation is not a single "
+            "lax.add, lax.max or lax.min of one operand (got "
+            f"{[e.primitive.name for e in body.eqns]} on {n} operand(s)); use jnp/lax reductions "
+            "(lax.reduce_window with lax.add/lax.max/lax.min) or wrap it in jax.custom_vjp."
+        )
+    if step.needs[1]:
+        raise AutogradError(
+            "rf.lift: reduce_window has no gradient with respect to its init value (jax.grad has "
+            "none either); pass it as a constant."
+        )
+    return kind
+
+
+def _reduce_window_vjp(r, g):
+    (g,) = g
+    kind = _generic_body(r)
+    aval = r.in_avals[0]
+    if g.size == 0 or 0 in aval.shape:
+        return _zeros(aval), None
+    window = _window(r.p)
+    if kind == "sum":
+        return _window_sum_grad(g, tuple(aval.shape), window).astype(aval.dtype), None
+    return _window_chooser_grad(g, r.ins[0], window, kind == "max", init=r.ins[1]), None
+
+
+_reduce_window_vjp.prepare = _generic_body  # type: ignore[attr-defined]
+
+defrule(
+    "reduce_window",
+    _reduce_window_vjp,
+    lambda needs: ((0, 1), ()),
+    multiple_results=True,
+    doc="Backward record of a generic ``reduce_window`` whose body is ``add``, ``max`` or ``min``.",
+)
+
+
+# -- cumulative reductions -----------------------------------------------------------
+
+
+def _cumsum_vjp(r, g):
+    return (lax.cumsum(g, axis=r.p["axis"], reverse=not r.p["reverse"]),)
+
+
+defrule("cumsum", _cumsum_vjp)
+
+
+def _no_pos_inf(x):
+    return jnp.where(x == jnp.inf, jnp.zeros_like(x), x)
+
+
+def _mul_partials(a, b, c):
+    return b, a
+
+
+def _balanced(x, z, y):
+    """1 where ``x`` attains ``z``, 1/2 where ``y`` attains it too."""
+    return jnp.where(x == z, jnp.where(y == z, 0.5, 1.0), 0.0).astype(z.dtype)
+
+
+def _chooser_partials(a, b, c):
+    return _balanced(a, c, b), _balanced(b, c, a)
+
+
+def _logaddexp_partials(a, b, c):
+    c = _no_pos_inf(c)
+    return jnp.exp(_no_pos_inf(a) - c), jnp.exp(_no_pos_inf(b) - c)
+
+
+def _interleave(even, odd, axis):
+    """``even[0], odd[0], even[1], odd[1], ...`` along ``axis``."""
+    ne, no = even.shape[axis], odd.shape[axis]
+    zero = jnp.zeros((), even.dtype)
+    pe = [(0, 0, 0)] * even.ndim
+    po = [(0, 0, 0)] * odd.ndim
+    pe[axis] = (0, 1 if ne == no else 0, 1)
+    po[axis] = (1, 0 if ne == no else 1, 1)
+    return lax.pad(even, zero, pe) + lax.pad(odd, zero, po)
+
+
+def _spread(g, axis, start, n):
+    """Transpose of ``slice_in_dim(x, start, None, stride=2)`` for ``x`` ``n`` long."""
+    cfg = [(0, 0, 0)] * g.ndim
+    m = g.shape[axis]
+    cfg[axis] = (start, n - start - (2 * (m - 1) + 1) if m else n - start, 1)
+    return lax.pad(g, jnp.zeros((), g.dtype), cfg)
+
+
+def _scan_vjp(x, g, axis, combine, partials):
+    """The prefix scan of ``x`` along ``axis`` (the tree of
+    ``lax.associative_scan``) and its vjp applied to ``g``."""
+
+    def scan(e):
+        """(scan of e, vjp of the scan)."""
+        n = e.shape[axis]
+        if n < 2:
+            return e, lambda t: t
+        a = lax.slice_in_dim(e, 0, n - 1, stride=2, axis=axis)
+        b = lax.slice_in_dim(e, 1, None, stride=2, axis=axis)
+        red = combine(a, b)
+        pa, pb = partials(a, b, red)
+        odd, odd_vjp = scan(red)
+        left = lax.slice_in_dim(odd, 0, odd.shape[axis] - 1, axis=axis) if n % 2 == 0 else odd
+        right = lax.slice_in_dim(e, 2, None, stride=2, axis=axis)
+        rest = combine(left, right)
+        qa, qb = partials(left, right, rest)
+        first = lax.slice_in_dim(e, 0, 1, axis=axis)
+        out = _interleave(lax.concatenate([first, rest], axis), odd, axis)
+
+        def vjp(t):
+            t_even = lax.slice_in_dim(t, 0, None, stride=2, axis=axis)
+            t_odd = lax.slice_in_dim(t, 1, None, stride=2, axis=axis)
+            t_first = lax.slice_in_dim(t_even, 0, 1, axis=axis)
+            t_rest = lax.slice_in_dim(t_even, 1, None, axis=axis)
+            t_left, t_right = t_rest * qa, t_rest * qb
+            if n % 2 == 0:
+                cfg = [(0, 0, 0)] * t.ndim
+                cfg[axis] = (0, 1, 0)
+                t_left = lax.pad(t_left, jnp.zeros((), t.dtype), cfg)
+            t_red = odd_vjp(t_odd + t_left)
+            ta, tb = t_red * pa, t_red * pb
+            cfg = [(0, 0, 0)] * t.ndim
+            cfg[axis] = (0, n - 1, 0)
+            t_e = lax.pad(t_first, jnp.zeros((), t.dtype), cfg) + _spread(t_right, axis, 2, n)
+            return t_e + _spread(ta, axis, 0, n) + _spread(tb, axis, 1, n)
+
+        return out, vjp
+
+    return scan(x)[1](g)
+
+
+def _cumulative(name, combine, partials):
+    def vjp(r, g):
+        axis, reverse = r.p["axis"], r.p["reverse"]
+        x = r.ins[0]
+        if reverse:
+            x, g = lax.rev(x, (axis,)), lax.rev(g, (axis,))
+        gx = _scan_vjp(x, g, axis, combine, partials)
+        return (lax.rev(gx, (axis,)) if reverse else gx,)
+
+    vjp.__name__ = f"_{name}_vjp"
+    defrule(name, vjp, in_(0))
+
+
+_cumulative("cumprod", lax.mul, _mul_partials)
+_cumulative("cummax", lax.max, _chooser_partials)
+_cumulative("cummin", lax.min, _chooser_partials)
+_cumulative("cumlogsumexp", jnp.logaddexp, _logaddexp_partials)
