@@ -40,13 +40,15 @@ def _T(x):
     return jnp.swapaxes(x, -1, -2)
 
 
-def _eye(n, dtype):
-    return jnp.eye(n, dtype=dtype)
+def _eye(n, dtype, ndim=2):
+    """The identity with leading unit axes up to rank ``ndim`` (no implicit rank
+    promotion: the formulas hold under ``jax_numpy_rank_promotion='raise'``)."""
+    return jnp.eye(n, dtype=dtype).reshape((1,) * (ndim - 2) + (n, n))
 
 
 def _diag(v):
     """Batched diagonal matrix from the last axis of ``v``."""
-    return v[..., :, None] * _eye(v.shape[-1], v.dtype)
+    return v[..., :, None] * _eye(v.shape[-1], v.dtype, v.ndim + 1)
 
 
 def _bind(step, vals):
@@ -103,7 +105,7 @@ def _cholesky_vjp(r, g):
     (not symmetrized, as JAX's; ``jnp.linalg.cholesky`` symmetrizes its input)."""
     L = jnp.tril(r.outs[0])
     n = L.shape[-1]
-    half = 1 - 0.5 * _eye(n, L.dtype)
+    half = 1 - 0.5 * _eye(n, L.dtype, L.ndim)
     P = jnp.tril(_mm(_T(L), g)) * half
     S = _trsolve(L, P, left_side=True, lower=True, transpose_a=True)
     return (_trsolve(L, S, left_side=False, lower=True, transpose_a=False),)
@@ -121,9 +123,9 @@ def _lu_factors(lu):
     *batch, m, n = lu.shape
     k = min(m, n)
     nb = len(batch)
-    L = jnp.pad(jnp.tril(lu[..., :, :k], -1), [(0, 0)] * (nb + 1) + [(0, m - k)]) + _eye(m, lu.dtype)
+    L = jnp.pad(jnp.tril(lu[..., :, :k], -1), [(0, 0)] * (nb + 1) + [(0, m - k)]) + _eye(m, lu.dtype, lu.ndim)
     U = jnp.pad(jnp.triu(lu[..., :k, :]), [(0, 0)] * nb + [(0, n - k), (0, 0)])
-    U = U + jnp.pad(_eye(n - k, lu.dtype), ((k, 0), (k, 0)))
+    U = U + jnp.pad(_eye(n - k, lu.dtype, lu.ndim), [(0, 0)] * nb + [(k, 0), (k, 0)])
     return L, U
 
 
@@ -203,7 +205,7 @@ def _eigh_vjp(r, g):
         )
     v, w = r.outs
     gv, gw = g
-    eye = _eye(n, v.dtype)
+    eye = _eye(n, v.dtype, v.ndim)
     w = w.astype(v.dtype)
     F = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
     K = F * _mm(_T(v), gv) + _diag(gw.astype(v.dtype))
@@ -253,7 +255,7 @@ def _svd_vjp(r, g):
         return (_mm(U * gs[..., None, :], Vt),)
     gU, gV = g[1], _T(g[2])
     k = s.shape[-1]
-    eye = _eye(k, s.dtype)
+    eye = _eye(k, s.dtype, s.ndim + 1)
     srow = s[..., None, :]
     F = 1 / ((srow + _T(srow)) * (srow - _T(srow)) + eye) - eye
     A1 = F * _mm(_T(U), gU)
@@ -328,6 +330,33 @@ def _linear_solve_vjp(r, g):
 
 _linear_solve_vjp.prepare = _linear_solve_prepare
 defrule("custom_linear_solve", _linear_solve_vjp, forward=_linear_solve_forward, multiple_results=True)
+
+
+# -- tridiagonal_solve ----------------------------------------------------------------------
+
+
+def _tridiagonal_solve_vjp(r, g):
+    """``A x = b`` with ``A`` given by its three diagonals: ``gb`` solves with
+    ``A^T`` (the off-diagonals swapped and shifted); a diagonal gets ``-gb x``
+    summed over the columns, shifted as the diagonal sits (``dl[0]`` and
+    ``du[-1]`` are not read and get no gradient)."""
+    dl, d, du = r.ins[:3]
+    x = r.outs[0]
+    dl_t = jnp.concatenate([jnp.zeros_like(du[..., -1:]), du[..., :-1]], axis=-1)
+    du_t = jnp.concatenate([dl[..., 1:], jnp.zeros_like(dl[..., :1])], axis=-1)
+    gb = lax.linalg.tridiagonal_solve(dl_t, d, du_t, g, perturb_singular=r.p["perturb_singular"])
+    zero = jnp.zeros_like(gb[..., :1, 0])
+    g_dl = g_d = g_du = None
+    if r.needs[0]:
+        g_dl = jnp.concatenate([zero, -jnp.sum(gb[..., 1:, :] * x[..., :-1, :], -1)], axis=-1)
+    if r.needs[1]:
+        g_d = -jnp.sum(gb * x, -1)
+    if r.needs[2]:
+        g_du = jnp.concatenate([-jnp.sum(gb[..., :-1, :] * x[..., 1:, :], -1), zero], axis=-1)
+    return g_dl, g_d, g_du, (gb if r.needs[3] else None)
+
+
+defrule("tridiagonal_solve", _tridiagonal_solve_vjp, ((0, 1, 2), (0,)))
 
 
 # -- special functions ------------------------------------------------------------------------
@@ -415,7 +444,8 @@ def _zeta_partials(s, a):
     dtype = a.dtype
     N = M = 8 if dtype == jnp.float32 else 16
     s_, a_ = s[..., None], a[..., None]
-    k = jnp.arange(N, dtype=dtype)
+    lead = (1,) * a.ndim
+    k = jnp.arange(N, dtype=dtype).reshape(lead + (N,))
     ak = a_ + k
     terms = ak**-s_
     dS_ds = -jnp.sum(jnp.log(ak) * terms, -1)
@@ -427,7 +457,7 @@ def _zeta_partials(s, a):
     T0 = aN**-s
     dT0_ds = -jnp.log(aN) * T0
     dT0_da = -s * aN ** (-s - 1)
-    mm = jnp.arange(2 * M, dtype=dtype)
+    mm = jnp.arange(2 * M, dtype=dtype).reshape(lead + (2 * M,))
     aN_ = aN[..., None]
     ratio = (s_ + mm) / aN_
     C = jnp.cumprod(ratio, -1)
@@ -435,7 +465,7 @@ def _zeta_partials(s, a):
     dC_da = C * jnp.cumsum(jnp.broadcast_to(-1 / aN_, ratio.shape), -1)
     P, dP_ds, dP_da = C[..., ::2], dC_ds[..., ::2], dC_da[..., ::2]
     keep = P <= jnp.finfo(dtype).max
-    coefs = jnp.asarray(_BERNOULLI[:M], dtype)
+    coefs = jnp.asarray(_BERNOULLI[:M], dtype).reshape(lead + (M,))
     T1 = jnp.sum(jnp.minimum(P, jnp.finfo(dtype).max) / coefs, -1)
     dT1_ds = jnp.sum(jnp.where(keep, dP_ds, 0) / coefs, -1)
     dT1_da = jnp.sum(jnp.where(keep, dP_da, 0) / coefs, -1)
