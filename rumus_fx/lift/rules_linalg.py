@@ -156,6 +156,21 @@ def _thin_qr_vjp(q, r, gq, gr):
     return _trsolve(r, H, left_side=False, lower=False, transpose_a=True)
 
 
+def _full_qr_vjp(q, r, gq, gr, n):
+    """Full QR of a tall matrix: JAX's rule extends the thin one with
+    ``dQ_mp = dQ_mn Z^T - (Q_mn + Q_mp Z)(dQ_pn - Z dQ_nn)^T``, ``Z = Q_pn (Q_nn - I)^{-1}``
+    (arXiv:2409.13374); its transpose feeds the thin rule's ``gQ``."""
+    q_mn, q_mp = q[..., :, :n], q[..., :, n:]
+    q_nn, q_pn = q_mn[..., :n, :], q_mn[..., n:, :]
+    z = _T(jnp.linalg.solve(_T(q_nn - _eye(n, q.dtype, q.ndim)), _T(q_pn)))
+    g_mn, g_mp = gq[..., :, :n], gq[..., :, n:]
+    w = q_mn + _mm(q_mp, z)
+    h = _mm(_T(g_mp), w)  # (m - n) x n: the cotangent of dQ_pn - Z dQ_nn
+    g_eff = g_mn + _mm(g_mp, z)
+    g_eff = g_eff + jnp.concatenate([_mm(_T(z), h), -h], axis=-2)
+    return _thin_qr_vjp(q_mn, r[..., :n, :], g_eff, gr[..., :n, :])
+
+
 def _qr_forward(step, vals):
     outs = _bind(step, vals)
     m, n = step.in_avals[0].shape[-2:]
@@ -171,8 +186,8 @@ def _qr_vjp(r, g):
     m, n = r.in_avals[0].shape[-2:]
     pivoting = r.p["pivoting"]
     if m > n and r.p["full_matrices"]:
-        raise AutogradError("rf.lift: the gradient of a full-matrices QR of a tall matrix (m > n) is not supported")
-    if m < n:
+        gx = _full_qr_vjp(q, rr, gq, gr, n)
+    elif m < n:
         if pivoting:
             raise AutogradError("rf.lift: the gradient of a pivoted QR of a wide matrix (m < n) is not supported")
         x = r.extra[0]

@@ -167,12 +167,26 @@ ENTRIES: list[PInfo] = [
         systems(wellcond, ((3, 3), (3,))),
         ("custom_linear_solve",),
     ),
+    PInfo(
+        "tridiagonal_solve",
+        lambda dl, d, du, b: lax.linalg.tridiagonal_solve(dl, d, du, b),
+        lambda rng: [
+            PSample((normal(rng, 4), 4 + normal(rng, 4), normal(rng, 4), normal(rng, 4, 2)), (0, 1, 2, 3)),
+            PSample((normal(rng, 2, 3), 4 + normal(rng, 2, 3), normal(rng, 2, 3), normal(rng, 2, 3, 1)), (0, 1, 2, 3)),
+        ],
+        ("tridiagonal_solve",),
+    ),
     # -- eigh --------------------------------------------------------------------------------------
     PInfo("eigh", _eigh, mats(spd, (4, 4), (2, 3, 3)), ("eigh",), vmap=True),
     PInfo("eigvalsh", jnp.linalg.eigvalsh, mats(spd, (4, 4)), ("eigh",)),
     # -- qr -------------------------------------------------------------------------------------------
     PInfo("qr", lambda a: _cat(*jnp.linalg.qr(a)), mats(normal, (4, 4), (5, 3), (3, 5), (2, 4, 3)), ("qr",), vmap=True),
-    PInfo("qr_full_square", lambda a: _cat(*lax.linalg.qr(a, full_matrices=True)), mats(normal, (3, 3)), ("qr",)),
+    PInfo(
+        "qr_complete",
+        lambda a: _cat(*jnp.linalg.qr(a, mode="complete")),
+        mats(normal, (3, 3), (5, 3), (2, 4, 2)),
+        ("qr",),
+    ),
     PInfo(
         "qr_pivoting",
         lambda a: _cat(*lax.linalg.qr(a, pivoting=True, full_matrices=False)[:2]),
