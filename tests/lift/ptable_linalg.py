@@ -26,7 +26,7 @@ from .ptable_base import PInfo, PSample, normal, positive
 def wellcond(rng, *shape):
     """A normal matrix plus ``n I``: far from singular."""
     n = shape[-1]
-    return rng.standard_normal(shape) + n * np.eye(n)
+    return rng.standard_normal(shape) + n * np.eye(*shape[-2:])
 
 
 def spd(rng, *shape):
@@ -137,7 +137,8 @@ ENTRIES: list[PInfo] = [
     PInfo("cholesky", jnp.linalg.cholesky, mats(spd, (4, 4), (2, 3, 3)), ("cholesky",), vmap=True),
     PInfo(
         "cho_solve",
-        lambda a, b: jsp.linalg.cho_solve(jsp.linalg.cho_factor(a, lower=True), b),
+        # cho_factor reads one triangle: a symmetric input keeps finite differences meaningful
+        lambda a, b: jsp.linalg.cho_solve(jsp.linalg.cho_factor((a + a.T) / 2, lower=True), b),
         systems(spd, ((4, 4), (4, 2))),
         ("cholesky", "triangular_solve"),
     ),
@@ -149,6 +150,7 @@ ENTRIES: list[PInfo] = [
         mats(normal, (5, 3), (3, 5)),
         ("lu",),
     ),
+    PInfo("scipy_lu", lambda a: _cat(*jsp.linalg.lu(a)[1:]), mats(wellcond, (4, 4), (4, 3)), ("lu",)),
     PInfo("lu_logdet", _lu_logdet, mats(wellcond, (4, 4), (2, 3, 3)), ("lu",)),
     PInfo("det_small", jnp.linalg.det, mats(wellcond, (2, 2), (3, 3), (2, 3, 3)), ("mul",)),
     # -- solve, inv (custom_linear_solve) ---------------------------------------------------------
@@ -245,6 +247,9 @@ ENTRIES: list[PInfo] = [
         lambda a: jax.random.gamma(jax.random.key(0), a) + jax.random.loggamma(jax.random.key(1), a + 1),
         mats(positive, (3, 4)),
         ("random_gamma",),
+        # the gradient is the implicit (inverse-CDF) one, not the derivative of the
+        # rejection sampler's output: finite differences do not apply
+        fd=False,
     ),
 ]
 
