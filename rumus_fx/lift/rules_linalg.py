@@ -1,13 +1,15 @@
 """Primitive rules: linear algebra (triangular_solve, cholesky, lu, qr, eigh, svd,
-custom_linear_solve) and special functions (igamma, igammac, polygamma,
-bessel_i0e/i1e, zeta, regularized_incomplete_beta, random_gamma).
+custom_linear_solve, tridiagonal_solve) and special functions (igamma, igammac,
+polygamma, bessel_i0e/i1e, zeta, regularized_incomplete_beta, random_gamma).
 
 Each backward formula is the transpose of the forward-mode derivative that
 ``jax.grad`` uses for the primitive, written out by hand (see Note [Primitive
-rules] in ``rules.py``); where JAX defines no gradient (the derivative of
-``polygamma`` in its order, of ``betainc`` in ``a`` and ``b``, of a partial
-``eigh``, of a full-matrices ``svd`` of a non-square matrix) the rule raises
-``AutogradError`` instead.
+rules] in ``rules.py``). Where JAX defines no gradient (``polygamma`` in its
+order, ``betainc`` in ``a`` and ``b``, a partial ``eigh``, a full-matrices
+``svd`` of a non-square matrix, ``custom_linear_solve`` without
+``transpose_solve``) the rule raises ``AutogradError``; so it does for the one
+case rf does not follow JAX (a pivoted QR of a wide matrix, whose JAX rule
+reads the unpivoted trailing columns).
 
 Matrix products in the formulas run at ``Precision.HIGHEST`` (as JAX's own
 rules do), so float32 gradients are not computed in reduced precision on
