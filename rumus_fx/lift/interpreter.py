@@ -79,7 +79,10 @@ class Step:
 
 def _aval(v: Any) -> Aval:
     a = v.aval
-    return Aval(tuple(a.shape), np.dtype(a.dtype))
+    dtype = a.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys keep their jax dtype
+        dtype = np.dtype(dtype)
+    return Aval(tuple(a.shape), dtype)
 
 
 class Program:

@@ -176,4 +176,6 @@ def out_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def is_float(aval: Any) -> bool:
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):  # PRNG keys
+        return False
     return bool(jnp.issubdtype(aval.dtype, jnp.inexact))

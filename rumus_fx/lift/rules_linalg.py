@@ -1,3 +1,519 @@
-"""Primitive rules: linear algebra and special functions (cholesky, triangular_solve, lu, qr, eigh, svd, igamma, ...)."""
+"""Primitive rules: linear algebra (triangular_solve, cholesky, lu, qr, eigh, svd,
+custom_linear_solve, tridiagonal_solve) and special functions (igamma, igammac,
+polygamma, bessel_i0e/i1e, zeta, regularized_incomplete_beta, random_gamma).
+
+Each backward formula is the transpose of the forward-mode derivative that
+``jax.grad`` uses for the primitive, written out by hand (see Note [Primitive
+rules] in ``rules.py``). Where JAX defines no gradient (``polygamma`` in its
+order, ``betainc`` in ``a`` and ``b``, a partial ``eigh``, a full-matrices
+``svd`` of a non-square matrix, ``custom_linear_solve`` without
+``transpose_solve``) the rule raises ``AutogradError``; so it does for the one
+case rf does not follow JAX (a pivoted QR of a wide matrix, whose JAX rule
+reads the unpivoted trailing columns).
+
+Matrix products in the formulas run at ``Precision.HIGHEST`` (as JAX's own
+rules do), so float32 gradients are not computed in reduced precision on
+accelerators.
+"""
 
 from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from ..autograd.errors import AutogradError
+from .rules import defrule, in_, out_
+from .rules_elementwise import unbroadcast
+
+_HI = lax.Precision.HIGHEST
+_trsolve = lax.linalg.triangular_solve
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=_HI)
+
+
+def _T(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _eye(n, dtype, ndim=2):
+    """The identity with leading unit axes up to rank ``ndim`` (no implicit rank
+    promotion: the formulas hold under ``jax_numpy_rank_promotion='raise'``)."""
+    return jnp.eye(n, dtype=dtype).reshape((1,) * (ndim - 2) + (n, n))
+
+
+def _diag(v):
+    """Batched diagonal matrix from the last axis of ``v``."""
+    return v[..., :, None] * _eye(v.shape[-1], v.dtype, v.ndim + 1)
+
+
+def _bind(step, vals):
+    outs = step.prim.bind(*vals, **step.params)
+    return tuple(outs) if step.prim.multiple_results else (outs,)
+
+
+def _unpermute(x, perm, axis):
+    """``y`` with ``y[..., perm, :] == x`` (``axis=-2``) or ``y[..., perm] == x``
+    (``axis=-1``): the transpose of indexing by the permutation ``perm``."""
+    inv = jnp.argsort(perm, axis=-1)
+    idx = inv[..., :, None] if axis == -2 else inv[..., None, :]
+    return jnp.take_along_axis(x, idx, axis=axis)
+
+
+# -- triangular_solve -------------------------------------------------------------
+
+
+def _triangular_solve_vjp(r, g):
+    """``x = op(a)^{-1} b`` (left side) or ``b op(a)^{-1}``: ``gb`` solves with
+    ``op(a)^T``; ``ga = -gb x^T`` (or ``-x^T gb``) on ``a``'s triangle only."""
+    p = r.p
+    a = r.ins[0]
+    kw = dict(
+        left_side=p["left_side"],
+        lower=p["lower"],
+        conjugate_a=p["conjugate_a"],
+        unit_diagonal=p["unit_diagonal"],
+    )
+    gb = _trsolve(a, g, transpose_a=not p["transpose_a"], **kw)
+    ga = None
+    if r.needs[0]:
+        x = r.outs[0]
+        gop = -_mm(gb, _T(x)) if p["left_side"] else -_mm(_T(x), gb)
+        ga = _T(gop) if p["transpose_a"] else gop
+        k = 1 if p["unit_diagonal"] else 0
+        ga = jnp.tril(ga, -k) if p["lower"] else jnp.triu(ga, k)
+    return ga, (gb if r.needs[1] else None)
+
+
+defrule(
+    "triangular_solve",
+    _triangular_solve_vjp,
+    lambda needs: ((0,), (0,) if needs[0] else ()),
+)
+
+
+# -- cholesky -----------------------------------------------------------------------
+
+
+def _cholesky_vjp(r, g):
+    """JAX's forward rule is ``dL = L phi(L^{-1} dA L^{-T})`` (``phi``: lower
+    triangle, halved diagonal); its transpose is ``L^{-T} phi(L^T g) L^{-1}``
+    (not symmetrized, as JAX's; ``jnp.linalg.cholesky`` symmetrizes its input)."""
+    L = jnp.tril(r.outs[0])
+    n = L.shape[-1]
+    half = 1 - 0.5 * _eye(n, L.dtype, L.ndim)
+    P = jnp.tril(_mm(_T(L), g)) * half
+    S = _trsolve(L, P, left_side=True, lower=True, transpose_a=True)
+    return (_trsolve(L, S, left_side=False, lower=True, transpose_a=False),)
+
+
+defrule("cholesky", _cholesky_vjp, out_(0))
+
+
+# -- lu -------------------------------------------------------------------------------
+
+
+def _lu_factors(lu):
+    """Unit lower ``L`` (m x m) and upper ``U`` (n x n) of a packed ``lu``
+    (padded with the identity when the matrix is not square, as JAX's rule)."""
+    *batch, m, n = lu.shape
+    k = min(m, n)
+    nb = len(batch)
+    L = jnp.pad(jnp.tril(lu[..., :, :k], -1), [(0, 0)] * (nb + 1) + [(0, m - k)]) + _eye(m, lu.dtype, lu.ndim)
+    U = jnp.pad(jnp.triu(lu[..., :k, :]), [(0, 0)] * nb + [(0, n - k), (0, 0)])
+    U = U + jnp.pad(_eye(n - k, lu.dtype, lu.ndim), [(0, 0)] * nb + [(k, 0), (k, 0)])
+    return L, U
+
+
+def _lu_vjp(r, g):
+    """Forward: ``X = L^{-1} P^T dA U^{-1}``, ``d(lu) = L tril(X, -1) + triu(X) U``;
+    transpose: ``M = tril(L^T g, -1) + triu(g U^T)``, ``gA = P L^{-T} M U^{-T}``."""
+    lu, perm = r.outs[0], r.outs[2]
+    G = g[0]
+    L, U = _lu_factors(lu)
+    M = jnp.tril(_mm(_T(L), G), -1) + jnp.triu(_mm(G, _T(U)))
+    Z = _trsolve(L, M, left_side=True, lower=True, transpose_a=True, unit_diagonal=True)
+    Z = _trsolve(U, Z, left_side=False, lower=False, transpose_a=True)
+    return (_unpermute(Z, perm, -2),)
+
+
+defrule("lu", _lu_vjp, out_(0, 2), multiple_results=True)
+
+
+# -- qr -------------------------------------------------------------------------------
+
+
+def _thin_qr_vjp(q, r, gq, gr):
+    """Transpose of JAX's thin-QR forward rule (m >= n): with ``C = Q^T dX R^{-1}``,
+    ``dQ = Q(dO - C) + dX R^{-1}``, ``dR = (C - dO) R``, ``dO = tril(C,-1) - tril(C,-1)^T``."""
+    M = _mm(_T(q), gq) - _mm(gr, _T(r))
+    N = jnp.tril(M - _T(M), -1) - M
+    H = gq + _mm(q, N)
+    return _trsolve(r, H, left_side=False, lower=False, transpose_a=True)
+
+
+def _full_qr_vjp(q, r, gq, gr, n):
+    """Full QR of a tall matrix: JAX's rule extends the thin one with
+    ``dQ_mp = dQ_mn Z^T - (Q_mn + Q_mp Z)(dQ_pn - Z dQ_nn)^T``, ``Z = Q_pn (Q_nn - I)^{-1}``
+    (arXiv:2409.13374); its transpose feeds the thin rule's ``gQ``."""
+    q_mn, q_mp = q[..., :, :n], q[..., :, n:]
+    q_nn, q_pn = q_mn[..., :n, :], q_mn[..., n:, :]
+    z = _T(jnp.linalg.solve(_T(q_nn - _eye(n, q.dtype, q.ndim)), _T(q_pn)))
+    g_mn, g_mp = gq[..., :, :n], gq[..., :, n:]
+    w = q_mn + _mm(q_mp, z)
+    h = _mm(_T(g_mp), w)  # (m - n) x n: the cotangent of dQ_pn - Z dQ_nn
+    g_eff = g_mn + _mm(g_mp, z)
+    g_eff = g_eff + jnp.concatenate([_mm(_T(z), h), -h], axis=-2)
+    return _thin_qr_vjp(q_mn, r[..., :n, :], g_eff, gr[..., :n, :])
+
+
+def _qr_forward(step, vals):
+    outs = _bind(step, vals)
+    m, n = step.in_avals[0].shape[-2:]
+    extra = (vals[0],) if m < n else ()
+    if step.params["pivoting"]:
+        extra = extra + (outs[2],)
+    return outs, extra
+
+
+def _qr_vjp(r, g):
+    q, rr = r.outs[0], r.outs[1]
+    gq, gr = g[0], g[1]
+    m, n = r.in_avals[0].shape[-2:]
+    pivoting = r.p["pivoting"]
+    if m > n and r.p["full_matrices"]:
+        gx = _full_qr_vjp(q, rr, gq, gr, n)
+    elif m < n:
+        if pivoting:
+            raise AutogradError("rf.lift: the gradient of a pivoted QR of a wide matrix (m < n) is not supported")
+        x = r.extra[0]
+        gr1, gr2 = gr[..., :, :m], gr[..., :, m:]
+        gq1 = gq + _mm(x[..., :, m:], _T(gr2))
+        gx1 = _thin_qr_vjp(q, rr[..., :, :m], gq1, gr1)
+        gx = jnp.concatenate([gx1, _mm(q, gr2)], axis=-1)
+    else:
+        gx = _thin_qr_vjp(q, rr, gq, gr)
+    if pivoting:
+        gx = _unpermute(gx, r.extra[-1], -1)
+    return (gx,)
+
+
+defrule("qr", _qr_vjp, out_(0, 1), forward=_qr_forward, multiple_results=True)
+
+
+# -- eigh -----------------------------------------------------------------------------
+
+
+def _eigh_vjp(r, g):
+    """Distinct eigenvalues: ``gA = V (F * (V^T gV) + diag(gw)) V^T`` with
+    ``F[i, j] = 1 / (w[j] - w[i])`` off the diagonal, 0 on it (not symmetrized,
+    as JAX's rule; ``jnp.linalg.eigh`` symmetrizes its input)."""
+    n = r.in_avals[0].shape[-1]
+    sub = r.p["subset_by_index"]
+    if not (sub is None or tuple(sub) == (0, n)):
+        raise AutogradError(
+            "rf.lift: the gradient of a partial eigendecomposition (eigh with subset_by_index) is not defined"
+        )
+    v, w = r.outs
+    gv, gw = g
+    eye = _eye(n, v.dtype, v.ndim)
+    w = w.astype(v.dtype)
+    F = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
+    K = F * _mm(_T(v), gv) + _diag(gw.astype(v.dtype))
+    return (_mm(_mm(v, K), _T(v)),)
+
+
+defrule("eigh", _eigh_vjp, out_(0, 1), multiple_results=True)
+
+
+# -- svd --------------------------------------------------------------------------------
+
+
+def _svd_forward(step, vals):
+    outs = _bind(step, vals)
+    p = step.params
+    if p["compute_uv"] and not p["full_matrices"]:
+        return outs, outs  # s, U, Vt: what JAX's rule recomputes
+    return outs, (vals[0],)  # recomputed from the input in the backward
+
+
+def _svd_vjp(r, g):
+    """Transpose of JAX's forward rule for the thin SVD: with ``dS = U^T dA V``,
+    ``ds = diag(dS)``, ``dU = U (F * (dS s + (dS s)^T))``, ``dV = V (F * (s dS +
+    (s dS)^T))`` (``F[i, j] = 1 / (s[j]^2 - s[i]^2)``) and, for a non-square
+    matrix, the components outside the span of ``U`` (``V``)."""
+    p = r.p
+    m, n = r.in_avals[0].shape[-2:]
+    if p["compute_uv"] and p["full_matrices"] and m != n:
+        raise AutogradError(
+            "rf.lift: the gradient of svd(full_matrices=True) of a non-square matrix is not defined "
+            "(JAX does not implement it); use full_matrices=False"
+        )
+    if p["compute_uv"] and not p["full_matrices"]:
+        s, U, Vt = r.extra
+    else:
+        U, s, Vt = lax.linalg.svd(
+            r.extra[0],
+            full_matrices=False,
+            compute_uv=True,
+            subset_by_index=p["subset_by_index"],
+            algorithm=p["algorithm"],
+        )
+    V = _T(Vt)
+    gs = g[0].astype(U.dtype)
+    K = _diag(gs)
+    if not p["compute_uv"]:
+        return (_mm(U * gs[..., None, :], Vt),)
+    gU, gV = g[1], _T(g[2])
+    k = s.shape[-1]
+    eye = _eye(k, s.dtype, s.ndim + 1)
+    srow = s[..., None, :]
+    F = 1 / ((srow + _T(srow)) * (srow - _T(srow)) + eye) - eye
+    A1 = F * _mm(_T(U), gU)
+    A2 = F * _mm(_T(V), gV)
+    K = K + (A1 + _T(A1)) * srow + _T(srow) * (A2 + _T(A2))
+    gA = _mm(_mm(U, K), Vt)
+    if m > n:
+        gUs = gU / srow
+        gA = gA + _mm(gUs - _mm(U, _mm(_T(U), gUs)), Vt)
+    if n > m:
+        gVs = gV / srow
+        gA = gA + _mm(U, _T(gVs - _mm(V, _mm(Vt, gVs))))
+    return (gA,)
+
+
+defrule("svd", _svd_vjp, forward=_svd_forward, multiple_results=True)
+
+
+# -- custom_linear_solve ------------------------------------------------------------------
+
+
+def _linear_solve_split(r_or_step):
+    cl = r_or_step.params["const_lengths"]
+    n_c = sum(cl)
+    return cl, n_c, len(r_or_step.in_avals) - n_c
+
+
+def _linear_solve_prepare(step):
+    """The matvec as a program of its own (rf's rules), for the gradient of the
+    matrix it reads: its consts are tracked where the step's are."""
+    from .interpreter import Program
+
+    cl, n_c, nb = _linear_solve_split(step)
+    needs_mv = step.needs[: cl.matvec]
+    if not any(needs_mv):
+        return None
+    matvec = step.params["jaxprs"].matvec
+    return Program(matvec, tuple(needs_mv) + (False,) * nb, "custom_linear_solve.matvec")
+
+
+def _linear_solve_forward(step, vals):
+    outs = _bind(step, vals)
+    cl, n_c, nb = _linear_solve_split(step)
+    mv = tuple(vals[: cl.matvec])
+    start = cl.matvec + cl.vecmat + cl.solve
+    ts = tuple(vals[start : start + cl.transpose_solve])
+    return outs, (mv, ts, tuple(outs[:nb]))
+
+
+def _linear_solve_vjp(r, g):
+    """``A x = b``: ``gb = A^{-T} gx`` (the ``transpose_solve`` given); the matrix
+    (the consts of ``matvec``) gets ``-(d matvec(x) / d consts)^T gb``, taken by
+    rf's own rules on the matvec program. The consts of ``vecmat``, ``solve`` and
+    ``transpose_solve`` get no gradient (as in JAX); neither do aux outputs."""
+    cl, n_c, nb = _linear_solve_split(r)
+    jaxprs = r.p["jaxprs"]
+    if jaxprs.transpose_solve is None:
+        raise AutogradError("rf.lift: custom_linear_solve needs transpose_solve (or symmetric=True) for its gradient")
+    mv, ts, x = r.extra
+    gx = list(g[:nb])
+    gb = list(jcore.jaxpr_as_fun(jaxprs.transpose_solve)(*ts, *gx))[:nb]
+    out = [None] * n_c + [gb[i] if r.needs[n_c + i] else None for i in range(nb)]
+    sub = r._step.sub
+    if sub is not None:
+        _, res = sub.forward([*mv, *x])
+        grads = sub.backward(res, [-v for v in gb])
+        for i in range(cl.matvec):
+            if r.needs[i]:
+                out[i] = grads[i]
+    return tuple(out)
+
+
+_linear_solve_vjp.prepare = _linear_solve_prepare
+defrule("custom_linear_solve", _linear_solve_vjp, forward=_linear_solve_forward, multiple_results=True)
+
+
+# -- tridiagonal_solve ----------------------------------------------------------------------
+
+
+def _tridiagonal_solve_vjp(r, g):
+    """``A x = b`` with ``A`` given by its three diagonals: ``gb`` solves with
+    ``A^T`` (the off-diagonals swapped and shifted); a diagonal gets ``-gb x``
+    summed over the columns, shifted as the diagonal sits (``dl[0]`` and
+    ``du[-1]`` are not read and get no gradient)."""
+    dl, d, du = r.ins[:3]
+    x = r.outs[0]
+    dl_t = jnp.concatenate([jnp.zeros_like(du[..., -1:]), du[..., :-1]], axis=-1)
+    du_t = jnp.concatenate([dl[..., 1:], jnp.zeros_like(dl[..., :1])], axis=-1)
+    gb = lax.linalg.tridiagonal_solve(dl_t, d, du_t, g, perturb_singular=r.p["perturb_singular"])
+    zero = jnp.zeros_like(gb[..., :1, 0])
+    g_dl = g_d = g_du = None
+    if r.needs[0]:
+        g_dl = jnp.concatenate([zero, -jnp.sum(gb[..., 1:, :] * x[..., :-1, :], -1)], axis=-1)
+    if r.needs[1]:
+        g_d = -jnp.sum(gb * x, -1)
+    if r.needs[2]:
+        g_du = jnp.concatenate([-jnp.sum(gb[..., :-1, :] * x[..., 1:, :], -1), zero], axis=-1)
+    return g_dl, g_d, g_du, (gb if r.needs[3] else None)
+
+
+defrule("tridiagonal_solve", _tridiagonal_solve_vjp, ((0, 1, 2), (0,)))
+
+
+# -- special functions ------------------------------------------------------------------------
+
+
+def _igamma_dx(a, x):
+    return jnp.exp(-x + (a - 1) * jnp.log(x) - lax.lgamma(a))
+
+
+def _igamma_vjp(r, g, sign=1):
+    a, x = r.ins
+    aa, ax = r.in_avals
+    ga = unbroadcast(sign * g * lax.igamma_grad_a(a, x), aa) if r.needs[0] else None
+    gx = unbroadcast(sign * g * _igamma_dx(a, x), ax) if r.needs[1] else None
+    return ga, gx
+
+
+defrule("igamma", _igamma_vjp, in_(0, 1))
+defrule("igammac", lambda r, g: _igamma_vjp(r, g, -1), in_(0, 1), record_name="IgammacBackward")
+
+
+def _polygamma_vjp(r, g):
+    if r.needs[0]:
+        raise AutogradError("rf.lift: the gradient of polygamma(m, x) with respect to the order m is not defined")
+    m, x = r.ins
+    return None, unbroadcast(g * lax.polygamma(m + 1, x), r.in_avals[1])
+
+
+defrule("polygamma", _polygamma_vjp, in_(0, 1))
+
+
+def _betainc_vjp(r, g):
+    if r.needs[0] or r.needs[1]:
+        raise AutogradError(
+            "rf.lift: the gradient of betainc(a, b, x) with respect to a and b is not supported (as in JAX)"
+        )
+    a, b, x = r.ins
+    lbeta = lax.lgamma(a) + lax.lgamma(b) - lax.lgamma(a + b)
+    dx = jnp.exp((b - 1) * jnp.log1p(-x) + (a - 1) * jnp.log(x) - lbeta)
+    return None, None, unbroadcast(g * dx, r.in_avals[2])
+
+
+defrule("regularized_incomplete_beta", _betainc_vjp, in_(0, 1, 2))
+
+
+def _i0e_vjp(r, g):
+    x, y = r.ins[0], r.outs[0]
+    return (g * (lax.bessel_i1e(x) - jnp.sign(x) * y),)
+
+
+defrule("bessel_i0e", _i0e_vjp, ((0,), (0,)))
+
+
+def _i1e_vjp(r, g):
+    x, y = r.ins[0], r.outs[0]
+    eps = jnp.finfo(x.dtype).eps
+    big = jnp.abs(x) > eps
+    safe = jnp.where(big, x, eps)
+    dy = lax.bessel_i0e(safe) - y * (jnp.sign(safe) + 1 / safe)
+    return (g * jnp.where(big, dy, 0.5),)
+
+
+defrule("bessel_i1e", _i1e_vjp, ((0,), (0,)))
+
+
+def _bernoulli_ratios(count):
+    """``(2k)! / B_{2k}`` for k = 1..count (B: the Bernoulli numbers)."""
+    A = [Fraction(0)] * (2 * count + 1)
+    B = []
+    for m in range(2 * count + 1):
+        A[m] = Fraction(1, m + 1)
+        for j in range(m, 0, -1):
+            A[j - 1] = j * (A[j - 1] - A[j])
+        B.append(A[0])
+    return np.array([float(Fraction(math.factorial(2 * k)) / B[2 * k]) for k in range(1, count + 1)])
+
+
+_BERNOULLI = _bernoulli_ratios(16)
+
+
+def _zeta_partials(s, a):
+    """Partial derivatives in ``s`` and ``a`` of the Euler-Maclaurin series for
+    the Hurwitz zeta function that ``jax.scipy.special.zeta`` differentiates
+    (Johansson 2015, formula (5); N = M = 8 terms in float32, 16 in float64)."""
+    dtype = a.dtype
+    N = M = 8 if dtype == jnp.float32 else 16
+    s_, a_ = s[..., None], a[..., None]
+    lead = (1,) * a.ndim
+    k = jnp.arange(N, dtype=dtype).reshape(lead + (N,))
+    ak = a_ + k
+    terms = ak**-s_
+    dS_ds = -jnp.sum(jnp.log(ak) * terms, -1)
+    dS_da = jnp.sum(-s_ * ak ** (-s_ - 1), -1)
+    aN = a + N
+    u = aN ** (1 - s)
+    dI_ds = -jnp.log(aN) * u / (s - 1) - u / (s - 1) ** 2
+    dI_da = (1 - s) * aN ** (-s) / (s - 1)
+    T0 = aN**-s
+    dT0_ds = -jnp.log(aN) * T0
+    dT0_da = -s * aN ** (-s - 1)
+    mm = jnp.arange(2 * M, dtype=dtype).reshape(lead + (2 * M,))
+    aN_ = aN[..., None]
+    ratio = (s_ + mm) / aN_
+    C = jnp.cumprod(ratio, -1)
+    dC_ds = C * jnp.cumsum(1 / (s_ + mm), -1)  # d ratio/ds / ratio = 1 / (s + m)
+    dC_da = C * jnp.cumsum(jnp.broadcast_to(-1 / aN_, ratio.shape), -1)
+    P, dP_ds, dP_da = C[..., ::2], dC_ds[..., ::2], dC_da[..., ::2]
+    keep = P <= jnp.finfo(dtype).max
+    coefs = jnp.asarray(_BERNOULLI[:M], dtype).reshape(lead + (M,))
+    T1 = jnp.sum(jnp.minimum(P, jnp.finfo(dtype).max) / coefs, -1)
+    dT1_ds = jnp.sum(jnp.where(keep, dP_ds, 0) / coefs, -1)
+    dT1_da = jnp.sum(jnp.where(keep, dP_da, 0) / coefs, -1)
+    dT_ds = dT0_ds * (0.5 + T1) + T0 * dT1_ds
+    dT_da = dT0_da * (0.5 + T1) + T0 * dT1_da
+    return dS_ds + dI_ds + dT_ds, dS_da + dI_da + dT_da
+
+
+def _zeta_vjp(r, g):
+    x, q = r.ins
+    ds, da = _zeta_partials(jnp.broadcast_to(x, g.shape), jnp.broadcast_to(q, g.shape))
+    return (
+        unbroadcast(g * ds, r.in_avals[0]) if r.needs[0] else None,
+        unbroadcast(g * da, r.in_avals[1]) if r.needs[1] else None,
+    )
+
+
+defrule("zeta", _zeta_vjp, in_(0, 1))
+
+
+def _random_gamma_vjp(r, g):
+    """``d sample / d a`` by implicit differentiation of the gamma CDF
+    (``lax.random_gamma_grad``), in log space when the samples are logs."""
+    a, sample = r.ins[1], r.outs[0]
+    if r.p["log_space"]:
+        x = jnp.exp(sample)
+        x = jnp.where(x == 0, jnp.finfo(x.dtype).tiny, x)
+        dx = lax.random_gamma_grad(a, x) / x
+    else:
+        dx = lax.random_gamma_grad(a, sample)
+    return None, g * dx
+
+
+defrule("random_gamma", _random_gamma_vjp, ((1,), (0,)))
