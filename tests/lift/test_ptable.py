@@ -63,8 +63,16 @@ def _check(info, args, f_rf, f_ref, argnums, dtype, jit):
     chex.assert_trees_all_close(got, want, **_tols(info, dtype))
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+# float64 eager and float32 jit by default; the other two combinations with -m slow
+MODES = [
+    pytest.param(jnp.float64, False, id="f64-eager"),
+    pytest.param(jnp.float32, True, id="f32-jit"),
+    pytest.param(jnp.float32, False, id="f32-eager", marks=pytest.mark.slow),
+    pytest.param(jnp.float64, True, id="f64-jit", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype,jit", MODES)
 @pytest.mark.parametrize("info,k", CASES)
 def test_rule_matches_jax_grad(info, k, dtype, jit):
     with jax.enable_x64(dtype == jnp.float64):
