@@ -250,7 +250,7 @@ def temp_bytes(step: Callable, *args: Any) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block", type=int, default=64, help="context length in characters")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
