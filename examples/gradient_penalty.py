@@ -1,20 +1,22 @@
 """Second-order reverse mode with rf: a WGAN-GP gradient penalty and a MAML step.
 
-Part 1, WGAN-GP on a ring of eight Gaussians (2-D): a critic and a generator,
-both MLPs of ``rf.nn.Linear`` layers. The critic's loss is
+Part 1, WGAN-GP on a ring of eight Gaussians (2-D): a critic (GELU) and a
+generator (ReLU), both MLPs of ``rf.nn.Linear`` layers. The critic's loss is
 ``E[D(fake)] - E[D(real)] + lambda * E[(||grad_x D(x_hat)||_2 - 1)^2]`` at points
-``x_hat`` between real and fake samples; the input gradient ``grad_x D`` is an
-inner ``rf.grad`` taken inside the outer ``rf.value_and_grad`` with respect to the
-critic's parameters, so the outer backward differentiates a backward pass (it is
-recorded on the outer tape). Training is ``jax.jit`` + optax Adam, five critic
-steps per generator step; it prints the Wasserstein estimate and the penalty, the
-modes the generator covers, and the critic-step gradient against
-``jax.grad`` of ``jax.grad`` of the same critic written in jax.numpy.
+``x_hat`` between real and fake samples (``lambda = 1`` by default); the input
+gradient ``grad_x D`` is an inner ``rf.grad`` taken inside the outer
+``rf.value_and_grad`` with respect to the critic's parameters, so the outer
+backward differentiates a backward pass (recorded on the outer tape). Training is
+``jax.jit`` + optax Adam, five critic steps per generator step; it prints the
+Wasserstein estimate and the penalty, how well the generator covers the modes,
+and the critic-step gradient against ``jax.grad`` of ``jax.grad`` of the same
+critic written in jax.numpy.
 
-Part 2, MAML on sine regression: one inner SGD step per task with ``rf.grad``,
-the outer (meta) gradient taken through it with ``rf.value_and_grad``, over a
-``jax.vmap``'d batch of tasks; it prints the query loss before and after one
-adaptation step on held-out tasks, and the meta-gradient against JAX's.
+Part 2, MAML on sine regression (``A sin(x + phase)``, a tanh MLP): one inner SGD
+step per task with ``rf.grad``, the outer (meta) gradient taken through it with
+``rf.value_and_grad``, ``jax.vmap``'d over a batch of tasks; it prints the
+held-out query loss before and after one adaptation step, and the meta-gradient
+against ``jax.grad`` through ``jax.grad``.
 
     python examples/gradient_penalty.py               # both parts, ~1 minute on 2 CPU cores
     python examples/gradient_penalty.py --only maml --maml-steps 5    # smoke run of one part
