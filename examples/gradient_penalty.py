@@ -25,6 +25,7 @@ against ``jax.grad`` through ``jax.grad``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ Params = list  # [{"weight": [in, out], "bias": [out]}, ...]
 # ---------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def init_mlp(key: jax.Array, sizes: tuple[int, ...], dtype: Any = jnp.float32) -> Params:
     keys = jax.random.split(key, len(sizes) - 1)
     params = [rf.nn.Linear(m, n).init(k) for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
@@ -77,6 +79,7 @@ def mlp_jnp(params: Params, x: Any, act: Callable = jax.nn.gelu) -> jax.Array:
 MODES = 2.0 * np.stack([np.cos(2 * np.pi * np.arange(8) / 8), np.sin(2 * np.pi * np.arange(8) / 8)], 1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def sample_real(key: jax.Array, n: int) -> jax.Array:
     """A ring of eight Gaussians of radius 2 and standard deviation 0.05."""
     k1, k2 = jax.random.split(key)
@@ -133,6 +136,7 @@ def run_wgan(args: argparse.Namespace) -> float:
     state_c, state_g = opt_c.init(critic_params), opt_g.init(gen_params)
     n = args.batch_size
 
+    @jax.jit
     def batch(key, gen_params):
         kr, kz, ke = jax.random.split(key, 3)
         fake = rf.testing.as_array(mlp_rf(gen_params, jax.random.normal(kz, (n, args.z_dim)), rf.relu))
@@ -162,7 +166,8 @@ def run_wgan(args: argparse.Namespace) -> float:
         if step % every == 0 or step == args.gan_steps:
             print(f"step {step}: Wasserstein estimate {float(w_est):.4f}, gradient penalty {float(gp):.4f}")
     key, k = jax.random.split(key)
-    samples = np.asarray(rf.testing.as_array(mlp_rf(gen_params, jax.random.normal(k, (2000, args.z_dim)), rf.relu)))
+    generate = jax.jit(lambda p, k: rf.testing.as_array(mlp_rf(p, jax.random.normal(k, (2000, args.z_dim)), rf.relu)))
+    samples = np.asarray(generate(gen_params, k))
     covered, near, dist = modes_covered(samples)
     print(
         f"generator: {covered}/8 modes covered, {100 * near:.0f}% of samples within 0.3 of a mode, "
@@ -171,8 +176,10 @@ def run_wgan(args: argparse.Namespace) -> float:
 
     # the critic-step gradient (rf.grad inside rf.grad) against jax.grad of jax.grad
     real, fake, eps = batch(k, gen_params)
-    got = rf.grad(critic_loss, has_aux=True)(critic_params, real, fake, eps, args.lam)[0]
-    want = jax.grad(critic_loss, has_aux=True)(critic_params, real, fake, eps, args.lam, mlp_jnp, jax.grad, jnp)[0]
+    got = jax.jit(rf.grad(critic_loss, has_aux=True))(critic_params, real, fake, eps, args.lam)[0]
+    want = jax.jit(jax.grad(critic_loss, has_aux=True), static_argnums=(5, 6, 7))(
+        critic_params, real, fake, eps, args.lam, mlp_jnp, jax.grad, jnp
+    )[0]
     diff = max_abs_diff(got, want)
     print(f"critic gradient (rf.grad of rf.grad) vs jax.grad of jax.grad: max abs diff {diff:.2e}")
     return diff
@@ -183,6 +190,7 @@ def run_wgan(args: argparse.Namespace) -> float:
 # ---------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def sample_tasks(key: jax.Array, tasks: int, shots: int) -> tuple[jax.Array, ...]:
     """``tasks`` sine waves ``A sin(x + phase)``, A in [0.1, 5], phase in [0, pi];
     ``shots`` support and ``shots`` query points each, x in [-5, 5]."""
@@ -240,11 +248,15 @@ def run_maml(args: argparse.Namespace) -> float:
         updates, state = opt.update(grads, state)
         return optax.apply_updates(params, updates), state, jnp.mean(losses)
 
-    def pre_post(params, key):  # held-out tasks: query MSE before and after one inner step
+    @jax.jit
+    def query_mse(params, key):  # held-out tasks: query MSE before and after one inner step
         xs, ys, xq, yq = sample_tasks(key, 100, args.shots)
         pre = jnp.mean((jax.vmap(lambda x: mlp_jnp(params, x, jnp.tanh))(xq) - yq) ** 2)
         post = jnp.mean(jax.vmap(lambda *d: maml_jnp_task_loss(params, *d, alpha))(xs, ys, xq, yq))
-        return float(pre), float(post)
+        return pre, post
+
+    def pre_post(params, key):
+        return tuple(float(v) for v in query_mse(params, key))
 
     held_out = jax.random.key(args.seed + 1000)
     pre, post = pre_post(params, held_out)
@@ -264,15 +276,21 @@ def run_maml(args: argparse.Namespace) -> float:
 
     # the meta-gradient (through the inner rf.grad) against JAX's, on one task batch
     data = sample_tasks(jax.random.key(7), args.tasks, args.shots)
-    got = jax.vmap(rf.grad(lambda p, *d: maml_task_loss(p, *d, alpha)), in_axes=(None, 0, 0, 0, 0))(params, *data)
-    want = jax.vmap(jax.grad(lambda p, *d: maml_jnp_task_loss(p, *d, alpha)), in_axes=(None, 0, 0, 0, 0))(params, *data)
+    got = jax.jit(jax.vmap(rf.grad(lambda p, *d: maml_task_loss(p, *d, alpha)), in_axes=(None, 0, 0, 0, 0)))(
+        params, *data
+    )
+    want = jax.jit(jax.vmap(jax.grad(lambda p, *d: maml_jnp_task_loss(p, *d, alpha)), in_axes=(None, 0, 0, 0, 0)))(
+        params, *data
+    )
     diff = max_abs_diff(got, want)
     print(f"MAML meta-gradient (rf.grad through rf.grad) vs jax.grad through jax.grad: max abs diff {diff:.2e}")
     return diff
 
 
 def max_abs_diff(a: Any, b: Any) -> float:
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

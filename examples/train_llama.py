@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> float:
     )
 
     cfg = Config(vocab=len(vocab), block=args.block, dim=args.dim, heads=args.heads, layers=args.layers)
-    params = init_params(cfg, jax.random.key(args.seed))
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(args.seed))
     n_params = sum(a.size for a in jax.tree_util.tree_leaves(params))
     print(
         f"LLaMA-style decoder: {cfg.layers} layers (one rf.lax.scan), dim {cfg.dim}, {cfg.heads} heads, "
