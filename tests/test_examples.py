@@ -3,13 +3,21 @@ full-length runs behind -m slow."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import rumus_fx as rf
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -34,6 +42,13 @@ def run_example(script: str, *args: str, timeout: float = 600, stderr: bool = Fa
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script} failed (exit {proc.returncode}):\n{output[-4000:]}"
     return (proc.stdout, proc.stderr) if stderr else proc.stdout
+
+
+def import_example(name: str):
+    """``examples/<name>.py`` as a module (examples/ goes on sys.path, as when run)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)
 
 
 def _float(pattern: str, text: str) -> float:
@@ -68,6 +83,78 @@ def test_train_gpt_smoke(tmp_path):
     assert 0.0 < val < 10.0
     assert "sample:" in out
     assert (tmp_path / "tiny_gpt.safetensors").exists()
+
+
+def test_train_llama_smoke():
+    out = run_example(
+        "train_llama.py",
+        *("--steps", "3", "--chars", "20000", "--block", "16", "--dim", "16", "--heads", "2", "--layers", "2"),
+        *("--batch-size", "4", "--eval-batches", "2", "--sample-len", "12", "--no-progress"),
+    )
+    assert "standard library source" in out and "one rf.lax.scan" in out
+    m = re.search(r"temp memory: ([0-9.]+) MiB with rf.checkpoint, ([0-9.]+) MiB without", out)
+    assert m, out
+    with_ckpt, without = float(m.group(1)), float(m.group(2))
+    assert 0 < with_ckpt <= without
+    assert "training with rf.checkpoint" in out
+    assert 0.0 < _float(r"step 0: val loss ([0-9.]+)", out) < 10.0
+    assert 0.0 < _float(r"final val loss: ([0-9.]+)", out) < 10.0
+    assert "sample:" in out
+
+
+@pytest.mark.parametrize(
+    "dtype, remat", [("float32", True), ("float32", False), ("float64", True)], ids=["f32-ckpt", "f32", "f64-ckpt"]
+)
+def test_train_llama_loss_and_grads_match_jax(dtype, remat):
+    """The example's loss under rf.value_and_grad (rnp, rf.lax.scan, rf.checkpoint)
+    equals jax.value_and_grad of the same function on jnp, lax.scan, jax.checkpoint."""
+    tl = import_example("train_llama")
+    f64 = dtype == "float64"
+    with jax.enable_x64(f64):
+        cfg = tl.Config(vocab=11, block=8, dim=16, heads=2, layers=2)
+        params = tl.init_params(cfg, jax.random.key(0), jnp.dtype(dtype))
+        rng = np.random.default_rng(0)
+        x, y = (jnp.asarray(rng.integers(0, cfg.vocab, (2, cfg.block)), jnp.int32) for _ in range(2))
+        got = jax.jit(rf.value_and_grad(functools.partial(tl.loss_fn, cfg=cfg, ops=tl.RF_OPS, remat=remat)))(
+            params, x, y
+        )
+        want = jax.jit(jax.value_and_grad(functools.partial(tl.loss_fn, cfg=cfg, ops=tl.JAX_OPS, remat=remat)))(
+            params, x, y
+        )
+        assert got[1]["layers"]["wq"].dtype == jnp.dtype(dtype)
+        tol = 1e-9 if f64 else 1e-4
+        chex.assert_trees_all_close(got, want, rtol=tol, atol=tol * 1e-2)
+
+
+def test_gradient_penalty_smoke():
+    out = run_example(
+        "gradient_penalty.py",
+        *("--gan-steps", "4", "--n-critic", "2", "--batch-size", "32", "--hidden", "16"),
+        *("--maml-steps", "4", "--tasks", "3", "--shots", "5"),
+    )
+    assert "Wasserstein estimate" in out and "gradient penalty" in out
+    assert "modes covered" in out and "after one step" in out
+    assert _float(r"vs jax.grad of jax.grad: max abs diff ([0-9.e+-]+)", out) < 1e-5
+    assert _float(r"vs jax.grad through jax.grad: max abs diff ([0-9.e+-]+)", out) < 1e-5
+
+
+def test_gradient_penalty_and_maml_grads_match_jax_float64(x64):
+    gp = import_example("gradient_penalty")
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+    critic = gp.init_mlp(k1, (2, 8, 8, 1), jnp.float64)
+    real = gp.sample_real(k2, 16).astype(jnp.float64)
+    fake = jax.random.normal(k3, (16, 2), jnp.float64)
+    eps = jax.random.uniform(k4, (16, 1), jnp.float64)
+    got = jax.jit(rf.value_and_grad(gp.critic_loss, has_aux=True))(critic, real, fake, eps, 10.0)
+    want = jax.value_and_grad(gp.critic_loss, has_aux=True)(critic, real, fake, eps, 10.0, gp.mlp_jnp, jax.grad, jnp)
+    chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-12)
+    assert float(jnp.abs(got[0][1][1])) > 0  # the penalty is not trivially zero
+
+    net = gp.init_mlp(k1, (1, 8, 8, 1), jnp.float64)
+    data = [a.astype(jnp.float64) for a in gp.sample_tasks(k2, 3, 5)]
+    task_rf = jax.vmap(rf.value_and_grad(gp.maml_task_loss), in_axes=(None, 0, 0, 0, 0))
+    task_jax = jax.vmap(jax.value_and_grad(gp.maml_jnp_task_loss), in_axes=(None, 0, 0, 0, 0))
+    chex.assert_trees_all_close(jax.jit(task_rf)(net, *data), task_jax(net, *data), rtol=1e-9, atol=1e-12)
 
 
 def test_per_example_grads():
@@ -117,3 +204,20 @@ def test_train_cnn_default_reaches_97_percent(tmp_path):
 def test_train_gpt_default_learns(tmp_path):
     out = run_example("train_gpt.py", "--out", str(tmp_path), "--no-progress")
     assert _float(r"final val loss: ([0-9.]+)", out) < 2.0
+
+
+@pytest.mark.slow
+def test_train_llama_default_learns():
+    out = run_example("train_llama.py", "--no-progress")
+    assert _float(r"final val loss: ([0-9.]+)", out) < 2.0
+
+
+@pytest.mark.slow
+def test_gradient_penalty_default_learns():
+    out = run_example("gradient_penalty.py")
+    assert _float(r"generator: (\d)/8 modes covered", out) >= 6
+    assert _float(r"mean distance to the nearest mode ([0-9.]+)", out) < 0.6
+    post = re.findall(r"held-out query MSE ([0-9.]+) before adaptation, ([0-9.]+) after one step", out)
+    assert float(post[-1][1]) < 1.0 < float(post[0][1])
+    assert _float(r"vs jax.grad of jax.grad: max abs diff ([0-9.e+-]+)", out) < 1e-4
+    assert _float(r"vs jax.grad through jax.grad: max abs diff ([0-9.e+-]+)", out) < 1e-4
