@@ -25,6 +25,7 @@ import numpy as np
 
 from .errors import AutogradError
 from .record import run_backward_rule
+from . import sharding
 from .tape import TapeEntry
 
 # anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
@@ -62,6 +63,8 @@ def run_backward(
             if gid is None or g is None:
                 continue
             _validate(op.name, k, g, entry.input_avals[k] if entry.input_avals else None)
+            if entry.input_shardings:
+                g = _conform(op.name, k, g, entry.input_shardings[k])
             prev = grads.get(gid)
             grads[gid] = g if prev is None else prev + g
         if anomaly:  # Note [Anomaly mode] in rumus_fx/debug.py
@@ -69,6 +72,15 @@ def run_backward(
 
             anomaly_state = check_finite(entry, index, grad_out, in_grads, anomaly_state, anomaly)
     return grads
+
+
+def _conform(name: str, k: int, g: Any, wanted: Any) -> Any:
+    """``g`` with its input's explicit sharding (Note [Gradients keep their
+    operand's sharding] in autograd/sharding.py)."""
+    out = sharding.conform(g, wanted)
+    if out is not g and sharding.RESHARD_HOOK is not None:
+        sharding.RESHARD_HOOK(name, k, jax.typeof(g).sharding, wanted)
+    return out
 
 
 def _validate(name: str, k: int, g: Any, aval: Any) -> None:

@@ -49,13 +49,16 @@ class no_grad(contextlib.ContextDecorator):
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapeEntry:
     """One recorded op: its record, the grad ids of its inputs (None for inputs
-    that are not tracked) and of its outputs, and the inputs'/outputs' avals."""
+    that are not tracked) and of its outputs, the inputs'/outputs' avals, and
+    the inputs' explicit shardings (None where not sharded over Explicit mesh
+    axes; see Note [Gradients keep their operand's sharding])."""
 
     op: Record
     inputs: tuple[int | None, ...]
     outputs: tuple[int, ...]
     input_avals: tuple[tuple[tuple[int, ...], Any] | None, ...] = ()
     output_avals: tuple[tuple[tuple[int, ...], Any], ...] = ()
+    input_shardings: tuple[Any, ...] = ()
 
 
 class Tape:

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from . import blocks
 from ._pallas import Config, chunk_loop, chunk_reader, ds, iota, pad_to, pallas_call, unpad
+from ..autograd.sharding import sharding_of
 from ._sharding import sharded_call
 from ._util import upcast
 from .dispatch import call
@@ -160,7 +161,8 @@ def cross_entropy_reference(logits: jax.Array, targets: jax.Array, *, ignore_ind
         losses = jnp.where(valid, losses, 0)
     loss = jnp.sum(losses) / count
     grad = (e / sumexp) * row_w[:, None]
-    grad = grad.at[jnp.arange(n), safe_t].add(-row_w)
+    # explicitly sharded rows: the update keeps the logits' sharding (no collective)
+    grad = grad.at[jnp.arange(n), safe_t].add(-row_w, out_sharding=sharding_of(grad))
     return loss.astype(logits.dtype), grad.astype(logits.dtype)
 
 

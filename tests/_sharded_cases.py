@@ -1,0 +1,297 @@
+"""Sharded checks, run in a subprocess with 8 host CPU devices (see
+tests/test_sharding.py): ``python -m tests._sharded_cases GROUP [GROUP ...]``.
+
+Every case is one scalar loss written with rf ops, its jax.numpy oracle, the
+arguments and a ``PartitionSpec`` per argument. Each case runs
+
+* on one device (the reference gradients, also checked against ``jax.grad`` of the oracle),
+* inside ``jax.jit`` on meshes with Explicit axes (``jax.make_mesh``'s default) and
+  with Auto axes, each with and without ``jax.set_mesh``,
+
+and checks that the sharded loss and gradients equal the one-device ones and that
+every gradient has its argument's sharding. Groups: ``ops`` (data parallel, batch on
+"data"), ``ops_tp`` (tensor parallel on a 2x4 ("data", "model") mesh), ``kernels``
+(the same with the Pallas kernels in interpret mode) and ``models``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.pop("RUMUS_FX_KERNELS", None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import rumus_fx as rf  # noqa: E402
+from tests.ops.optable import (  # noqa: E402
+    ref_adaptive_avg_pool2d,
+    ref_attention,
+    ref_batch_norm,
+    ref_conv2d,
+    ref_cross_entropy,
+    ref_dropout,
+    ref_im2col,
+    ref_layer_norm,
+    ref_max_pool2d,
+)
+
+RNG = np.random.default_rng(0)
+KEY = jax.random.key(3)
+
+
+def f32(*shape: int, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(RNG.standard_normal(shape) * scale, jnp.float32)
+
+
+def pos(*shape: int) -> jax.Array:
+    return jnp.asarray(RNG.uniform(0.5, 2.0, shape), jnp.float32)
+
+
+def sq(t: Any) -> Any:
+    return t * t
+
+
+def ints(high: int, *shape: int) -> jax.Array:
+    return jnp.asarray(RNG.integers(0, high, shape), jnp.int32)
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    rf_loss: Callable[..., Any]
+    ref_loss: Callable[..., Any]
+    args: tuple
+    specs: tuple  # one PartitionSpec per argument
+    argnums: tuple[int, ...] = (0,)
+    tol: float = 1e-5
+
+
+# ---------------------------------------------------------------------------
+# op cases: data parallel (batch axis on "data")
+# ---------------------------------------------------------------------------
+
+D = P("data")
+R = P()
+B = 16  # two rows per device
+
+
+def op_cases() -> list[Case]:
+    x, y, bias = f32(B, 6), pos(B, 6), f32(6)
+    x3 = f32(B, 3, 5)
+    img, conv_w, conv_b = f32(B, 3, 6, 6), f32(4, 3, 3, 3, scale=0.3), f32(4)
+    q, k, v = f32(B, 2, 5, 4), f32(B, 2, 5, 4), f32(B, 2, 5, 4)
+    mask = jnp.asarray((RNG.uniform(size=(5, 5)) > 0.3) | np.eye(5, dtype=bool))
+    tok, table = ints(7, B, 3), f32(7, 4)
+    logits, labels = f32(B, 5), ints(5, B)
+    labels_ign = labels.at[::3].set(-100)
+    lw, lb = pos(5), f32(5)
+    bn = (pos(3), f32(3), f32(3, scale=0.1), pos(3))
+    proj = f32(B, 6)
+
+    cases = [
+        Case("add", lambda a, b: rf.sum(rf.tanh(a + b)), lambda a, b: jnp.sum(jnp.tanh(a + b)), (x, y), (D, D), (0, 1)),
+        Case("sub_mul_div", lambda a, b: rf.sum((a - b) * a / b), lambda a, b: jnp.sum((a - b) * a / b),
+             (x, y), (D, D), (0, 1)),
+        Case("broadcast_add_bias", lambda a, b: rf.sum(rf.tanh(a + b) * a), lambda a, b: jnp.sum(jnp.tanh(a + b) * a),
+             (x, bias), (D, R), (0, 1)),
+        Case("broadcast_mul", lambda a, b: rf.sum(a * b), lambda a, b: jnp.sum(a * b[None]), (x, bias), (D, R), (0, 1)),
+        Case("neg_exp_log", lambda a, b: rf.sum(rf.log(rf.exp(-a) + b)), lambda a, b: jnp.sum(jnp.log(jnp.exp(-a) + b)),
+             (x, y), (D, D), (0, 1)),
+        Case("add_bias", lambda a, b: rf.sum(rf.relu(rf.add_bias(a, b)) * proj),
+             lambda a, b: jnp.sum(jax.nn.relu(a + b[None]) * proj), (x, bias), (D, R), (0, 1)),
+        Case("add_channel_bias", lambda a, b: rf.sum(rf.tanh(rf.add_channel_bias(a, b))),
+             lambda a, b: jnp.sum(jnp.tanh(a + b[None, :, None])), (x3, f32(3)), (D, R), (0, 1)),
+        Case("sum_mean_axes",
+             lambda a: rf.sum(sq(rf.mean(a, axis=0))) + rf.sum(sq(rf.sum(a, axis=1, keepdims=True)))
+             + rf.mean(a * a),
+             lambda a: jnp.sum(sq(jnp.mean(a, axis=0))) + jnp.sum(sq(jnp.sum(a, axis=1, keepdims=True)))
+             + jnp.mean(a * a),
+             (x3,), (D,)),
+        Case("activations",
+             lambda a: rf.sum(rf.gelu(a) * rf.sigmoid(a) + rf.leaky_relu(a, 0.1) + rf.relu(a) * rf.tanh(a)
+                              + rf.gelu(a, approximate=False)),
+             lambda a: jnp.sum(jax.nn.gelu(a) * jax.nn.sigmoid(a) + jax.nn.leaky_relu(a, 0.1) + jax.nn.relu(a)
+                               * jnp.tanh(a) + jax.nn.gelu(a, approximate=False)),
+             (x,), (D,)),
+        Case("softmax", lambda a: rf.sum(rf.softmax(a) * proj) + rf.sum(rf.softmax(a, axis=0) * proj),
+             lambda a: jnp.sum(jax.nn.softmax(a) * proj) + jnp.sum(jax.nn.softmax(a, axis=0) * proj), (x,), (D,)),
+        Case("matmul", lambda a, w: rf.sum(rf.tanh(a @ w)), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+             (x, f32(6, 4)), (D, R), (0, 1)),
+        Case("matmul_3d", lambda a, w: rf.sum(rf.tanh(rf.matmul(a, w))), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+             (x3, f32(5, 4)), (D, R), (0, 1)),
+        Case("bmm_sum", lambda a, b: rf.sum(rf.bmm(a, b)), lambda a, b: jnp.sum(a @ b),
+             (x3, f32(B, 5, 2)), (D, D), (0, 1)),
+        Case("mse_loss", lambda a, b: rf.mse_loss(rf.tanh(a), b), lambda a, b: jnp.mean(sq(jnp.tanh(a) - b)),
+             (x, y), (D, D), (0, 1)),
+        Case("cross_entropy", lambda a: rf.cross_entropy(a, labels), lambda a: ref_cross_entropy(a, labels),
+             (logits,), (D,)),
+        Case("cross_entropy_3d", lambda a: rf.cross_entropy(a, ints(5, B, 3)[:, :3] * 0 + 1),
+             lambda a: ref_cross_entropy(a, jnp.ones((B, 3), jnp.int32)), (f32(B, 3, 5),), (D,)),
+        Case("cross_entropy_ignore", lambda a: rf.cross_entropy(a, labels_ign, ignore_index=-100),
+             lambda a: ref_cross_entropy(a, labels_ign, -100), (logits,), (D,)),
+        Case("mlp", lambda w1, w2, xx, yy: rf.cross_entropy(rf.relu(xx @ w1) @ w2, yy),
+             lambda w1, w2, xx, yy: ref_cross_entropy(jax.nn.relu(xx @ w1) @ w2, yy),
+             (f32(6, 8, scale=0.5), f32(8, 5, scale=0.5), x, labels), (R, R, D, D), (0, 1, 2)),
+        Case("embedding", lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
+             lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))), (tok, table), (D, R), (1,)),
+        Case("conv2d", lambda a, w, b: rf.sum(rf.tanh(rf.conv2d(a, w, b, padding=1))),
+             lambda a, w, b: jnp.sum(jnp.tanh(ref_conv2d(a, w, b, padding=1))), (img, conv_w, conv_b), (D, R, R),
+             (0, 1, 2), 2e-5),
+        Case("conv2d_stride", lambda a, w: rf.sum(rf.tanh(rf.conv2d(a, w, stride=2))),
+             lambda a, w: jnp.sum(jnp.tanh(ref_conv2d(a, w, stride=2))), (img, conv_w), (D, R), (0, 1), 2e-5),
+        Case("im2col", lambda a: rf.sum(rf.tanh(rf.im2col(a, 3, 2, 1))),
+             lambda a: jnp.sum(jnp.tanh(ref_im2col(a, 3, 2, 1))), (img,), (D,)),
+        Case("max_pool2d", lambda a: rf.sum(sq(rf.max_pool2d(a, 2))) + rf.sum(rf.max_pool2d(a, 3, 2, 1)),
+             lambda a: jnp.sum(sq(ref_max_pool2d(a, 2))) + jnp.sum(ref_max_pool2d(a, 3, 2, 1)), (img,), (D,)),
+        Case("adaptive_avg_pool2d", lambda a: rf.sum(sq(rf.adaptive_avg_pool2d(a, (2, 3)))),
+             lambda a: jnp.sum(sq(ref_adaptive_avg_pool2d(a, (2, 3)))), (img,), (D,)),
+        Case("flatten_pool", lambda a: rf.sum(sq(rf.flatten(rf.max_pool2d(rf.relu(a), 2)))),
+             lambda a: jnp.sum(sq(jnp.reshape(ref_max_pool2d(jax.nn.relu(a), 2), (B, -1)))), (img,), (D,)),
+        Case("reshape_transpose",
+             lambda a: rf.sum(rf.tanh(rf.reshape(a, (B, 15))) * rf.flatten(rf.transpose(a, 1, 2))),
+             lambda a: jnp.sum(jnp.tanh(a.reshape(B, 15)) * jnp.swapaxes(a, 1, 2).reshape(B, 15)), (x3,), (D,)),
+        Case("reshape_split", lambda a: rf.sum(sq(rf.tanh(rf.reshape(a, (B, 2, 3))))),
+             lambda a: jnp.sum(sq(jnp.tanh(a.reshape(B, 2, 3)))), (x,), (D,)),
+        Case("stack", lambda a, b: rf.sum(rf.tanh(rf.stack([a, b, a]))) + rf.sum(sq(rf.stack([a, b], axis=-1))),
+             lambda a, b: jnp.sum(jnp.tanh(jnp.stack([a, b, a]))) + jnp.sum(sq(jnp.stack([a, b], axis=-1))),
+             (x, y), (D, D), (0, 1)),
+        Case("slice_batch", lambda a: rf.sum(sq(rf.slice_batch(a, 3))) + rf.sum(rf.tanh(rf.slice_batch(a, -1))),
+             lambda a: jnp.sum(sq(a[3])) + jnp.sum(jnp.tanh(a[-1])), (x3,), (D,)),
+        Case("index", lambda a: rf.sum(sq(rf.index(a, (slice(None), np.array([0, 2, 2])))))
+             + rf.sum(rf.index(a, (Ellipsis, 1))),
+             lambda a: jnp.sum(sq(a[:, np.array([0, 2, 2])])) + jnp.sum(a[..., 1]), (x3,), (D,)),
+        Case("layer_norm", lambda a, w, b: rf.sum(rf.layer_norm(a, w, b) * x3),
+             lambda a, w, b: jnp.sum(ref_layer_norm(a, w, b) * x3), (x3, lw, lb), (D, R, R), (0, 1, 2), 2e-5),
+        Case("batch_norm_train",
+             lambda a, w, b: _bn_rf(a, w, b, bn, True), lambda a, w, b: _bn_ref(a, w, b, bn, True),
+             (img[:, :3], *bn[:2]), (D, R, R), (0, 1, 2), 2e-5),
+        Case("batch_norm_eval",
+             lambda a, w, b: _bn_rf(a, w, b, bn, False), lambda a, w, b: _bn_ref(a, w, b, bn, False),
+             (img[:, :3], *bn[:2]), (D, R, R), (0, 1, 2), 2e-5),
+        Case("attention", lambda q, k, v: rf.sum(sq(rf.scaled_dot_product_attention(q, k, v, causal=True))),
+             lambda q, k, v: jnp.sum(sq(ref_attention(q, k, v, causal=True))), (q, k, v), (D, D, D), (0, 1, 2), 2e-5),
+        Case("attention_mask", lambda q, k, v: rf.sum(sq(rf.scaled_dot_product_attention(q, k, v, mask))),
+             lambda q, k, v: jnp.sum(sq(ref_attention(q, k, v, mask))), (q, k, v), (D, D, D), (0, 1, 2), 2e-5),
+        Case("dropout", lambda a: rf.sum(rf.dropout(a, 0.3, KEY) * proj),
+             lambda a: jnp.sum(ref_dropout(a, 0.3, KEY) * proj), (x,), (D,)),
+    ]
+    return cases
+
+
+def _bn_rf(x, w, b, bn, training):
+    y, rm, rv = rf.batch_norm_2d(x, w, b, *bn[2:], training=training)
+    return rf.sum(y * y) * 0.01 + rf.sum(rf.tanh(y))
+
+
+def _bn_ref(x, w, b, bn, training):
+    y, rm, rv = ref_batch_norm(x, w, b, *bn[2:], training=training)
+    return jnp.sum(y * y) * 0.01 + jnp.sum(jnp.tanh(y))
+
+
+# ---------------------------------------------------------------------------
+# running a case
+# ---------------------------------------------------------------------------
+
+
+def close(got: Any, want: Any, tol: float, what: str) -> None:
+    for i, (u, v) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol, err_msg=f"{what} leaf {i}")
+
+
+def one_device(case: Case) -> Any:
+    dev = jax.devices()[0]
+    args = [jax.device_put(a, dev) for a in case.args]
+    want = jax.jit(rf.value_and_grad(case.rf_loss, case.argnums))(*args)
+    oracle = jax.jit(jax.value_and_grad(case.ref_loss, case.argnums))(*args)
+    close(want, oracle, max(case.tol, 1e-4), f"{case.name}: rf vs jax.grad on one device")
+    return want
+
+
+RESHARDS: list[str] = []
+
+
+def _reshard_hook(name: str, k: int, found: Any, wanted: Any) -> None:
+    RESHARDS.append(f"{name} input {k}: {found.spec} -> {wanted.spec}")
+
+
+rf.autograd.sharding.RESHARD_HOOK = _reshard_hook
+
+
+def run_case(case: Case, mesh_shape: tuple[int, ...], axes: tuple[str, ...], kinds=(AxisType.Explicit, AxisType.Auto)):
+    want = one_device(case)
+    RESHARDS.clear()
+    for kind in kinds:
+        mesh = jax.make_mesh(mesh_shape, axes, axis_types=(kind,) * len(axes))
+        shardings = [NamedSharding(mesh, s) for s in case.specs]
+        args = [jax.device_put(a, s) for a, s in zip(case.args, shardings)]
+        for under_mesh in (False, True):
+            what = f"{case.name} [{kind.name}, {'set_mesh' if under_mesh else 'no set_mesh'}]"
+            with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
+                value, grads = jax.jit(rf.value_and_grad(case.rf_loss, case.argnums))(*args)
+            close((value, grads), want, case.tol, what)
+            assert not RESHARDS, f"{what}: the engine resharded gradients: {RESHARDS}"
+            # Explicit axes: the sharding is in the types, so each gradient must have its
+            # argument's. Auto axes: XLA's partitioner picks, so rf must agree with jax.grad.
+            # (or have the argument's sharding, where jax.grad's is a constant's).
+            expected = [[shardings[i]] for i in case.argnums]
+            if kind == AxisType.Auto:
+                with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
+                    oracle = jax.jit(jax.grad(case.ref_loss, case.argnums))(*args)
+                expected = [e + [o.sharding] for e, o in zip(expected, oracle)]
+            for i, g, e in zip(case.argnums, grads, expected):
+                assert any(g.sharding.is_equivalent_to(s, g.ndim) for s in e), (
+                    f"{what}: gradient of argument {i} has sharding {g.sharding}, expected one of {e}"
+                )
+
+
+def run_group(name: str, cases: list[Case], mesh_shape, axes) -> list[str]:
+    failures = []
+    only = os.environ.get("SHARDED_ONLY")
+    for case in cases:
+        if only and case.name not in only.split(","):
+            continue
+        t0 = time.perf_counter()
+        try:
+            run_case(case, mesh_shape, axes)
+        except Exception as e:  # collect all failures, report at the end
+            failures.append(f"{name}/{case.name}: {type(e).__name__}: {str(e)[:2000]}")
+            if os.environ.get("SHARDED_TRACEBACK"):
+                traceback.print_exc()
+            print(f"FAIL {name}/{case.name} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        else:
+            print(f"ok {name}/{case.name} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return failures
+
+
+GROUPS: dict[str, Callable[[], list[str]]] = {
+    "ops": lambda: run_group("ops", op_cases(), (8,), ("data",)),
+}
+
+
+def main(names: list[str]) -> int:
+    assert jax.device_count() == 8, jax.devices()
+    failures = []
+    for n in names:
+        failures += GROUPS[n]()
+    for f in failures:
+        print(f, file=sys.stderr)
+    print("FAILED" if failures else "OK")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
