@@ -192,6 +192,57 @@ def op_cases() -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------------------
+# op cases: tensor parallel on a 2x4 ("data", "model") mesh
+# ---------------------------------------------------------------------------
+
+M = P("model")
+DM = P("data", "model")
+
+
+def tp_cases() -> list[Case]:
+    x, x3, x4 = f32(8, 6), f32(8, 3, 6), f32(8, 4, 6)
+    w1, b1, w2 = f32(6, 8, scale=0.5), f32(8), f32(8, 4, scale=0.5)
+    labels = ints(4, 8)
+    q = f32(8, 4, 5, 3)
+    tok, table = ints(8, 8, 3), f32(8, 4)
+    img, conv_w, conv_b = f32(8, 3, 5, 5), f32(4, 3, 3, 3, scale=0.3), f32(4)
+    lw, lb = pos(8), f32(8)
+
+    def mlp_rf(w1, b1, w2, xx):
+        h = rf.gelu(rf.add_bias(xx @ w1, b1))  # column parallel: h is [B@data, N@model]
+        return rf.cross_entropy(h @ w2, labels)  # row parallel: a sum over "model"
+
+    def mlp_ref(w1, b1, w2, xx):
+        return ref_cross_entropy(jax.nn.gelu(xx @ w1 + b1) @ w2, labels)
+
+    return [
+        Case("mlp_tp", mlp_rf, mlp_ref, (w1, b1, w2, x), (P(None, "model"), M, M, D), (0, 1, 2, 3)),
+        Case("matmul_3d_tp", lambda a, w: rf.sum(rf.tanh(a @ w)), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+             (x3, w1), (D, P(None, "model")), (0, 1)),
+        Case("matmul_contract_tp", lambda a, w: rf.sum(rf.tanh(a @ w)), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+             (f32(8, 3, 8), w2), (P("data", None, "model"), M), (0, 1)),
+        Case("layer_norm_tp", lambda a, w, b: rf.sum(rf.tanh(rf.layer_norm(a, w, b))),
+             lambda a, w, b: jnp.sum(jnp.tanh(ref_layer_norm(a, w, b))), (f32(8, 4, 8), lw, lb), (DM, R, R),
+             (0, 1, 2), 2e-5),
+        Case("attention_heads_tp", lambda q: rf.sum(sq(rf.scaled_dot_product_attention(q, q * 0.5, q, causal=True))),
+             lambda q: jnp.sum(sq(ref_attention(q, q * 0.5, q, causal=True))), (q,), (P("data", "model"),), (0,), 2e-5),
+        Case("bmm_heads_tp", lambda a, b: rf.sum(rf.tanh(rf.bmm(a, b))), lambda a, b: jnp.sum(jnp.tanh(a @ b)),
+             (q, jnp.swapaxes(q, -1, -2)), (DM, DM), (0, 1)),
+        Case("embedding_dim_tp", lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
+             lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))), (tok, table), (D, P(None, "model")), (1,)),
+        Case("embedding_vocab_tp", lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
+             lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))), (tok, table), (D, M), (1,)),
+        Case("conv2d_channels_tp", lambda a, w, b: rf.sum(rf.tanh(rf.conv2d(a, w, b, padding=1))),
+             lambda a, w, b: jnp.sum(jnp.tanh(ref_conv2d(a, w, b, padding=1))), (img, conv_w, conv_b), (D, M, M),
+             (0, 1, 2), 2e-5),
+        Case("softmax_tp", lambda a: rf.sum(rf.softmax(a) * x4), lambda a: jnp.sum(jax.nn.softmax(a) * x4),
+             (f32(8, 4, 6),), (DM,)),
+        Case("fsdp_matmul", lambda w, a: rf.sum(rf.tanh(a @ w)), lambda w, a: jnp.sum(jnp.tanh(a @ w)),
+             (f32(8, 4), x3[..., :8] if False else f32(8, 3, 8)), (P("data"), D), (0, 1)),
+    ]
+
+
 def _bn_rf(x, w, b, bn, training):
     y, rm, rv = rf.batch_norm_2d(x, w, b, *bn[2:], training=training)
     return rf.sum(y * y) * 0.01 + rf.sum(rf.tanh(y))
@@ -279,6 +330,7 @@ def run_group(name: str, cases: list[Case], mesh_shape, axes) -> list[str]:
 
 GROUPS: dict[str, Callable[[], list[str]]] = {
     "ops": lambda: run_group("ops", op_cases(), (8,), ("data",)),
+    "ops_tp": lambda: run_group("ops_tp", tp_cases(), (2, 4), ("data", "model")),
 }
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels import matmul as kmm
@@ -89,6 +90,24 @@ class BmmBackward(Record):
         return ga, gb
 
 
+def _product_sharding(op: str, av: Array, bv: Array) -> Any:
+    """The result's sharding when the contracted axis K is sharded over
+    Explicit mesh axes (JAX cannot choose it then: the partial products are
+    summed over those axes): lhs's rows/batch axes and rhs's N axis. None
+    otherwise (JAX infers it)."""
+    sa, sb = shd.spec_of(av), shd.spec_of(bv)
+    if (sa is None or sa[-1] is None) and (sb is None or sb[-2] is None):
+        return None
+    lead = sa[:-1] if sa is not None else (None,) * (av.ndim - 1)
+    n = sb[-1] if sb is not None else None
+    if op == "bmm" and sb is not None:
+        lead = tuple(a if a is not None else b for a, b in zip(lead[:-1], sb[:-2])) + lead[-1:]
+    used = {name for e in lead if e is not None for name in (e if isinstance(e, tuple) else (e,))}
+    if n is not None and used & set(n if isinstance(n, tuple) else (n,)):
+        n = None
+    return shd.with_spec(shd.sharding_of(av) or shd.sharding_of(bv), (*lead, n))
+
+
 def _product(op: str, a: Any, b: Any) -> Tensor:
     """``matmul`` (2-D rhs) or ``bmm`` (equal batch axes): validate, multiply,
     record the saved operands each needed gradient reads."""
@@ -102,7 +121,8 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
         raise ShapeError(f"bmm: expects [..., M, K] @ [..., K, N] with equal batch axes (rank >= 3), got {sa} @ {sb}")
     require_float(op, av, "lhs")
     require_float(op, bv, "rhs")
-    out = kmm.matmul(av, bv) if op == "matmul" else kmm.bmm(av, bv)
+    out_sharding = _product_sharding(op, av, bv)
+    out = kmm.matmul(av, bv, None, out_sharding) if op == "matmul" else kmm.bmm(av, bv, None, out_sharding)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)
