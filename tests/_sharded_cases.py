@@ -328,7 +328,21 @@ def run_group(name: str, cases: list[Case], mesh_shape, axes) -> list[str]:
     return failures
 
 
+KERNEL_CASES = {"softmax", "layer_norm", "cross_entropy", "mlp", "matmul_3d", "bmm_sum", "embedding", "attention",
+                "batch_norm_train"}
+KERNEL_TP_CASES = {"mlp_tp", "attention_heads_tp", "embedding_dim_tp", "layer_norm_tp"}
+
+
+def kernel_group() -> list[str]:
+    """The Pallas kernels (interpret mode) on the same checks."""
+    with rf.kernels.use("interpret"):
+        fails = run_group("kernels", [c for c in op_cases() if c.name in KERNEL_CASES], (8,), ("data",))
+        fails += run_group("kernels_tp", [c for c in tp_cases() if c.name in KERNEL_TP_CASES], (2, 4), ("data", "model"))
+    return fails
+
+
 GROUPS: dict[str, Callable[[], list[str]]] = {
+    "kernels": kernel_group,
     "ops": lambda: run_group("ops", op_cases(), (8,), ("data",)),
     "ops_tp": lambda: run_group("ops_tp", tp_cases(), (2, 4), ("data", "model")),
 }
