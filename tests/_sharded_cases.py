@@ -265,7 +265,7 @@ def close(got: Any, want: Any, tol: float, what: str) -> None:
 
 def one_device(case: Case) -> Any:
     dev = jax.devices()[0]
-    args = [jax.device_put(a, dev) for a in case.args]
+    args = jax.device_put(case.args, dev)
     want = jax.jit(rf.value_and_grad(case.rf_loss, case.argnums))(*args)
     oracle = jax.jit(jax.value_and_grad(case.ref_loss, case.argnums))(*args)
     close(want, oracle, max(case.tol, 1e-4), f"{case.name}: rf vs jax.grad on one device")
@@ -282,13 +282,17 @@ def _reshard_hook(name: str, k: int, found: Any, wanted: Any) -> None:
 rf.autograd.sharding.RESHARD_HOOK = _reshard_hook
 
 
+def _is_spec(s: Any) -> bool:
+    return isinstance(s, P)
+
+
 def run_case(case: Case, mesh_shape: tuple[int, ...], axes: tuple[str, ...], kinds=(AxisType.Explicit, AxisType.Auto)):
     want = one_device(case)
     RESHARDS.clear()
     for kind in kinds:
         mesh = jax.make_mesh(mesh_shape, axes, axis_types=(kind,) * len(axes))
-        shardings = [NamedSharding(mesh, s) for s in case.specs]
-        args = [jax.device_put(a, s) for a, s in zip(case.args, shardings)]
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), case.specs, is_leaf=_is_spec)
+        args = jax.device_put(case.args, shardings)
         for under_mesh in (False, True):
             what = f"{case.name} [{kind.name}, {'set_mesh' if under_mesh else 'no set_mesh'}]"
             with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
@@ -296,17 +300,19 @@ def run_case(case: Case, mesh_shape: tuple[int, ...], axes: tuple[str, ...], kin
             close((value, grads), want, case.tol, what)
             assert not RESHARDS, f"{what}: the engine resharded gradients: {RESHARDS}"
             # Explicit axes: the sharding is in the types, so each gradient must have its
-            # argument's. Auto axes: XLA's partitioner picks, so rf must agree with jax.grad.
+            # argument's. Auto axes: XLA's partitioner picks, so rf must agree with jax.grad
             # (or have the argument's sharding, where jax.grad's is a constant's).
-            expected = [[shardings[i]] for i in case.argnums]
+            expected = [[jax.tree.leaves(shardings[i])] for i in case.argnums]
             if kind == AxisType.Auto:
                 with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
                     oracle = jax.jit(jax.grad(case.ref_loss, case.argnums))(*args)
-                expected = [e + [o.sharding] for e, o in zip(expected, oracle)]
+                expected = [e + [[o.sharding for o in jax.tree.leaves(t)]] for e, t in zip(expected, oracle)]
             for i, g, e in zip(case.argnums, grads, expected):
-                assert any(g.sharding.is_equivalent_to(s, g.ndim) for s in e), (
-                    f"{what}: gradient of argument {i} has sharding {g.sharding}, expected one of {e}"
-                )
+                for n, leaf in enumerate(jax.tree.leaves(g)):
+                    assert any(leaf.sharding.is_equivalent_to(s[n], leaf.ndim) for s in e), (
+                        f"{what}: gradient leaf {n} of argument {i} has sharding {leaf.sharding}, "
+                        f"expected one of {[s[n] for s in e]}"
+                    )
 
 
 def run_group(name: str, cases: list[Case], mesh_shape, axes) -> list[str]:
@@ -328,6 +334,90 @@ def run_group(name: str, cases: list[Case], mesh_shape, axes) -> list[str]:
     return failures
 
 
+# ---------------------------------------------------------------------------
+# models: data parallel, tensor parallel, FSDP
+# ---------------------------------------------------------------------------
+
+
+def _specs(tree: Any, rule: Callable[[str, Any], P]) -> Any:
+    """A spec per leaf of ``tree`` from its dotted path."""
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: rule(jax.tree_util.keystr(path), leaf), tree)
+
+
+def _rf_as_jax(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """The same rf forward differentiated by jax.grad (rf ops run as jnp without a tape)."""
+    return lambda *a: jnp.asarray(loss(*a))
+
+
+def model_cases() -> tuple[list[Case], list[Case], list[Case]]:
+    """(data parallel on (8,) "data", tensor parallel on 2x4 ("data", "model"), FSDP on (8,) "data")."""
+    from benchmarks import models
+
+    mlp = models.mlp(batch=16, widths=(16, 32, 16, 8))
+    cnn = models.cnn(batch=8)
+    gpt = models.tiny_gpt(batch=8, seq=8, vocab=16, d=16, heads=4, blocks=2)
+    block = rf.nn.TransformerBlock(16, heads=4)
+    bparams = block.init(jax.random.key(1))
+    bx, btarget = f32(8, 8, 16), f32(8, 8, 16)
+
+    def block_loss(p, batch):
+        x, target = batch
+        return rf.mse_loss(block(p, x, causal=True), target)
+
+    rep = lambda path, leaf: R  # noqa: E731
+    batch_d = lambda tree: jax.tree.map(lambda _: D, tree)  # noqa: E731
+
+    def mlp_tp(path, leaf):  # Megatron: column parallel, then row parallel, alternating
+        layer = int(path[1])
+        if leaf.ndim == 2:
+            return P(None, "model") if layer % 2 == 0 else P("model", None)
+        return M if layer % 2 == 0 else R
+
+    def cnn_tp(path, leaf):  # output channels on "model"; fc rows follow the flattened channels
+        if "fc" in path:
+            return P("model", None) if "weight" in path else R
+        return M
+
+    def block_tp(path, leaf):
+        if "qkv" in path or "fc1" in path:
+            return P(None, "model") if leaf.ndim == 2 else M
+        if ("proj" in path or "fc2" in path) and leaf.ndim == 2:
+            return P("model", None)
+        return R
+
+    def fsdp(path, leaf):  # every weight matrix sharded along its first axis
+        return D if leaf.ndim == 2 else R
+
+    dp = [
+        Case("mlp_dp", mlp.loss_rf, mlp.loss_jax, (mlp.params, mlp.batch), (_specs(mlp.params, rep), (D, D)), (0,)),
+        Case("cnn_dp", cnn.loss_rf, cnn.loss_jax, (cnn.params, cnn.batch), (_specs(cnn.params, rep), (D, D)), (0,), 2e-5),
+        Case("block_dp", block_loss, _rf_as_jax(block_loss), (bparams, (bx, btarget)),
+             (_specs(bparams, rep), (D, D)), (0,), 2e-5),
+        Case("gpt_dp", gpt.loss_rf, gpt.loss_jax, (gpt.params, gpt.batch), (_specs(gpt.params, rep), (D, D)), (0,), 2e-5),
+    ]
+    tp = [
+        Case("mlp_tp", mlp.loss_rf, mlp.loss_jax, (mlp.params, mlp.batch), (_specs(mlp.params, mlp_tp), (D, D)), (0,)),
+        Case("cnn_tp", cnn.loss_rf, cnn.loss_jax, (cnn.params, cnn.batch), (_specs(cnn.params, cnn_tp), (D, D)), (0,),
+             2e-5),
+        Case("block_tp", block_loss, _rf_as_jax(block_loss), (bparams, (bx, btarget)),
+             (_specs(bparams, block_tp), (D, D)), (0,), 2e-5),
+    ]
+    fs = [
+        Case("gpt_fsdp", gpt.loss_rf, gpt.loss_jax, (gpt.params, gpt.batch), (_specs(gpt.params, fsdp), (D, D)), (0,),
+             2e-5),
+    ]
+    del batch_d
+    return dp, tp, fs
+
+
+def model_group() -> list[str]:
+    dp, tp, fs = model_cases()
+    fails = run_group("models", dp, (8,), ("data",))
+    fails += run_group("models_tp", tp, (2, 4), ("data", "model"))
+    fails += run_group("models_fsdp", fs, (8,), ("data",))
+    return fails
+
+
 KERNEL_CASES = {"softmax", "layer_norm", "cross_entropy", "mlp", "matmul_3d", "bmm_sum", "embedding", "attention",
                 "batch_norm_train"}
 KERNEL_TP_CASES = {"mlp_tp", "attention_heads_tp", "embedding_dim_tp", "layer_norm_tp"}
@@ -343,6 +433,7 @@ def kernel_group() -> list[str]:
 
 GROUPS: dict[str, Callable[[], list[str]]] = {
     "kernels": kernel_group,
+    "models": model_group,
     "ops": lambda: run_group("ops", op_cases(), (8,), ("data",)),
     "ops_tp": lambda: run_group("ops_tp", tp_cases(), (2, 4), ("data", "model")),
 }
