@@ -30,14 +30,14 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.pop("RUMUS_FX_KERNELS", None)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import rumus_fx as rf  # noqa: E402
-from tests.ops.optable import (  # noqa: E402
+import rumus_fx as rf
+from tests.ops.optable import (
     ref_adaptive_avg_pool2d,
     ref_attention,
     ref_batch_norm,
@@ -104,90 +104,283 @@ def op_cases() -> list[Case]:
 
     cases = [
         Case("add", lambda a, b: rf.sum(rf.tanh(a + b)), lambda a, b: jnp.sum(jnp.tanh(a + b)), (x, y), (D, D), (0, 1)),
-        Case("sub_mul_div", lambda a, b: rf.sum((a - b) * a / b), lambda a, b: jnp.sum((a - b) * a / b),
-             (x, y), (D, D), (0, 1)),
-        Case("broadcast_add_bias", lambda a, b: rf.sum(rf.tanh(a + b) * a), lambda a, b: jnp.sum(jnp.tanh(a + b) * a),
-             (x, bias), (D, R), (0, 1)),
+        Case(
+            "sub_mul_div",
+            lambda a, b: rf.sum((a - b) * a / b),
+            lambda a, b: jnp.sum((a - b) * a / b),
+            (x, y),
+            (D, D),
+            (0, 1),
+        ),
+        Case(
+            "broadcast_add_bias",
+            lambda a, b: rf.sum(rf.tanh(a + b) * a),
+            lambda a, b: jnp.sum(jnp.tanh(a + b) * a),
+            (x, bias),
+            (D, R),
+            (0, 1),
+        ),
         Case("broadcast_mul", lambda a, b: rf.sum(a * b), lambda a, b: jnp.sum(a * b[None]), (x, bias), (D, R), (0, 1)),
-        Case("neg_exp_log", lambda a, b: rf.sum(rf.log(rf.exp(-a) + b)), lambda a, b: jnp.sum(jnp.log(jnp.exp(-a) + b)),
-             (x, y), (D, D), (0, 1)),
-        Case("add_bias", lambda a, b: rf.sum(rf.relu(rf.add_bias(a, b)) * proj),
-             lambda a, b: jnp.sum(jax.nn.relu(a + b[None]) * proj), (x, bias), (D, R), (0, 1)),
-        Case("add_channel_bias", lambda a, b: rf.sum(rf.tanh(rf.add_channel_bias(a, b))),
-             lambda a, b: jnp.sum(jnp.tanh(a + b[None, :, None])), (x3, f32(3)), (D, R), (0, 1)),
-        Case("sum_mean_axes",
-             lambda a: rf.sum(sq(rf.mean(a, axis=0))) + rf.sum(sq(rf.sum(a, axis=1, keepdims=True)))
-             + rf.mean(a * a),
-             lambda a: jnp.sum(sq(jnp.mean(a, axis=0))) + jnp.sum(sq(jnp.sum(a, axis=1, keepdims=True)))
-             + jnp.mean(a * a),
-             (x3,), (D,)),
-        Case("activations",
-             lambda a: rf.sum(rf.gelu(a) * rf.sigmoid(a) + rf.leaky_relu(a, 0.1) + rf.relu(a) * rf.tanh(a)
-                              + rf.gelu(a, approximate=False)),
-             lambda a: jnp.sum(jax.nn.gelu(a) * jax.nn.sigmoid(a) + jax.nn.leaky_relu(a, 0.1) + jax.nn.relu(a)
-                               * jnp.tanh(a) + jax.nn.gelu(a, approximate=False)),
-             (x,), (D,)),
-        Case("softmax", lambda a: rf.sum(rf.softmax(a) * proj) + rf.sum(rf.softmax(a, axis=0) * proj),
-             lambda a: jnp.sum(jax.nn.softmax(a) * proj) + jnp.sum(jax.nn.softmax(a, axis=0) * proj), (x,), (D,)),
-        Case("matmul", lambda a, w: rf.sum(rf.tanh(a @ w)), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
-             (x, f32(6, 4)), (D, R), (0, 1)),
-        Case("matmul_3d", lambda a, w: rf.sum(rf.tanh(rf.matmul(a, w))), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
-             (x3, f32(5, 4)), (D, R), (0, 1)),
-        Case("bmm_sum", lambda a, b: rf.sum(rf.bmm(a, b)), lambda a, b: jnp.sum(a @ b),
-             (x3, f32(B, 5, 2)), (D, D), (0, 1)),
-        Case("mse_loss", lambda a, b: rf.mse_loss(rf.tanh(a), b), lambda a, b: jnp.mean(sq(jnp.tanh(a) - b)),
-             (x, y), (D, D), (0, 1)),
-        Case("cross_entropy", lambda a: rf.cross_entropy(a, labels), lambda a: ref_cross_entropy(a, labels),
-             (logits,), (D,)),
-        Case("cross_entropy_3d", lambda a: rf.cross_entropy(a, ints(5, B, 3)[:, :3] * 0 + 1),
-             lambda a: ref_cross_entropy(a, jnp.ones((B, 3), jnp.int32)), (f32(B, 3, 5),), (D,)),
-        Case("cross_entropy_ignore", lambda a: rf.cross_entropy(a, labels_ign, ignore_index=-100),
-             lambda a: ref_cross_entropy(a, labels_ign, -100), (logits,), (D,)),
-        Case("mlp", lambda w1, w2, xx, yy: rf.cross_entropy(rf.relu(xx @ w1) @ w2, yy),
-             lambda w1, w2, xx, yy: ref_cross_entropy(jax.nn.relu(xx @ w1) @ w2, yy),
-             (f32(6, 8, scale=0.5), f32(8, 5, scale=0.5), x, labels), (R, R, D, D), (0, 1, 2)),
-        Case("embedding", lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
-             lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))), (tok, table), (D, R), (1,)),
-        Case("conv2d", lambda a, w, b: rf.sum(rf.tanh(rf.conv2d(a, w, b, padding=1))),
-             lambda a, w, b: jnp.sum(jnp.tanh(ref_conv2d(a, w, b, padding=1))), (img, conv_w, conv_b), (D, R, R),
-             (0, 1, 2), 2e-5),
-        Case("conv2d_stride", lambda a, w: rf.sum(rf.tanh(rf.conv2d(a, w, stride=2))),
-             lambda a, w: jnp.sum(jnp.tanh(ref_conv2d(a, w, stride=2))), (img, conv_w), (D, R), (0, 1), 2e-5),
-        Case("im2col", lambda a: rf.sum(rf.tanh(rf.im2col(a, 3, 2, 1))),
-             lambda a: jnp.sum(jnp.tanh(ref_im2col(a, 3, 2, 1))), (img,), (D,)),
-        Case("max_pool2d", lambda a: rf.sum(sq(rf.max_pool2d(a, 2))) + rf.sum(rf.max_pool2d(a, 3, 2, 1)),
-             lambda a: jnp.sum(sq(ref_max_pool2d(a, 2))) + jnp.sum(ref_max_pool2d(a, 3, 2, 1)), (img,), (D,)),
-        Case("adaptive_avg_pool2d", lambda a: rf.sum(sq(rf.adaptive_avg_pool2d(a, (2, 3)))),
-             lambda a: jnp.sum(sq(ref_adaptive_avg_pool2d(a, (2, 3)))), (img,), (D,)),
-        Case("flatten_pool", lambda a: rf.sum(sq(rf.flatten(rf.max_pool2d(rf.relu(a), 2)))),
-             lambda a: jnp.sum(sq(jnp.reshape(ref_max_pool2d(jax.nn.relu(a), 2), (B, -1)))), (img,), (D,)),
-        Case("reshape_transpose",
-             lambda a: rf.sum(rf.tanh(rf.reshape(a, (B, 15))) * rf.flatten(rf.transpose(a, 1, 2))),
-             lambda a: jnp.sum(jnp.tanh(a.reshape(B, 15)) * jnp.swapaxes(a, 1, 2).reshape(B, 15)), (x3,), (D,)),
-        Case("reshape_split", lambda a: rf.sum(sq(rf.tanh(rf.reshape(a, (B, 2, 3))))),
-             lambda a: jnp.sum(sq(jnp.tanh(a.reshape(B, 2, 3)))), (x,), (D,)),
-        Case("stack", lambda a, b: rf.sum(rf.tanh(rf.stack([a, b, a]))) + rf.sum(sq(rf.stack([a, b], axis=-1))),
-             lambda a, b: jnp.sum(jnp.tanh(jnp.stack([a, b, a]))) + jnp.sum(sq(jnp.stack([a, b], axis=-1))),
-             (x, y), (D, D), (0, 1)),
-        Case("slice_batch", lambda a: rf.sum(sq(rf.slice_batch(a, 3))) + rf.sum(rf.tanh(rf.slice_batch(a, -1))),
-             lambda a: jnp.sum(sq(a[3])) + jnp.sum(jnp.tanh(a[-1])), (x3,), (D,)),
-        Case("index", lambda a: rf.sum(sq(rf.index(a, (slice(None), np.array([0, 2, 2])))))
-             + rf.sum(rf.index(a, (Ellipsis, 1))),
-             lambda a: jnp.sum(sq(a[:, np.array([0, 2, 2])])) + jnp.sum(a[..., 1]), (x3,), (D,)),
-        Case("layer_norm", lambda a, w, b: rf.sum(rf.layer_norm(a, w, b) * x3),
-             lambda a, w, b: jnp.sum(ref_layer_norm(a, w, b) * x3), (x3, lw, lb), (D, R, R), (0, 1, 2), 2e-5),
-        Case("batch_norm_train",
-             lambda a, w, b: _bn_rf(a, w, b, bn, True), lambda a, w, b: _bn_ref(a, w, b, bn, True),
-             (img[:, :3], *bn[:2]), (D, R, R), (0, 1, 2), 2e-5),
-        Case("batch_norm_eval",
-             lambda a, w, b: _bn_rf(a, w, b, bn, False), lambda a, w, b: _bn_ref(a, w, b, bn, False),
-             (img[:, :3], *bn[:2]), (D, R, R), (0, 1, 2), 2e-5),
-        Case("attention", lambda q, k, v: rf.sum(sq(rf.scaled_dot_product_attention(q, k, v, causal=True))),
-             lambda q, k, v: jnp.sum(sq(ref_attention(q, k, v, causal=True))), (q, k, v), (D, D, D), (0, 1, 2), 2e-5),
-        Case("attention_mask", lambda q, k, v: rf.sum(sq(rf.scaled_dot_product_attention(q, k, v, mask))),
-             lambda q, k, v: jnp.sum(sq(ref_attention(q, k, v, mask))), (q, k, v), (D, D, D), (0, 1, 2), 2e-5),
-        Case("dropout", lambda a: rf.sum(rf.dropout(a, 0.3, KEY) * proj),
-             lambda a: jnp.sum(ref_dropout(a, 0.3, KEY) * proj), (x,), (D,)),
+        Case(
+            "neg_exp_log",
+            lambda a, b: rf.sum(rf.log(rf.exp(-a) + b)),
+            lambda a, b: jnp.sum(jnp.log(jnp.exp(-a) + b)),
+            (x, y),
+            (D, D),
+            (0, 1),
+        ),
+        Case(
+            "add_bias",
+            lambda a, b: rf.sum(rf.relu(rf.add_bias(a, b)) * proj),
+            lambda a, b: jnp.sum(jax.nn.relu(a + b[None]) * proj),
+            (x, bias),
+            (D, R),
+            (0, 1),
+        ),
+        Case(
+            "add_channel_bias",
+            lambda a, b: rf.sum(rf.tanh(rf.add_channel_bias(a, b))),
+            lambda a, b: jnp.sum(jnp.tanh(a + b[None, :, None])),
+            (x3, f32(3)),
+            (D, R),
+            (0, 1),
+        ),
+        Case(
+            "sum_mean_axes",
+            lambda a: rf.sum(sq(rf.mean(a, axis=0))) + rf.sum(sq(rf.sum(a, axis=1, keepdims=True))) + rf.mean(a * a),
+            lambda a: (
+                jnp.sum(sq(jnp.mean(a, axis=0))) + jnp.sum(sq(jnp.sum(a, axis=1, keepdims=True))) + jnp.mean(a * a)
+            ),
+            (x3,),
+            (D,),
+        ),
+        Case(
+            "activations",
+            lambda a: rf.sum(
+                rf.gelu(a) * rf.sigmoid(a)
+                + rf.leaky_relu(a, 0.1)
+                + rf.relu(a) * rf.tanh(a)
+                + rf.gelu(a, approximate=False)
+            ),
+            lambda a: jnp.sum(
+                jax.nn.gelu(a) * jax.nn.sigmoid(a)
+                + jax.nn.leaky_relu(a, 0.1)
+                + jax.nn.relu(a) * jnp.tanh(a)
+                + jax.nn.gelu(a, approximate=False)
+            ),
+            (x,),
+            (D,),
+        ),
+        Case(
+            "softmax",
+            lambda a: rf.sum(rf.softmax(a) * proj) + rf.sum(rf.softmax(a, axis=0) * proj),
+            lambda a: jnp.sum(jax.nn.softmax(a) * proj) + jnp.sum(jax.nn.softmax(a, axis=0) * proj),
+            (x,),
+            (D,),
+        ),
+        Case(
+            "matmul",
+            lambda a, w: rf.sum(rf.tanh(a @ w)),
+            lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+            (x, f32(6, 4)),
+            (D, R),
+            (0, 1),
+        ),
+        Case(
+            "matmul_3d",
+            lambda a, w: rf.sum(rf.tanh(rf.matmul(a, w))),
+            lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+            (x3, f32(5, 4)),
+            (D, R),
+            (0, 1),
+        ),
+        Case(
+            "bmm_sum",
+            lambda a, b: rf.sum(rf.bmm(a, b)),
+            lambda a, b: jnp.sum(a @ b),
+            (x3, f32(B, 5, 2)),
+            (D, D),
+            (0, 1),
+        ),
+        Case(
+            "mse_loss",
+            lambda a, b: rf.mse_loss(rf.tanh(a), b),
+            lambda a, b: jnp.mean(sq(jnp.tanh(a) - b)),
+            (x, y),
+            (D, D),
+            (0, 1),
+        ),
+        Case(
+            "cross_entropy",
+            lambda a: rf.cross_entropy(a, labels),
+            lambda a: ref_cross_entropy(a, labels),
+            (logits,),
+            (D,),
+        ),
+        Case(
+            "cross_entropy_3d",
+            lambda a: rf.cross_entropy(a, ints(5, B, 3)[:, :3] * 0 + 1),
+            lambda a: ref_cross_entropy(a, jnp.ones((B, 3), jnp.int32)),
+            (f32(B, 3, 5),),
+            (D,),
+        ),
+        Case(
+            "cross_entropy_ignore",
+            lambda a: rf.cross_entropy(a, labels_ign, ignore_index=-100),
+            lambda a: ref_cross_entropy(a, labels_ign, -100),
+            (logits,),
+            (D,),
+        ),
+        Case(
+            "mlp",
+            lambda w1, w2, xx, yy: rf.cross_entropy(rf.relu(xx @ w1) @ w2, yy),
+            lambda w1, w2, xx, yy: ref_cross_entropy(jax.nn.relu(xx @ w1) @ w2, yy),
+            (f32(6, 8, scale=0.5), f32(8, 5, scale=0.5), x, labels),
+            (R, R, D, D),
+            (0, 1, 2),
+        ),
+        Case(
+            "embedding",
+            lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
+            lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))),
+            (tok, table),
+            (D, R),
+            (1,),
+        ),
+        Case(
+            "conv2d",
+            lambda a, w, b: rf.sum(rf.tanh(rf.conv2d(a, w, b, padding=1))),
+            lambda a, w, b: jnp.sum(jnp.tanh(ref_conv2d(a, w, b, padding=1))),
+            (img, conv_w, conv_b),
+            (D, R, R),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "conv2d_stride",
+            lambda a, w: rf.sum(rf.tanh(rf.conv2d(a, w, stride=2))),
+            lambda a, w: jnp.sum(jnp.tanh(ref_conv2d(a, w, stride=2))),
+            (img, conv_w),
+            (D, R),
+            (0, 1),
+            2e-5,
+        ),
+        Case(
+            "im2col",
+            lambda a: rf.sum(rf.tanh(rf.im2col(a, 3, 2, 1))),
+            lambda a: jnp.sum(jnp.tanh(ref_im2col(a, 3, 2, 1))),
+            (img,),
+            (D,),
+        ),
+        Case(
+            "max_pool2d",
+            lambda a: rf.sum(sq(rf.max_pool2d(a, 2))) + rf.sum(rf.max_pool2d(a, 3, 2, 1)),
+            lambda a: jnp.sum(sq(ref_max_pool2d(a, 2))) + jnp.sum(ref_max_pool2d(a, 3, 2, 1)),
+            (img,),
+            (D,),
+        ),
+        Case(
+            "adaptive_avg_pool2d",
+            lambda a: rf.sum(sq(rf.adaptive_avg_pool2d(a, (2, 3)))),
+            lambda a: jnp.sum(sq(ref_adaptive_avg_pool2d(a, (2, 3)))),
+            (img,),
+            (D,),
+        ),
+        Case(
+            "flatten_pool",
+            lambda a: rf.sum(sq(rf.flatten(rf.max_pool2d(rf.relu(a), 2)))),
+            lambda a: jnp.sum(sq(jnp.reshape(ref_max_pool2d(jax.nn.relu(a), 2), (B, -1)))),
+            (img,),
+            (D,),
+        ),
+        Case(
+            "reshape_transpose",
+            lambda a: rf.sum(rf.tanh(rf.reshape(a, (B, 15))) * rf.flatten(rf.transpose(a, 1, 2))),
+            lambda a: jnp.sum(jnp.tanh(a.reshape(B, 15)) * jnp.swapaxes(a, 1, 2).reshape(B, 15)),
+            (x3,),
+            (D,),
+        ),
+        Case(
+            "reshape_split",
+            lambda a: rf.sum(sq(rf.tanh(rf.reshape(a, (B, 2, 3))))),
+            lambda a: jnp.sum(sq(jnp.tanh(a.reshape(B, 2, 3)))),
+            (x,),
+            (D,),
+        ),
+        Case(
+            "stack",
+            lambda a, b: rf.sum(rf.tanh(rf.stack([a, b, a]))) + rf.sum(sq(rf.stack([a, b], axis=-1))),
+            lambda a, b: jnp.sum(jnp.tanh(jnp.stack([a, b, a]))) + jnp.sum(sq(jnp.stack([a, b], axis=-1))),
+            (x, y),
+            (D, D),
+            (0, 1),
+        ),
+        Case(
+            "slice_batch",
+            lambda a: rf.sum(sq(rf.slice_batch(a, 3))) + rf.sum(rf.tanh(rf.slice_batch(a, -1))),
+            lambda a: jnp.sum(sq(a[3])) + jnp.sum(jnp.tanh(a[-1])),
+            (x3,),
+            (D,),
+        ),
+        Case(
+            "index",
+            lambda a: rf.sum(sq(rf.index(a, (slice(None), np.array([0, 2, 2]))))) + rf.sum(rf.index(a, (Ellipsis, 1))),
+            lambda a: jnp.sum(sq(a[:, np.array([0, 2, 2])])) + jnp.sum(a[..., 1]),
+            (x3,),
+            (D,),
+        ),
+        Case(
+            "layer_norm",
+            lambda a, w, b: rf.sum(rf.layer_norm(a, w, b) * x3),
+            lambda a, w, b: jnp.sum(ref_layer_norm(a, w, b) * x3),
+            (x3, lw, lb),
+            (D, R, R),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "batch_norm_train",
+            lambda a, w, b: _bn_rf(a, w, b, bn, True),
+            lambda a, w, b: _bn_ref(a, w, b, bn, True),
+            (img[:, :3], *bn[:2]),
+            (D, R, R),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "batch_norm_eval",
+            lambda a, w, b: _bn_rf(a, w, b, bn, False),
+            lambda a, w, b: _bn_ref(a, w, b, bn, False),
+            (img[:, :3], *bn[:2]),
+            (D, R, R),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "attention",
+            lambda q, k, v: rf.sum(sq(rf.scaled_dot_product_attention(q, k, v, causal=True))),
+            lambda q, k, v: jnp.sum(sq(ref_attention(q, k, v, causal=True))),
+            (q, k, v),
+            (D, D, D),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "attention_mask",
+            lambda q, k, v: rf.sum(sq(rf.scaled_dot_product_attention(q, k, v, mask))),
+            lambda q, k, v: jnp.sum(sq(ref_attention(q, k, v, mask))),
+            (q, k, v),
+            (D, D, D),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "dropout",
+            lambda a: rf.sum(rf.dropout(a, 0.3, KEY) * proj),
+            lambda a: jnp.sum(ref_dropout(a, 0.3, KEY) * proj),
+            (x,),
+            (D,),
+        ),
     ]
     return cases
 
@@ -218,28 +411,88 @@ def tp_cases() -> list[Case]:
 
     return [
         Case("mlp_tp", mlp_rf, mlp_ref, (w1, b1, w2, x), (P(None, "model"), M, M, D), (0, 1, 2, 3)),
-        Case("matmul_3d_tp", lambda a, w: rf.sum(rf.tanh(a @ w)), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
-             (x3, w1), (D, P(None, "model")), (0, 1)),
-        Case("matmul_contract_tp", lambda a, w: rf.sum(rf.tanh(a @ w)), lambda a, w: jnp.sum(jnp.tanh(a @ w)),
-             (f32(8, 3, 8), w2), (P("data", None, "model"), M), (0, 1)),
-        Case("layer_norm_tp", lambda a, w, b: rf.sum(rf.tanh(rf.layer_norm(a, w, b))),
-             lambda a, w, b: jnp.sum(jnp.tanh(ref_layer_norm(a, w, b))), (f32(8, 4, 8), lw, lb), (DM, R, R),
-             (0, 1, 2), 2e-5),
-        Case("attention_heads_tp", lambda q: rf.sum(sq(rf.scaled_dot_product_attention(q, q * 0.5, q, causal=True))),
-             lambda q: jnp.sum(sq(ref_attention(q, q * 0.5, q, causal=True))), (q,), (P("data", "model"),), (0,), 2e-5),
-        Case("bmm_heads_tp", lambda a, b: rf.sum(rf.tanh(rf.bmm(a, b))), lambda a, b: jnp.sum(jnp.tanh(a @ b)),
-             (q, jnp.swapaxes(q, -1, -2)), (DM, DM), (0, 1)),
-        Case("embedding_dim_tp", lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
-             lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))), (tok, table), (D, P(None, "model")), (1,)),
-        Case("embedding_vocab_tp", lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
-             lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))), (tok, table), (D, M), (1,)),
-        Case("conv2d_channels_tp", lambda a, w, b: rf.sum(rf.tanh(rf.conv2d(a, w, b, padding=1))),
-             lambda a, w, b: jnp.sum(jnp.tanh(ref_conv2d(a, w, b, padding=1))), (img, conv_w, conv_b), (D, M, M),
-             (0, 1, 2), 2e-5),
-        Case("softmax_tp", lambda a: rf.sum(rf.softmax(a) * x4), lambda a: jnp.sum(jax.nn.softmax(a) * x4),
-             (f32(8, 4, 6),), (DM,)),
-        Case("fsdp_matmul", lambda w, a: rf.sum(rf.tanh(a @ w)), lambda w, a: jnp.sum(jnp.tanh(a @ w)),
-             (f32(8, 4), x3[..., :8] if False else f32(8, 3, 8)), (P("data"), D), (0, 1)),
+        Case(
+            "matmul_3d_tp",
+            lambda a, w: rf.sum(rf.tanh(a @ w)),
+            lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+            (x3, w1),
+            (D, P(None, "model")),
+            (0, 1),
+        ),
+        Case(
+            "matmul_contract_tp",
+            lambda a, w: rf.sum(rf.tanh(a @ w)),
+            lambda a, w: jnp.sum(jnp.tanh(a @ w)),
+            (f32(8, 3, 8), w2),
+            (P("data", None, "model"), M),
+            (0, 1),
+        ),
+        Case(
+            "layer_norm_tp",
+            lambda a, w, b: rf.sum(rf.tanh(rf.layer_norm(a, w, b))),
+            lambda a, w, b: jnp.sum(jnp.tanh(ref_layer_norm(a, w, b))),
+            (f32(8, 4, 8), lw, lb),
+            (DM, R, R),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "attention_heads_tp",
+            lambda q: rf.sum(sq(rf.scaled_dot_product_attention(q, q * 0.5, q, causal=True))),
+            lambda q: jnp.sum(sq(ref_attention(q, q * 0.5, q, causal=True))),
+            (q,),
+            (P("data", "model"),),
+            (0,),
+            2e-5,
+        ),
+        Case(
+            "bmm_heads_tp",
+            lambda a, b: rf.sum(rf.tanh(rf.bmm(a, b))),
+            lambda a, b: jnp.sum(jnp.tanh(a @ b)),
+            (q, jnp.swapaxes(q, -1, -2)),
+            (DM, DM),
+            (0, 1),
+        ),
+        Case(
+            "embedding_dim_tp",
+            lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
+            lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))),
+            (tok, table),
+            (D, P(None, "model")),
+            (1,),
+        ),
+        Case(
+            "embedding_vocab_tp",
+            lambda i, w: rf.sum(rf.tanh(rf.embedding(i, w))),
+            lambda i, w: jnp.sum(jnp.tanh(jnp.take(w, i, axis=0))),
+            (tok, table),
+            (D, M),
+            (1,),
+        ),
+        Case(
+            "conv2d_channels_tp",
+            lambda a, w, b: rf.sum(rf.tanh(rf.conv2d(a, w, b, padding=1))),
+            lambda a, w, b: jnp.sum(jnp.tanh(ref_conv2d(a, w, b, padding=1))),
+            (img, conv_w, conv_b),
+            (D, M, M),
+            (0, 1, 2),
+            2e-5,
+        ),
+        Case(
+            "softmax_tp",
+            lambda a: rf.sum(rf.softmax(a) * x4),
+            lambda a: jnp.sum(jax.nn.softmax(a) * x4),
+            (f32(8, 4, 6),),
+            (DM,),
+        ),
+        Case(
+            "fsdp_matmul",
+            lambda w, a: rf.sum(rf.tanh(a @ w)),
+            lambda w, a: jnp.sum(jnp.tanh(a @ w)),
+            (f32(8, 4), x3[..., :8] if False else f32(8, 3, 8)),
+            (P("data"), D),
+            (0, 1),
+        ),
     ]
 
 
@@ -291,7 +544,7 @@ def run_case(case: Case, mesh_shape: tuple[int, ...], axes: tuple[str, ...], kin
     RESHARDS.clear()
     for kind in kinds:
         mesh = jax.make_mesh(mesh_shape, axes, axis_types=(kind,) * len(axes))
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), case.specs, is_leaf=_is_spec)
+        shardings = jax.tree.map(lambda s, mesh=mesh: NamedSharding(mesh, s), case.specs, is_leaf=_is_spec)
         args = jax.device_put(case.args, shardings)
         for under_mesh in (False, True):
             what = f"{case.name} [{kind.name}, {'set_mesh' if under_mesh else 'no set_mesh'}]"
@@ -365,7 +618,6 @@ def model_cases() -> tuple[list[Case], list[Case], list[Case]]:
         return rf.mse_loss(block(p, x, causal=True), target)
 
     rep = lambda path, leaf: R  # noqa: E731
-    batch_d = lambda tree: jax.tree.map(lambda _: D, tree)  # noqa: E731
 
     def mlp_tp(path, leaf):  # Megatron: column parallel, then row parallel, alternating
         layer = int(path[1])
@@ -390,24 +642,73 @@ def model_cases() -> tuple[list[Case], list[Case], list[Case]]:
 
     dp = [
         Case("mlp_dp", mlp.loss_rf, mlp.loss_jax, (mlp.params, mlp.batch), (_specs(mlp.params, rep), (D, D)), (0,)),
-        Case("cnn_dp", cnn.loss_rf, cnn.loss_jax, (cnn.params, cnn.batch), (_specs(cnn.params, rep), (D, D)), (0,), 2e-5),
-        Case("block_dp", block_loss, _rf_as_jax(block_loss), (bparams, (bx, btarget)),
-             (_specs(bparams, rep), (D, D)), (0,), 2e-5),
-        Case("gpt_dp", gpt.loss_rf, gpt.loss_jax, (gpt.params, gpt.batch), (_specs(gpt.params, rep), (D, D)), (0,), 2e-5),
+        Case(
+            "cnn_dp", cnn.loss_rf, cnn.loss_jax, (cnn.params, cnn.batch), (_specs(cnn.params, rep), (D, D)), (0,), 2e-5
+        ),
+        Case(
+            "block_dp",
+            block_loss,
+            _rf_as_jax(block_loss),
+            (bparams, (bx, btarget)),
+            (_specs(bparams, rep), (D, D)),
+            (0,),
+            2e-5,
+        ),
+        Case(
+            "gpt_dp", gpt.loss_rf, gpt.loss_jax, (gpt.params, gpt.batch), (_specs(gpt.params, rep), (D, D)), (0,), 2e-5
+        ),
     ]
     tp = [
         Case("mlp_tp", mlp.loss_rf, mlp.loss_jax, (mlp.params, mlp.batch), (_specs(mlp.params, mlp_tp), (D, D)), (0,)),
-        Case("cnn_tp", cnn.loss_rf, cnn.loss_jax, (cnn.params, cnn.batch), (_specs(cnn.params, cnn_tp), (D, D)), (0,),
-             2e-5),
-        Case("block_tp", block_loss, _rf_as_jax(block_loss), (bparams, (bx, btarget)),
-             (_specs(bparams, block_tp), (D, D)), (0,), 2e-5),
+        Case(
+            "cnn_tp",
+            cnn.loss_rf,
+            cnn.loss_jax,
+            (cnn.params, cnn.batch),
+            (_specs(cnn.params, cnn_tp), (D, D)),
+            (0,),
+            2e-5,
+        ),
+        Case(
+            "block_tp",
+            block_loss,
+            _rf_as_jax(block_loss),
+            (bparams, (bx, btarget)),
+            (_specs(bparams, block_tp), (D, D)),
+            (0,),
+            2e-5,
+        ),
     ]
+
+    def gathered(loss):  # FSDP: each layer's weights are gathered where they are used
+        def f(params, batch):
+            return loss(jax.tree.map(lambda w: rf.reshard(w, R), params), batch)
+
+        return f
+
+    def gathered_ref(loss):
+        def f(params, batch):
+            return loss(jax.tree.map(lambda w: jax.sharding.reshard(w, R) if _explicit(w) else w, params), batch)
+
+        return f
+
     fs = [
-        Case("gpt_fsdp", gpt.loss_rf, gpt.loss_jax, (gpt.params, gpt.batch), (_specs(gpt.params, fsdp), (D, D)), (0,),
-             2e-5),
+        Case(
+            "gpt_fsdp",
+            gathered(gpt.loss_rf),
+            gathered_ref(gpt.loss_jax),
+            (gpt.params, gpt.batch),
+            (_specs(gpt.params, fsdp), (D, D)),
+            (0,),
+            2e-5,
+        ),
+        Case("mlp_fsdp", mlp.loss_rf, mlp.loss_jax, (mlp.params, mlp.batch), (_specs(mlp.params, fsdp), (D, D)), (0,)),
     ]
-    del batch_d
     return dp, tp, fs
+
+
+def _explicit(w: Any) -> bool:
+    return rf.autograd.sharding.sharding_of(w) is not None
 
 
 def model_group() -> list[str]:
@@ -418,8 +719,17 @@ def model_group() -> list[str]:
     return fails
 
 
-KERNEL_CASES = {"softmax", "layer_norm", "cross_entropy", "mlp", "matmul_3d", "bmm_sum", "embedding", "attention",
-                "batch_norm_train"}
+KERNEL_CASES = {
+    "softmax",
+    "layer_norm",
+    "cross_entropy",
+    "mlp",
+    "matmul_3d",
+    "bmm_sum",
+    "embedding",
+    "attention",
+    "batch_norm_train",
+}
 KERNEL_TP_CASES = {"mlp_tp", "attention_heads_tp", "embedding_dim_tp", "layer_norm_tp"}
 
 
@@ -427,11 +737,44 @@ def kernel_group() -> list[str]:
     """The Pallas kernels (interpret mode) on the same checks."""
     with rf.kernels.use("interpret"):
         fails = run_group("kernels", [c for c in op_cases() if c.name in KERNEL_CASES], (8,), ("data",))
-        fails += run_group("kernels_tp", [c for c in tp_cases() if c.name in KERNEL_TP_CASES], (2, 4), ("data", "model"))
+        fails += run_group(
+            "kernels_tp", [c for c in tp_cases() if c.name in KERNEL_TP_CASES], (2, 4), ("data", "model")
+        )
+    return fails
+
+
+def error_group() -> list[str]:
+    """A combination that cannot work raises rf.ShardingError naming the op, the
+    shardings and the fix (never JAX's raw error)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    h = jax.device_put(f32(8, 8, 16), NamedSharding(mesh, D))
+    wpe = jax.device_put(f32(8, 16), NamedSharding(mesh, D))  # sharded on "data" too: clashes with h's batch
+    fails = []
+    for under_mesh in (False, True):
+        with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
+            try:
+                jax.jit(rf.grad(lambda w, h: rf.sum(rf.tanh(rf.add(h, w)))))(wpe, h)
+            except rf.ShardingError as e:
+                text = str(e)
+                for part in ("add:", "float32[8@data,16]", "float32[8@data,8,16]", "rf.reshard", "AxisType.Auto"):
+                    if part not in text:
+                        fails.append(f"errors: {part!r} missing from: {text}")
+                # the fix it names works
+                g = jax.jit(rf.grad(lambda w, h: rf.sum(rf.tanh(rf.add(h, rf.reshard(w, R))))))(wpe, h)
+                want = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.asarray(np.asarray(h)) + w)))(jnp.asarray(np.asarray(wpe)))
+                close(g, want, 1e-5, "errors: rf.reshard fix")
+                if not g.sharding.is_equivalent_to(wpe.sharding, 2):
+                    fails.append(f"errors: reshard gradient sharding {g.sharding}")
+            except Exception as e:
+                fails.append(f"errors: {type(e).__name__}: {e}")
+            else:
+                fails.append("errors: no error raised")
+    print("ok errors" if not fails else "FAIL errors", flush=True)
     return fails
 
 
 GROUPS: dict[str, Callable[[], list[str]]] = {
+    "errors": error_group,
     "kernels": kernel_group,
     "models": model_group,
     "ops": lambda: run_group("ops", op_cases(), (8,), ("data",)),

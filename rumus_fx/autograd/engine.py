@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import sharding
 from .errors import AutogradError
 from .record import run_backward_rule
-from . import sharding
 from .tape import TapeEntry
 
 # anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
@@ -54,7 +54,13 @@ def run_backward(
         op = entry.op
         op.check_versions()
         needs = tuple(i is not None for i in entry.inputs)
-        in_grads = run_backward_rule(op, grad_out, needs)
+        try:
+            in_grads = run_backward_rule(op, grad_out, needs)
+        except Exception as e:
+            err = sharding.backward_error(e, op.name, grad_out, entry.input_shardings)
+            if err is None:
+                raise
+            raise err from e
         if keep is not None and entry.outputs[0] not in keep:
             del grads[entry.outputs[0]]
         if len(in_grads) != len(entry.inputs):

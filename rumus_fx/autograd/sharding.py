@@ -27,6 +27,8 @@ partitioner propagates shardings through the program.
 from __future__ import annotations
 
 import math
+import os
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from .errors import SHARDING_HINT, ShardingError
 
 # Called as RESHARD_HOOK(record_name, input_index, found, wanted) whenever the
 # engine had to reshard a gradient (a rule returned a gradient whose sharding
@@ -146,7 +150,65 @@ def broadcast_to(g: jax.Array, shape: Sequence[int], sharding: NamedSharding | N
 
 def describe(x: Any) -> str:
     """``float32[16@data,5]``-style text for error messages."""
+    value = x if isinstance(x, jax.Array) else getattr(x, "value", x)  # an rf.Tensor: its array
     try:
-        return str(jax.typeof(x))
+        return str(jax.typeof(value))
     except TypeError:
         return type(x).__name__
+
+
+_OPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops") + os.sep
+
+
+def is_sharding_failure(e: BaseException) -> bool:
+    """JAX refusing a sharding: ``ShardingTypeError`` on Explicit mesh axes, or a
+    bare ``PartitionSpec`` used without ``jax.set_mesh``."""
+    if isinstance(e, ShardingError):
+        return False
+    return type(e).__name__ == "ShardingTypeError" or (
+        isinstance(e, ValueError) and "not under a mesh context" in str(e)
+    )
+
+
+def forward_error(e: BaseException) -> ShardingError | None:
+    """The ``ShardingError`` for a sharding failure raised inside an rf op's
+    forward (named after the outermost ``rumus_fx/ops`` frame, with its array
+    arguments' sharded types), or None when ``e`` is not one."""
+    if not is_sharding_failure(e):
+        return None
+    tb: types.TracebackType | None = e.__traceback__
+    frame = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_OPS_DIR):
+            frame = tb.tb_frame
+            break
+        tb = tb.tb_next
+    if frame is None:
+        return None
+    code = frame.f_code
+    shown = []
+    for name in code.co_varnames[: code.co_argcount]:
+        v = frame.f_locals.get(name)
+        if v is not None and hasattr(v, "shape") and hasattr(v, "dtype"):
+            shown.append(f"{name}: {describe(v)}")
+    return ShardingError(
+        f"{code.co_name}: cannot combine operands sharded as {', '.join(shown) or '(no array operands)'} "
+        f"on Explicit mesh axes: {_first_line(e)}. {SHARDING_HINT}"
+    )
+
+
+def backward_error(e: BaseException, record: str, g: Any, shardings: Sequence[Any]) -> ShardingError | None:
+    """The ``ShardingError`` for a sharding failure raised by a backward rule."""
+    if not is_sharding_failure(e):
+        return None
+    ins = ", ".join("-" if s is None else str(s.spec) for s in shardings) or "not sharded"
+    return ShardingError(
+        f"{record}: its backward rule cannot produce its inputs' shardings ({ins}) from the output "
+        f"gradient {describe(g)}: {_first_line(e)}. This is a gap in rumus_fx's sharding support; "
+        f"until it is closed: {SHARDING_HINT}"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..autograd.sharding import sharding_of
 from . import blocks
 from ._pallas import Config, chunk_loop, chunk_reader, ds, iota, pad_to, pallas_call, unpad
-from ..autograd.sharding import sharding_of
 from ._sharding import sharded_call
 from ._util import upcast
 from .dispatch import call

@@ -1,4 +1,5 @@
-"""Shape ops: reshape, flatten, transpose (views when the layout allows), stack, slice_batch."""
+"""Shape ops: reshape, flatten, transpose (views when the layout allows), stack,
+slice_batch, index, reshard."""
 
 from __future__ import annotations
 
@@ -341,3 +342,36 @@ def _int_axis(template: tuple, item: tuple) -> int | None:
         if t[0] != "none":
             axis += 1
     return None
+
+
+@frozen
+class ReshardBackward(Record):
+    """``y = reshard(x, sharding)``: ``dx = reshard(dy, x's sharding)`` (on
+    Explicit mesh axes; with Auto axes XLA places ``dx``). Reads no data."""
+
+    sharding: Any  # the input's explicit sharding, or None
+
+    def backward(self, g, needs):
+        return (shd.conform(g, self.sharding),)
+
+
+def reshard(x: Any, sharding: Any) -> Tensor:
+    """``x`` with another sharding (a ``NamedSharding``, or a ``PartitionSpec`` on
+    ``x``'s mesh): ``jax.sharding.reshard`` for arrays sharded over Explicit mesh
+    axes, ``jax.lax.with_sharding_constraint`` otherwise. Its gradient goes back
+    to ``x``'s sharding, so ``rf.reshard(w, P())`` gathers an FSDP-sharded
+    weight for one layer and its gradient is reduce-scattered back (records
+    ReshardBackward)."""
+    op = "reshard"
+    xv = array_of(x, op)
+    have = shd.sharding_of(xv)
+    if isinstance(sharding, jax.sharding.PartitionSpec) and have is not None:
+        sharding = shd.with_spec(have, tuple(sharding))
+    if have is not None:
+        out = shd.conform(xv, sharding)
+    else:
+        out = jax.lax.with_sharding_constraint(xv, sharding)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    return record(tape, ReshardBackward(have), (x,), new_output(out, tape))
