@@ -21,7 +21,7 @@ import rumus_fx as rf
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("groups", [("ops", "ops_tp"), ("kernels",), ("models",)])
+@pytest.mark.parametrize("groups", [("ops", "ops_tp", "errors"), ("kernels",), ("models_dp",), ("models_tp",)])
 def test_sharded(groups):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -13,6 +13,7 @@ from jax import lax
 from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..kernels import dispatch as kdispatch
 from ..kernels import matmul as kmm
 from ..kernels._util import explicit_sharding, is_low_precision
 from ..tensor import Tensor
@@ -34,7 +35,10 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None) -> Array:
     """``a[..., K]^T g[..., N]`` summed over all leading rows -> ``[K, N]`` (the
     weight gradient of ``x @ W`` for any number of leading axes)."""
-    if out_sharding is not None:  # sharded rows: one dot_general, no reshape of sharded axes
+    # sharded rows, or the jnp reference anyway: one dot_general over the leading
+    # axes (no reshape that merges a sharded axis; XLA's partitioner then keeps
+    # the weight gradient sharded like the weight on Auto mesh axes too)
+    if out_sharding is not None or (a.ndim > 2 and kdispatch.backend() == "reference"):
         lead = tuple(range(a.ndim - 1))
         pref = jnp.float32 if is_low_precision(out_dtype) else None
         dims = ((lead, lead), ((), ()))

@@ -360,7 +360,8 @@ def reshard(x: Any, sharding: Any) -> Tensor:
     ``x``'s mesh): ``jax.sharding.reshard`` for arrays sharded over Explicit mesh
     axes, ``jax.lax.with_sharding_constraint`` otherwise. Its gradient goes back
     to ``x``'s sharding, so ``rf.reshard(w, P())`` gathers an FSDP-sharded
-    weight for one layer and its gradient is reduce-scattered back (records
+    weight for one layer and its gradient is reduce-scattered back. Without
+    any mesh (one device) a ``PartitionSpec`` leaves ``x`` as it is (records
     ReshardBackward)."""
     op = "reshard"
     xv = array_of(x, op)
@@ -369,6 +370,8 @@ def reshard(x: Any, sharding: Any) -> Tensor:
         sharding = shd.with_spec(have, tuple(sharding))
     if have is not None:
         out = shd.conform(xv, sharding)
+    elif isinstance(sharding, jax.sharding.PartitionSpec) and jax.sharding.get_abstract_mesh().empty:
+        out = xv  # no mesh anywhere (one device): nothing to reshard
     else:
         out = jax.lax.with_sharding_constraint(xv, sharding)
     tape = tape_for(x)
