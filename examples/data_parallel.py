@@ -143,7 +143,9 @@ def main(args: argparse.Namespace) -> float:
             f"step {step}: loss 1 device {float(loss_1):.6f} | {n} devices {float(loss_n):.6f} "
             f"| max |diff| loss {d_loss:.1e}, grads {d_grad:.1e}"
         )
-    same = all(g.sharding.is_equivalent_to(p.sharding, g.ndim) for g, p in zip(*map(jax.tree.leaves, (grads_n, multi[0]))))
+    same = all(
+        g.sharding.is_equivalent_to(p.sharding, g.ndim) for g, p in zip(*map(jax.tree.leaves, (grads_n, multi[0])))
+    )
     print(f"every gradient has its parameter's sharding: {same}")
     worst = worst if same else float("inf")
     d_params = max_diff(single[0], multi[0])

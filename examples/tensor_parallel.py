@@ -152,7 +152,9 @@ def main(args: argparse.Namespace) -> float:
     multi_params = jax.device_put(params, shardings)
     multi = (multi_params, opt.init(multi_params))
     w = multi_params["blocks"][0]["fc1"]["weight"]
-    print(f"fc1 weight {tuple(w.shape)} {w.sharding.spec}: per-device shard {tuple(w.addressable_shards[0].data.shape)}")
+    print(
+        f"fc1 weight {tuple(w.shape)} {w.sharding.spec}: per-device shard {tuple(w.addressable_shards[0].data.shape)}"
+    )
 
     tok0, tgt0 = jax.device_put(data[0, :, :-1], batch), jax.device_put(data[0, :, 1:], batch)
     hlo = step.lower(*multi, tok0, tgt0).compile().as_text()

@@ -762,7 +762,9 @@ def error_group() -> list[str]:
                         fails.append(f"errors: {part!r} missing from: {text}")
                 # the fix it names works
                 g = jax.jit(rf.grad(lambda w, h: rf.sum(rf.tanh(rf.add(h, rf.reshard(w, R))))))(wpe, h)
-                want = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.asarray(np.asarray(h)) + w)))(jnp.asarray(np.asarray(wpe)))
+                want = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.asarray(np.asarray(h)) + w)))(
+                    jnp.asarray(np.asarray(wpe))
+                )
                 close(g, want, 1e-5, "errors: rf.reshard fix")
                 if not g.sharding.is_equivalent_to(wpe.sharding, 2):
                     fails.append(f"errors: reshard gradient sharding {g.sharding}")

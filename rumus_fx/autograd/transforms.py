@@ -119,7 +119,11 @@ def _gather(tensors: list[Tensor | None], leaves_like: list[jax.Array], grads: d
         g = grads.get(t.grad_id) if t is not None else None
         if g is None:
             dtype = like.dtype if t is not None else jax.dtypes.float0
-            g = sharding.zeros(like.shape, dtype, sharding.sharding_of(like)) if t is not None else np.zeros(like.shape, dtype)
+            g = (
+                sharding.zeros(like.shape, dtype, sharding.sharding_of(like))
+                if t is not None
+                else np.zeros(like.shape, dtype)
+            )
         out.append(g)
     return out
 
