@@ -25,7 +25,7 @@ import numpy as np
 
 from . import sharding
 from .errors import AutogradError
-from .record import run_backward_rule
+from .record import run_backward_rule as _run_rule
 from .tape import TapeEntry
 
 # anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
@@ -54,13 +54,7 @@ def run_backward(
         op = entry.op
         op.check_versions()
         needs = tuple(i is not None for i in entry.inputs)
-        try:
-            in_grads = run_backward_rule(op, grad_out, needs)
-        except Exception as e:
-            err = sharding.backward_error(e, op.name, grad_out, entry.input_shardings)
-            if err is None:
-                raise
-            raise err from e
+        in_grads = run_backward_rule(op, grad_out, needs)
         if keep is not None and entry.outputs[0] not in keep:
             del grads[entry.outputs[0]]
         if len(in_grads) != len(entry.inputs):
@@ -78,6 +72,18 @@ def run_backward(
 
             anomaly_state = check_finite(entry, index, grad_out, in_grads, anomaly_state, anomaly)
     return grads
+
+
+def run_backward_rule(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:
+    """The record's rule; JAX refusing a sharding in it becomes an
+    ``rf.ShardingError`` naming the record (autograd/sharding.py)."""
+    try:
+        return _run_rule(op, grad_out, needs)
+    except Exception as e:
+        err = sharding.backward_error(e, op.name, grad_out)
+        if err is None:
+            raise
+        raise err from e
 
 
 def _conform(name: str, k: int, g: Any, wanted: Any) -> Any:

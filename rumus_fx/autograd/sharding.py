@@ -197,14 +197,14 @@ def forward_error(e: BaseException) -> ShardingError | None:
     )
 
 
-def backward_error(e: BaseException, record: str, g: Any, shardings: Sequence[Any]) -> ShardingError | None:
+def backward_error(e: BaseException, record: str, g: Any) -> ShardingError | None:
     """The ``ShardingError`` for a sharding failure raised by a backward rule."""
     if not is_sharding_failure(e):
         return None
-    ins = ", ".join("-" if s is None else str(s.spec) for s in shardings) or "not sharded"
+    shown = ", ".join(describe(x) for x in g) if isinstance(g, tuple) else describe(g)
     return ShardingError(
-        f"{record}: its backward rule cannot produce its inputs' shardings ({ins}) from the output "
-        f"gradient {describe(g)}: {_first_line(e)}. This is a gap in rumus_fx's sharding support; "
+        f"{record}: its backward rule cannot give its inputs their shardings from the output "
+        f"gradient {shown}: {_first_line(e)}. This is a gap in rumus_fx's sharding support; "
         f"until it is closed: {SHARDING_HINT}"
     )
 

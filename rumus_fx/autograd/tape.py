@@ -93,8 +93,12 @@ class Tape:
         outputs: tuple[int, ...],
         input_avals: tuple = (),
         output_avals: tuple = (),
+        input_shardings: tuple = (),
     ) -> None:
-        self._entries.append(TapeEntry(op, inputs, outputs, input_avals, output_avals))
+        """Append one entry; ``input_shardings`` (``autograd.sharding.sharding_of``
+        of each input, or ()) lets the engine check that the record's gradients
+        keep their inputs' explicit shardings."""
+        self._entries.append(TapeEntry(op, inputs, outputs, input_avals, output_avals, input_shardings))
 
     # -- inspection ----------------------------------------------------------
     @property
