@@ -69,7 +69,7 @@ def spec_of(x: Any) -> tuple[Any, ...] | None:
     s = sharding_of(x)
     if s is None:
         return None
-    return tuple(s.spec) + (None,) * (jnp.ndim(x) - len(s.spec))
+    return tuple(s.spec) + (None,) * (len(x.shape) - len(s.spec))
 
 
 def with_spec(like: NamedSharding | None, spec: Sequence[Any]) -> NamedSharding | None:
