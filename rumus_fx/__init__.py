@@ -11,6 +11,7 @@ from . import tensor_methods as _tensor_methods
 from .autograd.engine import GradientStore as GradientStore
 from .autograd.errors import AutogradError as AutogradError
 from .autograd.errors import ShapeError as ShapeError
+from .autograd.errors import ShardingError as ShardingError
 from .autograd.errors import VersionMismatch as VersionMismatch
 from .autograd.record import VersionSnapshot as VersionSnapshot
 from .autograd.tape import Tape as Tape
@@ -48,6 +49,7 @@ from .ops import mul as mul
 from .ops import neg as neg
 from .ops import relu as relu
 from .ops import reshape as reshape
+from .ops import reshard as reshard
 from .ops import scaled_dot_product_attention as scaled_dot_product_attention
 from .ops import sigmoid as sigmoid
 from .ops import slice_batch as slice_batch

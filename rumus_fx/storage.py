@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .autograd.errors import AutogradError
+from .autograd.sharding import reshape as sharded_reshape
 
 try:  # the trace a storage was created in; used to refuse tracer leaks
     from jax._src.core import OpaqueTraceState as _OpaqueTraceState
@@ -294,15 +295,15 @@ def read_layout(buffer: jax.Array, layout: Layout) -> jax.Array:
         return buffer
     size = math.prod(buffer.shape)
     if layout.is_contiguous and layout.offset == 0 and layout.size == size:
-        return buffer.reshape(shape)
+        return sharded_reshape(buffer, shape)
     perm = _permutation(layout, size)
     if perm is not None:
         dims, order = perm
-        x = buffer.reshape([shape[d] for d in order])
+        x = sharded_reshape(buffer, [shape[d] for d in order])
         axes = [order.index(d) for d in dims]
         if axes != sorted(axes):
             x = jnp.transpose(x, axes)
-        return x.reshape(shape)
+        return sharded_reshape(x, shape)
     # a general strided window (never produced by rumus_fx's own views)
     return buffer.reshape(-1)[_gather_index(layout)]
 
@@ -313,14 +314,14 @@ def write_layout(buffer: jax.Array, layout: Layout, value: jax.Array) -> jax.Arr
     value = value.astype(buffer.dtype)
     size = math.prod(base_shape)
     if layout.is_contiguous and layout.offset == 0 and layout.size == size:
-        return value.reshape(base_shape)
+        return sharded_reshape(value, base_shape)
     perm = _permutation(layout, size)
     if perm is not None:
         dims, order = perm
-        x = value.reshape([layout.shape[d] for d in dims])
+        x = sharded_reshape(value, [layout.shape[d] for d in dims])
         axes = [dims.index(d) for d in order]
         if axes != sorted(axes):
             x = jnp.transpose(x, axes)
-        return x.reshape(base_shape)
+        return sharded_reshape(x, base_shape)
     flat = buffer.reshape(-1).at[_gather_index(layout).reshape(-1)].set(value.reshape(-1))
     return flat.reshape(base_shape)

@@ -180,6 +180,20 @@ def test_data_parallel_8_virtual_devices_matches_one_device():
         assert abs(float(one) - float(eight)) < 1e-5
 
 
+def test_data_parallel_auto_axes():
+    out = run_example("data_parallel.py", "--devices", "8", "--steps", "1", "--batch-size", "16", "--auto")
+    assert "(Auto)" in out and "every gradient has its parameter's sharding: True" in out
+    assert "OK: 8-device data-parallel training matches 1 device" in out
+
+
+def test_tensor_parallel_2x4_mesh_matches_one_device():
+    out = run_example("tensor_parallel.py", "--devices", "8", "--model", "4", "--steps", "2", "--layers", "1")
+    assert "mesh: {'data': 2, 'model': 4}, axis types ['Explicit', 'Explicit']" in out
+    assert "fc1 weight (32, 128) P(None, 'model'): per-device shard (32, 32)" in out
+    assert "every gradient has its parameter's sharding: True" in out
+    assert "OK: tensor-parallel training matches 1 device" in out
+
+
 def test_inspect_tape():
     out = run_example("inspect_tape.py", "--batch-size", "2")
     for record in (

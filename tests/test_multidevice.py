@@ -178,8 +178,7 @@ def test_sharded_grads_match_one_device(tmp_path):
 
 def test_explicit_mesh_axes_data_parallel(tmp_path):
     """Explicit axes need out_sharding on contractions over a sharded axis:
-    MatmulBackward/BmmBackward pass the operands' shardings. (Ops that reshape or
-    gather sharded arrays, e.g. max_pool2d and embedding, still need Auto axes:
-    see the README's note on sharding.)"""
+    MatmulBackward/BmmBackward pass the operands' shardings (every other op on
+    Explicit axes: tests/test_sharding.py)."""
     out = _run(tmp_path, EXPLICIT_MESH)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-6000:]

@@ -5,6 +5,7 @@ from typing import Any, Union
 from .engine import GradientStore as GradientStore
 from .errors import AutogradError as AutogradError
 from .errors import ShapeError as ShapeError
+from .errors import ShardingError as ShardingError
 from .errors import VersionMismatch as VersionMismatch
 from .record import Aval as Aval
 from .record import Record as Record

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import sharding
 from .errors import AutogradError
-from .record import run_backward_rule
+from .record import run_backward_rule as _run_rule
 from .tape import TapeEntry
 
 # anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
@@ -69,6 +70,8 @@ def run_backward(
             if gid is None or g is None:
                 continue
             _validate(op.name, k, g, entry.input_avals[k] if entry.input_avals else None)
+            if entry.input_shardings:
+                g = _conform(op.name, k, g, entry.input_shardings[k])
             prev = grads.get(gid)
             grads[gid] = g if prev is None else prev + g
         if anomaly:  # Note [Anomaly mode] in rumus_fx/debug.py
@@ -76,6 +79,27 @@ def run_backward(
 
             anomaly_state = check_finite(entry, index, grad_out, in_grads, anomaly_state, anomaly)
     return grads
+
+
+def run_backward_rule(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:
+    """The record's rule; JAX refusing a sharding in it becomes an
+    ``rf.ShardingError`` naming the record (autograd/sharding.py)."""
+    try:
+        return _run_rule(op, grad_out, needs)
+    except Exception as e:
+        err = sharding.backward_error(e, op.name, grad_out)
+        if err is None:
+            raise
+        raise err from e
+
+
+def _conform(name: str, k: int, g: Any, wanted: Any) -> Any:
+    """``g`` with its input's explicit sharding (Note [Gradients keep their
+    operand's sharding] in autograd/sharding.py)."""
+    out = sharding.conform(g, wanted)
+    if out is not g and sharding.RESHARD_HOOK is not None:
+        sharding.RESHARD_HOOK(name, k, jax.typeof(g).sharding, wanted)
+    return out
 
 
 def _validate(name: str, k: int, g: Any, aval: Any) -> None:

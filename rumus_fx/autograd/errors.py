@@ -20,6 +20,21 @@ class ShapeTypeError(ShapeError, TypeError):
     function given operands of incompatible shapes)."""
 
 
+class ShardingError(ShapeError):
+    """An op (or its backward rule) got operands whose shardings over a device
+    mesh it cannot combine without being told how (JAX's ``ShardingTypeError``
+    on Explicit mesh axes). The message names the op, the operands' sharded
+    types and the fix."""
+
+
+SHARDING_HINT = (
+    "Fix: shard the operands compatibly (each mesh axis on one array axis, e.g. only the batch "
+    "axis on 'data'), gather a sharded parameter where it is used with rf.reshard(w, P()) (its "
+    "gradient goes back to w's sharding), or use Auto mesh axes "
+    "(jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))) so that XLA chooses."
+)
+
+
 VERSION_HINT = (
     "Hint: a tensor that this record saved for the backward pass was modified in "
     "place (add_, mul_, copy_, ... or an optimizer update) after the forward op "

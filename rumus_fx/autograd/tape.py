@@ -60,13 +60,16 @@ class no_grad(contextlib.ContextDecorator):
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapeEntry:
     """One recorded op: its record, the grad ids of its inputs (None for inputs
-    that are not tracked) and of its outputs, and the inputs'/outputs' avals."""
+    that are not tracked) and of its outputs, the inputs'/outputs' avals, and
+    the inputs' explicit shardings (None where not sharded over Explicit mesh
+    axes; see Note [Gradients keep their operand's sharding])."""
 
     op: Record
     inputs: tuple[int | None, ...]
     outputs: tuple[int, ...]
     input_avals: tuple[tuple[tuple[int, ...], Any] | None, ...] = ()
     output_avals: tuple[tuple[tuple[int, ...], Any], ...] = ()
+    input_shardings: tuple[Any, ...] = ()
 
 
 class Tape:
@@ -101,8 +104,12 @@ class Tape:
         outputs: tuple[int, ...],
         input_avals: tuple = (),
         output_avals: tuple = (),
+        input_shardings: tuple = (),
     ) -> None:
-        self._entries.append(TapeEntry(op, inputs, outputs, input_avals, output_avals))
+        """Append one entry; ``input_shardings`` (``autograd.sharding.sharding_of``
+        of each input, or ()) lets the engine check that the record's gradients
+        keep their inputs' explicit shardings."""
+        self._entries.append(TapeEntry(op, inputs, outputs, input_avals, output_avals, input_shardings))
 
     # -- inspection ----------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..tensor import Tensor, next_grad_id
+from . import sharding
 from .engine import run_backward
 from .tape import Tape, current_tape
 
@@ -130,7 +131,11 @@ def _gather(tensors: list[Tensor | None], leaves_like: list[jax.Array], grads: d
         g = grads.get(t.grad_id) if t is not None else None
         if g is None:
             dtype = like.dtype if t is not None else jax.dtypes.float0
-            g = jnp.zeros(like.shape, dtype) if t is not None else np.zeros(like.shape, dtype)
+            g = (
+                sharding.zeros(like.shape, dtype, sharding.sharding_of(like))
+                if t is not None
+                else np.zeros(like.shape, dtype)
+            )
         out.append(g)
     return out
 
@@ -151,6 +156,18 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     return _value_and_grad(fun, argnums, has_aux, "value_and_grad")
 
 
+def _call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``fun(*args, **kwargs)``; JAX refusing an rf op's shardings becomes an
+    ``rf.ShardingError`` that names the op (autograd/sharding.py)."""
+    try:
+        return fun(*args, **kwargs)
+    except Exception as e:
+        err = sharding.forward_error(e)
+        if err is None:
+            raise
+        raise err from e
+
+
 def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, name: str) -> Callable:
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -167,7 +184,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
             new_args[i], tensors, treedef = _track(args[i], "grad")
             tracked.append((tensors, treedef))
         with tape:
-            out = fun(*new_args, **kwargs)
+            out = _call(fun, new_args, kwargs)
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(
@@ -260,7 +277,7 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
         new_primals.append(new_p)
         tracked.append((tensors, treedef, [_leaf_array(x) for x in jax.tree_util.tree_leaves(p, is_leaf=_is_tensor)]))
     with tape:
-        out = fun(*new_primals)
+        out = _call(fun, new_primals, {})
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError("has_aux=True requires the function to return a pair (output, aux)")

@@ -121,9 +121,19 @@ def _shard_map_call(impl, cfg, operands: Factors, results: Factors, replicated, 
     specs = [_explicit_spec(a) for a in arrays]
     mesh = next(jax.typeof(a).sharding.mesh for a, s in zip(arrays, specs) if s is not None)
     in_specs, out_specs, psums = _plan(specs, operands, results, replicated)
-    arrays = tuple(a if _same(a, s) else jax.sharding.reshard(a, s) for a, s in zip(arrays, in_specs))
+    # NamedSharding on the inputs' (abstract) mesh: a bare PartitionSpec would need jax.set_mesh
+    arrays = tuple(
+        a if _same(a, s) else jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(arrays, in_specs)
+    )
     body = functools.partial(_local, impl, cfg, psums)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*arrays)
+    outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*arrays)
+    # a factor the kernel needed whole goes back to the inputs' sharding on the way
+    # out (a local slice), so results and gradients keep their operands' shardings
+    natural = _factor_axes(specs, operands, frozenset())
+    want = tuple(P(*(natural.get(f) for f in fs)) for fs in results)
+    return tuple(
+        o if w == s else jax.sharding.reshard(o, NamedSharding(mesh, w)) for o, s, w in zip(outs, out_specs, want)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

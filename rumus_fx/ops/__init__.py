@@ -35,6 +35,7 @@ from .reduce import sum as sum  # noqa: A004
 from .shape import flatten as flatten
 from .shape import index as index
 from .shape import reshape as reshape
+from .shape import reshard as reshard
 from .shape import slice_batch as slice_batch
 from .shape import stack as stack
 from .shape import transpose as transpose

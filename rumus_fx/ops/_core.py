@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -12,6 +13,7 @@ import numpy as np
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Aval, VersionSnapshot
+from ..autograd.sharding import sharding_of
 from ..autograd.tape import Tape, TapeEntry, current_tape
 from ..kernels._util import is_low_precision as is_low_precision
 from ..tensor import Tensor, next_grad_id
@@ -108,14 +110,20 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
     ids = []
     avals = []
+    shardings = []
     for x in inputs:
         if isinstance(x, Tensor):
             ids.append(x.grad_id)
             avals.append(Aval(x.shape, x.dtype))
+            shardings.append(sharding_of(x.value) if x.grad_id is not None else None)
         else:
             ids.append(None)
             avals.append(aval_of(x))
-    tape._entries.append(TapeEntry(op, tuple(ids), (out.grad_id,), tuple(avals), (Aval(out.shape, out.dtype),)))
+            shardings.append(None)
+    entry = TapeEntry(op, tuple(ids), (out.grad_id,), tuple(avals), (Aval(out.shape, out.dtype),))
+    if any(s is not None for s in shardings):
+        entry = dataclasses.replace(entry, input_shardings=tuple(shardings))
+    tape._entries.append(entry)
     return out
 
 

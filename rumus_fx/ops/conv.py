@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels._util import compute_dtype, upcast
@@ -114,7 +115,7 @@ class Im2ColBackward(Record):
     def backward(self, g, needs):
         k, s, p = self.kernel_size, self.stride, self.padding
         lead = tuple(g.shape[:-2])
-        g5 = g.reshape((*lead, self.c_in, k * k, self.out_h, self.out_w))
+        g5 = shd.reshape(g, (*lead, self.c_in, k * k, self.out_h, self.out_w))
         return (_col2im(lambda j: g5[..., j, :, :], k, s, p, self.h, self.w),)
 
 
@@ -123,7 +124,7 @@ def _im2col_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Arra
     *lead, c, _, _ = xv.shape
     xp = jnp.pad(xv, [(0, 0)] * (xv.ndim - 2) + [(p, p), (p, p)]) if p else xv
     cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-3)  # [..., C, K*K, OH, OW]
-    return cols.reshape((*lead, c * k * k, oh * ow))
+    return shd.reshape(cols, (*lead, c * k * k, oh * ow))
 
 
 def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tensor:
@@ -151,9 +152,21 @@ def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tenso
 _NCHW = ("NCHW", "OIHW", "NCHW")
 
 
-def _conv(lhs: Array, rhs: Array, out_dtype: Any, **kw: Any) -> Array:
+def _conv(lhs: Array, rhs: Array, out_dtype: Any, out_sharding: Any = None, **kw: Any) -> Array:
     pref = jnp.float32 if is_low_precision(out_dtype) else None
-    return lax.conv_general_dilated(lhs, rhs, preferred_element_type=pref, **kw).astype(out_dtype)
+    if out_sharding is None:
+        return lax.conv_general_dilated(lhs, rhs, preferred_element_type=pref, **kw).astype(out_dtype)
+    y = lax.conv_general_dilated(lhs, rhs, preferred_element_type=pref, out_sharding=out_sharding, **kw)
+    return y.astype(out_dtype)
+
+
+def _conv_out_sharding(x: Array, w: Array) -> Any:
+    """``[B, O, OH, OW]`` sharded like x's batch and w's output channels (explicit axes)."""
+    xs, ws = shd.spec_of(x), shd.spec_of(w)
+    if xs is None and ws is None:
+        return None
+    spec = ((xs or (None,))[0], (ws or (None,))[0], None, None)
+    return shd.with_spec(shd.sharding_of(x) or shd.sharding_of(w), spec)
 
 
 @frozen
@@ -178,6 +191,9 @@ class Conv2dBackward(Record):
     input_dtype: Any
     weight_dtype: Any
     bias_dtype: Any
+    input_sharding: Any = None  # explicit shardings (autograd/sharding.py)
+    weight_sharding: Any = None
+    bias_sharding: Any = None
 
     def backward(self, g, needs):
         s, p = self.stride, self.padding
@@ -190,6 +206,7 @@ class Conv2dBackward(Record):
                 g,
                 jnp.flip(self.weight, (2, 3)),
                 self.input_dtype,
+                self.input_sharding,
                 window_strides=(1, 1),
                 padding=[(k - 1 - p, h - 1 - (oh - 1) * s + p), (k - 1 - p, w - 1 - (ow - 1) * s + p)],
                 lhs_dilation=(s, s),
@@ -202,20 +219,29 @@ class Conv2dBackward(Record):
                 self.input,
                 g,
                 self.weight_dtype,
+                self.weight_sharding,
                 window_strides=(1, 1),
                 padding=[(p, p - r_h), (p, p - r_w)],
                 rhs_dilation=(s, s),
                 dimension_numbers=("CNHW", "IOHW", "CNHW"),
             )
         if len(needs) > 2 and needs[2]:
-            db = cast(acc_sum(g, (0, 2, 3)), self.bias_dtype)
+            db = shd.conform(cast(acc_sum(g, (0, 2, 3)), self.bias_dtype), self.bias_sharding)
         return (dx, dw, db)[: len(needs)]
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
     out_dtype = jnp.result_type(xv, wv)
-    y = _conv(xv, wv, out_dtype, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW)
+    y = _conv(
+        xv,
+        wv,
+        out_dtype,
+        _conv_out_sharding(xv, wv),
+        window_strides=(s, s),
+        padding=[(p, p), (p, p)],
+        dimension_numbers=_NCHW,
+    )
     if bv is not None:
         y = y + bv.reshape(1, -1, 1, 1).astype(out_dtype)
     return y
@@ -262,6 +288,9 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
         xv.dtype,
         wv.dtype,
         getattr(bv, "dtype", None),
+        shd.sharding_of(xv),
+        shd.sharding_of(wv),
+        shd.sharding_of(bv),
     )
     return record(tape, rec, inputs, new_output(y, tape))
 
@@ -335,9 +364,9 @@ class MaxPool2dBackward(Record):
             oh, ow = self.out_h, self.out_w
             onehot = idx[..., None] == jnp.arange(k * k, dtype=idx.dtype).reshape((1,) * idx.ndim + (k * k,))
             d = jnp.where(onehot, g[..., None], 0)  # [..., OH, OW, K*K]
-            d = d.reshape((*lead, oh, ow, k, k))
+            d = shd.reshape(d, (*lead, oh, ow, k, k))
             nd = len(lead)
-            d = jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, oh * k, ow * k))
+            d = shd.reshape(jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)), (*lead, oh * k, ow * k))
             return (lax.pad(d, np.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
         return (_col2im(lambda j: jnp.where(idx == j, g, 0), k, s, p, self.h, self.w),)
 
@@ -350,8 +379,8 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
     if s == k and p == 0:
         xc = xv[..., : oh * k, : ow * k]
         nd = len(lead) + 1
-        win = xc.reshape((*lead, c, oh, k, ow, k))
-        win = jnp.transpose(win, (*range(nd), nd, nd + 2, nd + 1, nd + 3)).reshape((*lead, c, oh, ow, k * k))
+        win = shd.reshape(xc, (*lead, c, oh, k, ow, k))
+        win = shd.reshape(jnp.transpose(win, (*range(nd), nd, nd + 2, nd + 1, nd + 3)), (*lead, c, oh, ow, k * k))
         out = jnp.max(win, axis=-1)
         indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
     else:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Record
+from ..autograd.sharding import sharding_of
 from ..tensor import Tensor
 from ._core import array_of, is_real_scalar, new_output, record, require_float, tape_for
 
@@ -46,7 +47,9 @@ def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
         raise TypeError(f"{op}: key must be a jax.random key (jax.random.key(seed)), got {shown}")
     if not training or p == 0:
         return x if isinstance(x, Tensor) else Tensor._wrap(xv)
-    keep = jax.random.bernoulli(key, 1.0 - p, xv.shape)
+    # sharded like x (explicit mesh axes): each device draws its own part of the
+    # mask, the same bits as on one device (jax's partitionable threefry)
+    keep = jax.random.bernoulli(key, 1.0 - p, xv.shape, out_sharding=sharding_of(xv))
     scale = 1.0 / (1.0 - p)
     out = jnp.where(keep, xv * scale, 0)
     tape = tape_for(x)

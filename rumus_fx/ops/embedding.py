@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels import embedding as kemb
+from ..kernels._util import upcast
 from ..tensor import Tensor
 from ._core import array_of, check_index_range, new_output, record, require_float, snapshot, tape_for
 
@@ -31,11 +33,34 @@ class EmbeddingBackward(Record):
     embed_dim: int
     total_lookups: int
     dtype: Any
+    weight_sharding: Any = None  # the table's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
-        flat_g = g.reshape(self.total_lookups, self.embed_dim)
-        dw = kemb.embedding_bwd(self.indices.reshape(-1), flat_g, self.vocab_size, self.dtype)
-        return (None, dw)
+        flat_g = shd.reshape(g, (self.total_lookups, self.embed_dim))
+        flat_i = shd.reshape(self.indices, (-1,))
+        if self.weight_sharding is not None:
+            # explicitly sharded lookups: the scatter-add produces the table's own
+            # sharding (XLA sums the shards' contributions: an all-reduce, or a
+            # reduce-scatter for a sharded table)
+            dw = jax.ops.segment_sum(
+                upcast(flat_g), flat_i, num_segments=self.vocab_size, out_sharding=self.weight_sharding
+            )
+            return (None, dw.astype(self.dtype))
+        return (None, kemb.embedding_bwd(flat_i, flat_g, self.vocab_size, self.dtype))
+
+
+def _lookup(wv: Array, iv: Array) -> Array:
+    """``wv[iv]``; with explicit shardings the rows come out sharded like the
+    indices (and like the table along D). A table sharded along the vocabulary
+    is gathered first (FSDP style: its gradient is reduce-scattered back)."""
+    ws, is_ = shd.spec_of(wv), shd.spec_of(iv)
+    if ws is None and is_ is None:
+        return jnp.take(wv, iv, axis=0)
+    like = shd.sharding_of(wv) or shd.sharding_of(iv)
+    if ws is not None and ws[0] is not None:
+        wv = jax.sharding.reshard(wv, shd.with_spec(like, (None, ws[1])))
+    out_spec = (*(is_ or (None,) * iv.ndim), ws[1] if ws is not None else None)
+    return wv.at[iv].get(out_sharding=shd.with_spec(like, out_spec))
 
 
 def embedding(indices: Any, weight: Any) -> Tensor:
@@ -53,11 +78,11 @@ def embedding(indices: Any, weight: Any) -> Tensor:
     v, d = wv.shape
     check_index_range(op, iv, v, "index")
     valid = (iv >= 0) & (iv < v)
-    rows = jnp.take(wv, jnp.clip(iv, 0, v - 1), axis=0)
+    rows = _lookup(wv, jnp.clip(iv, 0, v - 1))
     out = jnp.where(valid[..., None], rows, np.nan)
     tape = tape_for(indices, weight)
     if tape is None:
         return Tensor._wrap(out)
     safe = jnp.where(valid, iv, v)  # out-of-range lookups scatter nowhere
-    rec = EmbeddingBackward(safe, snapshot(indices), v, d, iv.size, wv.dtype)
+    rec = EmbeddingBackward(safe, snapshot(indices), v, d, iv.size, wv.dtype, shd.sharding_of(wv))
     return record(tape, rec, (indices, weight), new_output(out, tape))

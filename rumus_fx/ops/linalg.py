@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..kernels import dispatch as kdispatch
 from ..kernels import matmul as kmm
 from ..kernels._util import explicit_sharding, is_low_precision
 from ..tensor import Tensor
@@ -33,7 +35,10 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None) -> Array:
     """``a[..., K]^T g[..., N]`` summed over all leading rows -> ``[K, N]`` (the
     weight gradient of ``x @ W`` for any number of leading axes)."""
-    if out_sharding is not None:  # sharded rows: one dot_general, no reshape of sharded axes
+    # sharded rows, or the jnp reference anyway: one dot_general over the leading
+    # axes (no reshape that merges a sharded axis; XLA's partitioner then keeps
+    # the weight gradient sharded like the weight on Auto mesh axes too)
+    if out_sharding is not None or (a.ndim > 2 and kdispatch.backend() == "reference"):
         lead = tuple(range(a.ndim - 1))
         pref = jnp.float32 if is_low_precision(out_dtype) else None
         dims = ((lead, lead), ((), ()))
@@ -89,6 +94,24 @@ class BmmBackward(Record):
         return ga, gb
 
 
+def _product_sharding(op: str, av: Array, bv: Array) -> Any:
+    """The result's sharding when the contracted axis K is sharded over
+    Explicit mesh axes (JAX cannot choose it then: the partial products are
+    summed over those axes): lhs's rows/batch axes and rhs's N axis. None
+    otherwise (JAX infers it)."""
+    sa, sb = shd.spec_of(av), shd.spec_of(bv)
+    if (sa is None or sa[-1] is None) and (sb is None or sb[-2] is None):
+        return None
+    lead = sa[:-1] if sa is not None else (None,) * (av.ndim - 1)
+    n = sb[-1] if sb is not None else None
+    if op == "bmm" and sb is not None:
+        lead = tuple(a if a is not None else b for a, b in zip(lead[:-1], sb[:-2])) + lead[-1:]
+    used = {name for e in lead if e is not None for name in (e if isinstance(e, tuple) else (e,))}
+    if n is not None and used & set(n if isinstance(n, tuple) else (n,)):
+        n = None
+    return shd.with_spec(shd.sharding_of(av) or shd.sharding_of(bv), (*lead, n))
+
+
 def _product(op: str, a: Any, b: Any) -> Tensor:
     """``matmul`` (2-D rhs) or ``bmm`` (equal batch axes): validate, multiply,
     record the saved operands each needed gradient reads."""
@@ -102,7 +125,8 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
         raise ShapeError(f"bmm: expects [..., M, K] @ [..., K, N] with equal batch axes (rank >= 3), got {sa} @ {sb}")
     require_float(op, av, "lhs")
     require_float(op, bv, "rhs")
-    out = kmm.matmul(av, bv) if op == "matmul" else kmm.bmm(av, bv)
+    out_sharding = _product_sharding(op, av, bv)
+    out = kmm.matmul(av, bv, None, out_sharding) if op == "matmul" else kmm.bmm(av, bv, None, out_sharding)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
 from ..kernels import cross_entropy as kce
@@ -103,9 +104,9 @@ def cross_entropy(logits: Any, targets: Any, *, ignore_index: int | None = None)
         raise TypeError(f"{op}: ignore_index must be an int or None, got {ignore_index!r}")
     c = lv.shape[-1]
     check_index_range(op, tv, c, "target class", ignore_index)
-    loss, grad = kce.cross_entropy_fwd(lv.reshape(-1, c), tv.reshape(-1), ignore_index)
+    loss, grad = kce.cross_entropy_fwd(shd.reshape(lv, (-1, c)), shd.reshape(tv, (-1,)), ignore_index)
     tape = tape_for(logits)
     if tape is None:
         return Tensor._wrap(loss)
-    rec = CrossEntropyBackward(grad.reshape(lv.shape))
+    rec = CrossEntropyBackward(shd.reshape(grad, lv.shape, shd.sharding_of(lv)))
     return record(tape, rec, (logits, targets), new_output(loss, tape))

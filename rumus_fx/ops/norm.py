@@ -84,7 +84,7 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
         return Tensor._wrap(y)
     need_x, need_w = is_tracked(x), is_tracked(weight)
     saved_x, x_v = reads(x, need_x or need_w)
-    saved_w, w_v = reads(weight, weight is not None and need_x)
+    saved_w, w_v = reads(weight, weight is not None and (need_x or need_w))  # dw needs to see a weight
     rec = LayerNormBackward(
         saved_x, x_v, saved_w, w_v, (mean, rstd), xv.size // max(d, 1), d, bias is not None, getattr(bv, "dtype", None)
     )
@@ -209,11 +209,11 @@ def batch_norm_2d(
     running_versions: tuple = ()
     if training:  # dx and dw read x_hat; dx reads w
         saved_x, x_v = reads(x, need_x or need_w)
-        saved_w, w_v = reads(weight, weight is not None and need_x)
+        saved_w, w_v = reads(weight, weight is not None and (need_x or need_w))  # dw needs to see a weight
     else:  # dw and d(running_var) read x; dx and d(running stats) read w
         need_rm, need_rv = is_tracked(running_mean), is_tracked(running_var)
         saved_x, x_v = reads(x, need_w or need_rv)
-        saved_w, w_v = reads(weight, weight is not None and (need_x or need_rm or need_rv))
+        saved_w, w_v = reads(weight, weight is not None and (need_x or need_w or need_rm or need_rv))
         # backward reads the running statistics it normalised with
         running_versions = (reads(running_mean, True)[1], reads(running_var, True)[1])
     rec = BatchNorm2dBackward(

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..autograd import sharding as shd
 from ..autograd.record import Record
 from ..tensor import Tensor
 from ._core import acc_sum, array_of, cast, is_low_precision, new_output, normalize_axis, record, shape_of, tape_for
@@ -28,11 +29,11 @@ def _axes(op: str, axis: Any, ndim: int) -> tuple[int, ...]:
     return (normalize_axis(op, axis, ndim),)
 
 
-def _expand(g: Array, input_shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool) -> Array:
+def _expand(g: Array, input_shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool, sharding: Any) -> Array:
     if not keepdims and axes:
         kept = [1 if d in axes else s for d, s in enumerate(input_shape)]
-        g = g.reshape(kept)
-    return jnp.broadcast_to(g, input_shape)
+        g = shd.reshape(g, kept)
+    return shd.broadcast_to(g, input_shape, sharding)
 
 
 @frozen
@@ -43,9 +44,10 @@ class SumBackward(Record):
     axes: tuple[int, ...]
     keepdims: bool
     dtype: Any
+    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
-        return (cast(_expand(g, self.input_shape, self.axes, self.keepdims), self.dtype),)
+        return (cast(_expand(g, self.input_shape, self.axes, self.keepdims, self.sharding), self.dtype),)
 
 
 @frozen
@@ -57,10 +59,11 @@ class MeanBackward(Record):
     keepdims: bool
     count: int
     dtype: Any
+    sharding: Any = None
 
     def backward(self, g, needs):
         g = g / self.count
-        return (cast(_expand(g, self.input_shape, self.axes, self.keepdims), self.dtype),)
+        return (cast(_expand(g, self.input_shape, self.axes, self.keepdims, self.sharding), self.dtype),)
 
 
 def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
@@ -82,9 +85,9 @@ def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
     if tape is None:
         return Tensor._wrap(out)
     if kind == "sum":
-        rec: Record = SumBackward(shape, axes, keepdims, xv.dtype)
+        rec: Record = SumBackward(shape, axes, keepdims, xv.dtype, shd.sharding_of(xv))
     else:
-        rec = MeanBackward(shape, axes, keepdims, count, xv.dtype)
+        rec = MeanBackward(shape, axes, keepdims, count, xv.dtype, shd.sharding_of(xv))
     return record(tape, rec, (x,), new_output(out, tape))
 
 

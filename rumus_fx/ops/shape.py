@@ -1,4 +1,5 @@
-"""Shape ops: reshape, flatten, transpose (views when the layout allows), stack, slice_batch."""
+"""Shape ops: reshape, flatten, transpose (views when the layout allows), stack,
+slice_batch, index, reshard."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record
 from ..tensor import Tensor, next_grad_id
@@ -26,9 +28,10 @@ class ReshapeBackward(Record):
     """``y = reshape(x)``: ``dx = reshape(dy, original_shape)``. Reads no data."""
 
     original_shape: tuple[int, ...]
+    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
-        return (g.reshape(self.original_shape),)
+        return (shd.reshape(g, self.original_shape, self.sharding),)
 
 
 @frozen
@@ -36,9 +39,10 @@ class FlattenBackward(Record):
     """``y = flatten(x)`` (``[B, ...] -> [B, rest]``): ``dx = reshape(dy)``."""
 
     original_shape: tuple[int, ...]
+    sharding: Any = None
 
     def backward(self, g, needs):
-        return (g.reshape(self.original_shape),)
+        return (shd.reshape(g, self.original_shape, self.sharding),)
 
 
 @frozen
@@ -78,6 +82,10 @@ def resolve_shape(op: str, old: tuple[int, ...], shape: Any) -> tuple[int, ...]:
     return shape
 
 
+def _sharding_if_tracked(x: Any) -> Any:
+    return shd.sharding_of(x) if isinstance(x, Tensor) and x.grad_id is not None else None
+
+
 def _reshape_to(x: Any, shape: tuple[int, ...], rec: Record) -> Tensor:
     tape = tape_for(x)
     gid = None if tape is None else next_grad_id()
@@ -88,7 +96,7 @@ def _reshape_to(x: Any, shape: tuple[int, ...], rec: Record) -> Tensor:
         else:  # not expressible as a view: a contiguous copy, as torch.reshape
             out = Tensor._wrap(x.value.reshape(shape), gid)
     else:
-        out = Tensor._wrap(jnp.reshape(value_of(x, "reshape"), shape), gid)
+        out = Tensor._wrap(shd.reshape(value_of(x, "reshape"), shape), gid)
     if tape is None:
         return out
     return record(tape, rec, (x,), out)
@@ -99,7 +107,7 @@ def reshape(x: Any, shape: Any) -> Tensor:
     the layout allows, a contiguous copy otherwise (records ReshapeBackward)."""
     old = shape_of(x) if isinstance(x, Tensor) else shape_of(value_of(x, "reshape"))
     new = resolve_shape("reshape", old, shape)
-    return _reshape_to(x, new, ReshapeBackward(old))
+    return _reshape_to(x, new, ReshapeBackward(old, _sharding_if_tracked(x)))
 
 
 def flatten(x: Any) -> Tensor:
@@ -108,7 +116,7 @@ def flatten(x: Any) -> Tensor:
     if len(old) < 1:
         raise ShapeError(f"flatten: expects a tensor of rank >= 1 (axis 0 is kept), got shape {old}")
     new = (old[0], math.prod(old[1:]))
-    return _reshape_to(x, new, FlattenBackward(old))
+    return _reshape_to(x, new, FlattenBackward(old, _sharding_if_tracked(x)))
 
 
 def transpose(x: Any, dim0: int, dim1: int) -> Tensor:
@@ -177,9 +185,14 @@ class SliceBatchBackward(Record):
 
     original_shape: tuple[int, ...]
     index: int
+    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
         n = self.original_shape[0]
+        if self.sharding is not None:  # a select per shard instead of a pad of a sharded axis
+            spread = shd.broadcast_to(g[None], self.original_shape, self.sharding)
+            rows = lax.broadcasted_iota(jnp.int32, self.original_shape, 0, out_sharding=self.sharding)
+            return (jnp.where(rows == self.index, spread, jnp.zeros((), g.dtype)),)
         pads = [(self.index, n - 1 - self.index, 0)] + [(0, 0, 0)] * g.ndim
         return (lax.pad(g[None], np.zeros((), g.dtype), pads),)
 
@@ -197,11 +210,19 @@ def slice_batch(x: Any, index: int) -> Tensor:
     if not -n <= index < n:
         raise IndexError(f"{op}: index {index} is out of range for axis 0 of size {n}")
     index = int(index) % n
-    out = lax.index_in_dim(xv, index, axis=0, keepdims=False)
+    spec = shd.spec_of(xv)
+    if spec is not None and spec[0] is not None:
+        # one row of an explicitly sharded axis: its shard selects it, the others add zeros
+        # (JAX slices a sharded axis only into whole shards)
+        rows = lax.broadcasted_iota(jnp.int32, xv.shape, 0, out_sharding=shd.sharding_of(xv))
+        out = jnp.sum(jnp.where(rows == index, xv, jnp.zeros((), xv.dtype)), axis=0)
+    else:
+        out = lax.index_in_dim(xv, index, axis=0, keepdims=False)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
-    return record(tape, SliceBatchBackward(tuple(xv.shape), index), (x,), new_output(out, tape))
+    rec = SliceBatchBackward(tuple(xv.shape), index, shd.sharding_of(xv))
+    return record(tape, rec, (x,), new_output(out, tape))
 
 
 def _index_template(op: str, key: Any) -> tuple[tuple, tuple]:
@@ -259,10 +280,14 @@ class IndexBackward(Record):
     dtype: Any
     template: tuple
     arrays: tuple[Array, ...]
+    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
         key = _index_key(self.template, self.arrays)
-        return (jnp.zeros(self.input_shape, self.dtype).at[key].add(g.astype(self.dtype)),)
+        zeros = shd.zeros(self.input_shape, self.dtype, self.sharding)
+        if self.sharding is None:
+            return (zeros.at[key].add(g.astype(self.dtype)),)
+        return (zeros.at[key].add(g.astype(self.dtype), out_sharding=self.sharding),)
 
 
 def index(x: Any, key: Any) -> Tensor:
@@ -292,7 +317,7 @@ def index(x: Any, key: Any) -> Tensor:
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
-    rec = IndexBackward(tuple(xv.shape), xv.dtype, template, arrays)
+    rec = IndexBackward(tuple(xv.shape), xv.dtype, template, arrays, shd.sharding_of(xv))
     return record(tape, rec, (x,), new_output(out, tape))
 
 
@@ -317,3 +342,39 @@ def _int_axis(template: tuple, item: tuple) -> int | None:
         if t[0] != "none":
             axis += 1
     return None
+
+
+@frozen
+class ReshardBackward(Record):
+    """``y = reshard(x, sharding)``: ``dx = reshard(dy, x's sharding)`` (on
+    Explicit mesh axes; with Auto axes XLA places ``dx``). Reads no data."""
+
+    sharding: Any  # the input's explicit sharding, or None
+
+    def backward(self, g, needs):
+        return (shd.conform(g, self.sharding),)
+
+
+def reshard(x: Any, sharding: Any) -> Tensor:
+    """``x`` with another sharding (a ``NamedSharding``, or a ``PartitionSpec`` on
+    ``x``'s mesh): ``jax.sharding.reshard`` for arrays sharded over Explicit mesh
+    axes, ``jax.lax.with_sharding_constraint`` otherwise. Its gradient goes back
+    to ``x``'s sharding, so ``rf.reshard(w, P())`` gathers an FSDP-sharded
+    weight for one layer and its gradient is reduce-scattered back. Without
+    any mesh (one device) a ``PartitionSpec`` leaves ``x`` as it is (records
+    ReshardBackward)."""
+    op = "reshard"
+    xv = array_of(x, op)
+    have = shd.sharding_of(xv)
+    if isinstance(sharding, jax.sharding.PartitionSpec) and have is not None:
+        sharding = shd.with_spec(have, tuple(sharding))
+    if have is not None:
+        out = shd.conform(xv, sharding)
+    elif isinstance(sharding, jax.sharding.PartitionSpec) and jax.sharding.get_abstract_mesh().empty:
+        out = xv  # no mesh anywhere (one device): nothing to reshard
+    else:
+        out = jax.lax.with_sharding_constraint(xv, sharding)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    return record(tape, ReshardBackward(have), (x,), new_output(out, tape))
