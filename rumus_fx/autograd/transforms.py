@@ -2,7 +2,11 @@
 value_and_grad, vjp.
 
 Each call opens its own tape, wraps the differentiated leaves as tracked
-``Tensor`` leaves (new storages, version 0), runs ``fun`` and walks the tape.
+``Tensor`` leaves (new storages, version 0, ``requires_grad=True``: an in-place
+op on one raises, as on any such leaf), runs ``fun`` and walks the tape. The
+tape records even when the call sits inside an outer ``rf.no_grad()`` (as
+``torch.func.grad`` and ``jax.grad``); a ``no_grad()`` inside ``fun`` still
+stops recording there.
 Under ``jax.jit`` all of this runs once, at trace time; the tape and every
 storage die with the call, so nothing (no tracer) outlives it.
 """
@@ -17,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..tensor import Tensor, next_grad_id
+from ..tensor import Tensor, next_leaf_id
 from .engine import run_backward
 from .errors import AutogradError
-from .tape import Tape, current_tape
+from .tape import Tape, current_tape, recording
 
 
 def _is_tensor(x: Any) -> bool:
@@ -57,6 +61,29 @@ def _check_float_leaf(x: jax.Array, name: str) -> None:
         )
 
 
+CAPTURED_MESSAGE = (
+    "{name}: the function uses a Tensor tracked by an enclosing tape (grad_id={gid}) "
+    "that is not one of its differentiated arguments (a closure over it?). The "
+    "enclosing tape does not see what {name} computes from it, so its gradients "
+    "would silently miss that path. Pass the tensor as an argument, or compute it "
+    "under `with rf.no_grad():` / from `t.detach()` if it is meant as a constant."
+)
+
+
+def _foreign_check(name: str, enclosing: bool) -> Any:
+    """The engine's ``foreign`` hook for a transform: with an enclosing tape
+    recording, a gradient reaching a tensor that is not one of the wrapped
+    leaves is a path the enclosing tape would silently miss. Without one,
+    such tensors are constants of ``fun`` and their gradients are dropped."""
+    if not enclosing:
+        return None
+
+    def foreign(gid: int) -> None:
+        raise AutogradError(CAPTURED_MESSAGE.format(name=name, gid=gid))
+
+    return foreign
+
+
 NESTED_MESSAGE = (
     "{name}: an argument is a Tensor tracked by an enclosing tape (rf.grad inside "
     "rf.grad?). Reverse-over-reverse through the tape is not supported: backward rules "
@@ -80,7 +107,8 @@ def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor |
             tensors.append(None)
             new_leaves.append(arr)
             continue
-        t = Tensor._wrap(arr, next_grad_id())
+        t = Tensor._wrap(arr, next_leaf_id())
+        t._leaf = True  # a leaf that requires grad, as rf.tensor(..., requires_grad=True)
         tensors.append(t)
         new_leaves.append(t)
     return jax.tree_util.tree_unflatten(treedef, new_leaves), tensors, treedef
@@ -143,13 +171,14 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums, single = _argnums_tuple(argnums, len(args), name)
+        enclosing = current_tape() is not None
         tape = Tape()
         new_args = list(args)
         tracked: list[tuple[list[Tensor | None], Any]] = []
         for i in nums:
             new_args[i], tensors, treedef = _track(args[i], "grad")
             tracked.append((tensors, treedef))
-        with tape:
+        with recording(tape):
             out = fun(*new_args, **kwargs)
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -161,7 +190,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
         if loss is not None:
             seed = jnp.ones(loss.shape, loss.dtype)
             keep = {t.grad_id for tensors, _ in tracked for t in tensors if t is not None}
-            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep)
+            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(name, enclosing))
         else:
             grads = {}
         tape._entries = []
@@ -208,6 +237,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
     ``vjp_fn(cotangent)`` returns one gradient pytree per primal and may be
     called more than once. Integer primals get ``float0`` cotangents, as in JAX.
     """
+    enclosing = current_tape() is not None
     tape = Tape()
     new_primals = []
     tracked = []
@@ -215,7 +245,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
         new_p, tensors, treedef = _track(p, "vjp", check=False)
         new_primals.append(new_p)
         tracked.append((tensors, treedef, [_leaf_array(x) for x in jax.tree_util.tree_leaves(p, is_leaf=_is_tensor)]))
-    with tape:
+    with recording(tape):
         out = fun(*new_primals)
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -240,7 +270,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
             ct = ct.astype(arr.dtype)
             seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
         keep = {t.grad_id for tensors, _, _ in tracked for t in tensors if t is not None}
-        grads = run_backward(entries, seeds, keep) if seeds else {}
+        grads = run_backward(entries, seeds, keep, _foreign_check("vjp", enclosing)) if seeds else {}
         return tuple(
             jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
         )

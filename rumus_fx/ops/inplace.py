@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ..autograd.errors import AutogradError, ShapeError
 from ..autograd.record import Aval, Record
 from ..autograd.tape import Tape, current_tape
+from ..storage import Layout
 from ..tensor import Tensor, next_grad_id
 from ._core import (
     BroadcastInfo,
@@ -47,6 +48,14 @@ SHARED_MESSAGE = (
     "tracked tensor (a view such as a transpose or reshape, grad_id={other}) while "
     "recording. rumus_fx refuses rather than give that view a silently wrong "
     "gradient. Use the out-of-place op, or write under `with rf.no_grad():`."
+)
+ALIAS_MESSAGE = (
+    "{op}: in-place write of a value that depends on a tracked tensor into a storage "
+    "that another live tensor views (an untracked {what} of shape {shape}) while "
+    "recording. That tensor would show the new value without its history, so its "
+    "gradient would silently be zero (PyTorch rebases such views; rumus_fx refuses). "
+    "Use the out-of-place op (`y = x * b`), write into a tensor that has no other "
+    "views, or drop the other view first; `t.detach()` views are exempt."
 )
 
 
@@ -82,9 +91,15 @@ def _recording_tape(self: Tensor, other: Any, op: str) -> Tape | None:
         return None
     if self.grad_id is not None and self._leaf:
         raise AutogradError(LEAF_MESSAGE.format(op=op, gid=self.grad_id))
-    for t in self._storage._tensors():
-        if t is not self and t.grad_id is not None:
+    # Note [Aliases and in-place writes] in storage.py: no alias left stale
+    stale = self._storage.stale_aliases(self)
+    for t in stale:
+        if t.grad_id is not None:
             raise AutogradError(SHARED_MESSAGE.format(op=op, other=t.grad_id))
+    if stale:
+        t = stale[0]
+        what = "base" if t.layout == Layout.contiguous(self._storage.buffer.shape) else "view"
+        raise AutogradError(ALIAS_MESSAGE.format(op=op, what=what, shape=t.shape))
     return tape
 
 
