@@ -200,7 +200,6 @@ class Tape:
             self._consumed = True
         return GradientStore(grads)
 
-
     def _recorded(self, grad_id: int) -> bool:
         """Whether an entry of this tape produced ``grad_id`` (the loss is
         usually the last one, so search from the end)."""

@@ -51,6 +51,8 @@ class LayerNormBackward(Record):
     weight_dtype: Any = None  # set when there is a weight
 
     def backward(self, g, needs):
+        if not (needs[0] or needs[1]):  # only the bias: the input was not saved
+            return None, None, _bias_grad(g, tuple(range(g.ndim - 1)), self.bias_dtype)
         mean, rstd = self.save
         weight = _weight_for_dw(self.weight, needs[1], self.norm_size, self.weight_dtype)
         dx, dw, db = kln.layer_norm_bwd(self.input, weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
@@ -69,6 +71,11 @@ def _weight_for_dw(weight: Any, need_w: bool, size: int, dtype: Any) -> Any:
     if weight is None and need_w:
         return jnp.ones((size,), dtype)
     return weight
+
+
+def _bias_grad(g: Array, axes: tuple[int, ...], dtype: Any) -> Array:
+    """``db = sum(g)`` over ``axes`` (accumulated in float32 for low precision)."""
+    return _as_bias(jnp.sum(upcast(g), axis=axes).astype(g.dtype), dtype)
 
 
 def _as_bias(db: Any, dtype: Any) -> Any:
@@ -146,6 +153,8 @@ class BatchNorm2dBackward(Record):
         mean, rstd = self.save
         x = self.input
         if self.training:
+            if not (needs[0] or needs[1]):  # only the bias: the input was not saved
+                return None, None, _bias_grad(g, (0, 2, 3), self.bias_dtype), None, None
             weight = _weight_for_dw(self.weight, needs[1], self.channels, self.weight_dtype)
             dx, dw, db = kbn.batch_norm_train_bwd(x, weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
             db = _as_bias(db, self.bias_dtype) if needs[2] else None
