@@ -172,20 +172,23 @@ class StorageHandle:
         self._views.append((weakref.ref(view), next(_families) if detached else family))
 
     def stale_aliases(self, tensor: Any) -> list:
-        """The other live tensors viewing this storage that would be left with a
-        stale history if ``tensor`` took a recorded in-place write.
+        """The other live tensors viewing this storage that a write through
+        ``tensor`` while recording would leave with a stale history.
 
         Note [Aliases and in-place writes]
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
         Every tensor viewing a storage belongs to a *family*: the storage's
         first tensor and every transpose/reshape view of a family member are in
         family 0; ``detach()`` starts a new family (and views of a detached
-        tensor join it). A recorded write through ``tensor`` changes the value
-        every alias shows. Aliases in ``tensor``'s own family, and the original
-        family 0, would then show a value without its history, so the write is
-        refused (rumus_fx does not rebase views as PyTorch does). Aliases in
-        another detached family were cut from history on purpose: they show the
-        new value as constants, exactly as a ``detach()`` in PyTorch.
+        tensor join it). A write through ``tensor`` changes the value every
+        alias shows. rumus_fx does not rebase aliases onto the write's history
+        as PyTorch does; while a tape records, the write raises instead when an
+        alias would be left stale: any tracked alias, and (for a write whose
+        value depends on a tracked tensor) any alias in ``tensor``'s own family
+        or in family 0. The untracked members of another ``detach()`` family
+        were cut from history on purpose: they show the new value as a
+        constant, as a ``detach()`` does in PyTorch. Under ``no_grad()`` every
+        write just mutates.
         """
         if self._views is None:
             return []
@@ -195,7 +198,7 @@ class StorageHandle:
             t = r()
             if t is None or t is tensor:
                 continue
-            if family == own or family == 0:
+            if family == own or family == 0 or t.grad_id is not None:
                 out.append(t)
         return out
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..tensor import Tensor, next_leaf_id
-from .engine import run_backward
+from .engine import CROSS_TAPE_MESSAGE, run_backward
 from .errors import AutogradError
 from .tape import Tape, current_tape, recording
 
@@ -70,16 +70,23 @@ CAPTURED_MESSAGE = (
 )
 
 
-def _foreign_check(name: str, enclosing: bool) -> Any:
-    """The engine's ``foreign`` hook for a transform: with an enclosing tape
-    recording, a gradient reaching a tensor that is not one of the wrapped
-    leaves is a path the enclosing tape would silently miss. Without one,
-    such tensors are constants of ``fun`` and their gradients are dropped."""
-    if not enclosing:
-        return None
+def _foreign_check(name: str, enclosing: bool, first: int) -> Any:
+    """The engine's ``foreign`` hook for a transform whose leaves got ids above
+    ``first``: a gradient reached a tensor that the transform's tape did not
+    produce and that is not one of its leaves.
+
+    * A recorded result created during the call came from a tape opened inside
+      ``fun`` (a nested ``rf.Tape``): the path through it would be missed.
+    * A tensor created before the call is a closure of ``fun``: a constant,
+      unless an enclosing tape records, which would miss this path.
+    * A leaf created inside ``fun`` is a constant of it."""
+    from ..tensor import is_leaf_id
 
     def foreign(gid: int) -> None:
-        raise AutogradError(CAPTURED_MESSAGE.format(name=name, gid=gid))
+        if gid > first and not is_leaf_id(gid):
+            raise AutogradError(CROSS_TAPE_MESSAGE.format(gid=gid))
+        if gid < first and enclosing:
+            raise AutogradError(CAPTURED_MESSAGE.format(name=name, gid=gid))
 
     return foreign
 
@@ -172,6 +179,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         nums, single = _argnums_tuple(argnums, len(args), name)
         enclosing = current_tape() is not None
+        first = next_leaf_id()  # every id this call creates is larger
         tape = Tape()
         new_args = list(args)
         tracked: list[tuple[list[Tensor | None], Any]] = []
@@ -190,7 +198,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
         if loss is not None:
             seed = jnp.ones(loss.shape, loss.dtype)
             keep = {t.grad_id for tensors, _ in tracked for t in tensors if t is not None}
-            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(name, enclosing))
+            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(name, enclosing, first))
         else:
             grads = {}
         tape._entries = []
@@ -238,6 +246,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
     called more than once. Integer primals get ``float0`` cotangents, as in JAX.
     """
     enclosing = current_tape() is not None
+    first = next_leaf_id()  # every id this call creates is larger
     tape = Tape()
     new_primals = []
     tracked = []
@@ -270,7 +279,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
             ct = ct.astype(arr.dtype)
             seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
         keep = {t.grad_id for tensors, _, _ in tracked for t in tensors if t is not None}
-        grads = run_backward(entries, seeds, keep, _foreign_check("vjp", enclosing)) if seeds else {}
+        grads = run_backward(entries, seeds, keep, _foreign_check("vjp", enclosing, first)) if seeds else {}
         return tuple(
             jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
         )

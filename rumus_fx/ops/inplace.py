@@ -83,20 +83,22 @@ class CopyBackward(Record):
 
 
 def _recording_tape(self: Tensor, other: Any, op: str) -> Tape | None:
+    """The tape the write records on, None for a plain mutation; raises where a
+    write while recording would leave an alias silently stale (Note [Aliases
+    and in-place writes] in storage.py)."""
     tape = current_tape()
-    if tape is None:
-        return None
-    other_tracked = isinstance(other, Tensor) and other.grad_id is not None
-    if self.grad_id is None and not other_tracked:
+    if tape is None:  # no tape, or no_grad(): in-place ops only mutate
         return None
     if self.grad_id is not None and self._leaf:
         raise AutogradError(LEAF_MESSAGE.format(op=op, gid=self.grad_id))
-    # Note [Aliases and in-place writes] in storage.py: no alias left stale
     stale = self._storage.stale_aliases(self)
-    for t in stale:
+    for t in stale:  # a tracked alias: its history would not show the write
         if t.grad_id is not None:
             raise AutogradError(SHARED_MESSAGE.format(op=op, other=t.grad_id))
-    if stale:
+    other_tracked = isinstance(other, Tensor) and other.grad_id is not None
+    if self.grad_id is None and not other_tracked:
+        return None  # a constant written into constants
+    if stale:  # an untracked alias would show a value that depends on a tracked one
         t = stale[0]
         what = "base" if t.layout == Layout.contiguous(self._storage.buffer.shape) else "view"
         raise AutogradError(ALIAS_MESSAGE.format(op=op, what=what, shape=t.shape))
