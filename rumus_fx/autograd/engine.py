@@ -10,7 +10,11 @@ snapshots, (2) call its hand-written backward rule (eagerly as one cached
 compiled call, see ``record.run_backward_rule``), (3) check that it returned
 one gradient per input with that input's shape and dtype, and (4) accumulate the
 gradients by grad id. Entries whose output got no gradient are dead branches and
-are skipped. Nothing here calls JAX's autodiff: records are plain jnp/lax/Pallas.
+are skipped. After the walk, every id that received a gradient but that no entry
+produced is handed to a ``foreign`` hook: a leaf is fine, a recorded result means
+its history lies on another tape (a nested one), which would silently drop the
+gradients behind it, so ``Tape.backward`` and the transforms raise there. Nothing
+here calls JAX's autodiff: records are plain jnp/lax/Pallas.
 """
 
 from __future__ import annotations
