@@ -30,7 +30,10 @@ returns anything else is a silent mismatch and fails the test.
 
 Profiles: the deterministic CI profile of ``tests/test_fuzz.py``; by hand,
 ``RUMUS_FX_FUZZ=long RUMUS_FX_FUZZ_EXAMPLES=20000 python -m pytest -s -m fuzz_long
-tests/test_alias_fuzz.py`` (prints the outcome counts).
+tests/test_alias_fuzz.py`` (prints the outcome counts), or in parallel shards:
+``RUMUS_FX_FUZZ=long RUMUS_FX_FUZZ_EXAMPLES=10000 RUMUS_FX_FUZZ_SHARDS=2
+RUMUS_FX_FUZZ_REPORT=counts.jsonl python -m pytest -n 2 -m fuzz_long
+tests/test_alias_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -139,6 +144,10 @@ class Draw:
     def pick(self, seq: Sequence[Any]) -> Any:
         return seq[self.int(0, len(seq) - 1)]
 
+    def recent(self, seq: Sequence[Any]) -> Any:
+        """Half the time one of the newest three (where views and writes meet)."""
+        return self.pick(seq[-3:]) if self.chance(50) else self.pick(seq)
+
     def weighted(self, table: dict[str, int]) -> str:
         r = self.int(0, sum(table.values()) - 1)
         for name, w in table.items():
@@ -191,14 +200,14 @@ def gen_program(d: Draw, max_steps: int = 7) -> Program:
         if kind in ("unary", "binary", "index", "cast", "detach", "inplace", "copy_", "fill_", "inner_grad", "drop"):
             if not live:
                 continue
-            i = d.pick(live)
+            i = d.recent(live)
             if kind == "unary":
                 steps.append(Step(kind, (d.pick(["tanh", "sigmoid", "neg", "scale"]), i), **flags))
             elif kind == "binary":
                 steps.append(Step(kind, (d.pick(["add", "sub", "mul"]), i, d.pick(same(i))), **flags))
             elif kind == "inplace":
                 op = d.pick(["add_", "sub_", "mul_", "div_"])
-                other = None if op == "div_" or d.chance(25) else d.pick(same(i))
+                other = None if op == "div_" or d.chance(25) else d.recent(same(i))
                 steps.append(Step(kind, (op, i, other), **flags))
             elif kind == "copy_":
                 steps.append(Step(kind, (i, d.pick(same(i))), **flags))
@@ -211,7 +220,7 @@ def gen_program(d: Draw, max_steps: int = 7) -> Program:
         elif kind in ("transpose", "reshape"):
             if not mats:
                 continue
-            i = d.pick(mats)
+            i = d.recent(mats)
             if kind == "transpose":
                 steps.append(Step(kind, (i,), **flags))
             else:
@@ -578,6 +587,9 @@ def test_alias_programs_match_the_oracle_or_raise(prog):
 
 @pytest.fixture(scope="module")
 def report():
+    """Prints the outcome counts (run with -s) and appends them as one JSON line
+    to ``$RUMUS_FX_FUZZ_REPORT`` when set (one line per xdist worker)."""
+    STATS.clear()
     yield STATS
     total = STATS["match"] + STATS["refused"] + STATS["mismatch"]
     if total:
@@ -585,12 +597,19 @@ def report():
         lines[0] += f"{STATS['mismatch']} silent mismatches"
         lines += [f"  {k}: {v}" for k, v in sorted(STATS.items()) if ":" in k]
         print("\n" + "\n".join(lines))
+        path = os.environ.get("RUMUS_FX_FUZZ_REPORT")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(dict(STATS)) + "\n")
 
 
 @pytest.mark.fuzz_long
+@pytest.mark.parametrize("shard", range(int(os.environ.get("RUMUS_FX_FUZZ_SHARDS", "1"))))
 @long_fuzz()
 @given(prog=programs())
-def test_alias_programs_long(report, prog):
+def test_alias_programs_long(report, shard, prog):
+    """``RUMUS_FX_FUZZ_EXAMPLES`` programs per shard (``RUMUS_FX_FUZZ_SHARDS``,
+    default 1; run shards in parallel with ``-n``)."""
     check(prog)
 
 
@@ -648,7 +667,7 @@ def test_oracle_gives_pytorchs_values_on_the_known_programs():
         np.testing.assert_allclose(grads[0], 0.5 * w_y + w_p)
 
 
-def test_ci_profile_reaches_every_feature():
+def test_generator_reaches_every_feature():
     """The deterministic programs of a fixed seed range exercise every step kind,
     flag and mode, and the constellations behind the six known programs."""
     seen: collections.Counter = collections.Counter()
