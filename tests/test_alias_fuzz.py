@@ -684,3 +684,20 @@ def test_generator_reaches_every_feature():
                 seen["norm_of_constant"] += 1
     for name in [*KINDS, *MODES, "no_grad", "inner_tape", "inplace_on_param", "norm_of_constant"]:
         assert seen[name] > 0, name
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m tests.test_alias_fuzz COUNT [FIRST_SEED]``: the long profile
+    with numpy-drawn programs (seeds FIRST_SEED...), printing the outcome counts
+    every 500 programs, so that a run cut short still reports what it checked."""
+    count, first = int(argv[0]), int(argv[1]) if len(argv) > 1 else 0
+    for n, seed in enumerate(range(first, first + count), 1):
+        check(gen_program(Draw(rng=np.random.default_rng(seed))))
+        if n % 500 == 0 or n == count:
+            print(json.dumps({"programs": n, "first_seed": first, **STATS}), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
