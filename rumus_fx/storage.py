@@ -17,6 +17,7 @@ the storage (and its buffer) is free to die as soon as no tensor uses it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - older/newer jax without the helper
 _Tracer = jax.core.Tracer
 
 _LIVE: weakref.WeakSet[StorageHandle] = weakref.WeakSet()
+_families = itertools.count(1)  # detach() families of views (0: the original one)
 
 
 def live_storage_count() -> int:
@@ -119,9 +121,10 @@ class StorageHandle:
         self._buffer = buffer
         self._cell = _VersionCell()
         self._trace = _current_trace()
-        # weak references to the tensors viewing this storage; only filled once
-        # a second tensor (a view) appears, so plain tensors pay nothing
-        self._views: list[weakref.ref] | None = None
+        # (weak reference, family) of the tensors viewing this storage; only
+        # filled once a second tensor (a view) appears, so plain tensors pay
+        # nothing. See Note [Aliases and in-place writes].
+        self._views: list[tuple[weakref.ref, int]] | None = None
         _LIVE.add(self)
 
     @property
@@ -155,15 +158,55 @@ class StorageHandle:
         """Live tensors registered as viewing this storage."""
         if self._views is None:
             return []
-        alive = [r() for r in self._views]
+        alive = [r() for r, _ in self._views]
         return [t for t in alive if t is not None]
 
-    def _register_view(self, base: Any, view: Any) -> None:
+    def _family(self, tensor: Any) -> int:
+        if self._views is not None:
+            for r, family in self._views:
+                if r() is tensor:
+                    return family
+        return 0
+
+    def _register_view(self, base: Any, view: Any, detached: bool = False) -> None:
         if self._views is None:
-            self._views = [weakref.ref(base)]
+            self._views = [(weakref.ref(base), 0)]
+            family = 0
         else:  # drop dead entries so the list stays small
-            self._views = [r for r in self._views if r() is not None]
-        self._views.append(weakref.ref(view))
+            family = self._family(base)
+            self._views = [e for e in self._views if e[0]() is not None]
+        self._views.append((weakref.ref(view), next(_families) if detached else family))
+
+    def stale_aliases(self, tensor: Any) -> list:
+        """The other live tensors viewing this storage that a write through
+        ``tensor`` while recording would leave with a stale history.
+
+        Note [Aliases and in-place writes]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        Every tensor viewing a storage belongs to a *family*: the storage's
+        first tensor and every transpose/reshape view of a family member are in
+        family 0; ``detach()`` starts a new family (and views of a detached
+        tensor join it). A write through ``tensor`` changes the value every
+        alias shows. rumus_fx does not rebase aliases onto the write's history
+        as PyTorch does; while a tape records, the write raises instead when an
+        alias would be left stale: any tracked alias, and (for a write whose
+        value depends on a tracked tensor) any alias in ``tensor``'s own family
+        or in family 0. The untracked members of another ``detach()`` family
+        were cut from history on purpose: they show the new value as a
+        constant, as a ``detach()`` does in PyTorch. Under ``no_grad()`` every
+        write just mutates.
+        """
+        if self._views is None:
+            return []
+        own = self._family(tensor)
+        out = []
+        for r, family in self._views:
+            t = r()
+            if t is None or t is tensor:
+                continue
+            if family == own or family == 0 or t.grad_id is not None:
+                out.append(t)
+        return out
 
     def __repr__(self) -> str:
         shape = tuple(self._buffer.shape)

@@ -22,9 +22,30 @@ CAPTURE: Any = None
 
 
 def next_grad_id() -> int:
-    """A fresh, process-unique grad id."""
-    return next(_grad_ids)
+    """A fresh, process-unique grad id for a recorded result (even).
 
+    Leaves get odd ids (``next_leaf_id``), so the engine can tell from an id
+    alone whether a gradient that reached it must have come from a record of
+    the tape being walked (see ``engine.check_history``)."""
+    return 2 * next(_grad_ids)
+
+
+def next_leaf_id() -> int:
+    """A fresh, process-unique grad id for a leaf that requires grad (odd)."""
+    return 2 * next(_grad_ids) + 1
+
+
+def is_leaf_id(grad_id: int) -> bool:
+    """Whether ``grad_id`` was given to a leaf (``next_leaf_id``)."""
+    return grad_id % 2 == 1
+
+
+_NEW_LEAF_MESSAGE = (
+    "rf.tensor(t, requires_grad=True) of a tracked Tensor (grad_id={gid}) while a tape is "
+    "recording: the new leaf would silently cut t's history. Use rf.tensor(t) or "
+    "rf.tensor(t, dtype=...) for a recorded copy/cast, or rf.tensor(t.detach(), "
+    "requires_grad=True) for a new leaf on purpose."
+)
 
 _DETACH_MESSAGE = (
     "a tracked Tensor (grad_id={gid}) cannot be converted to an array while a tape is "
@@ -49,6 +70,8 @@ class Tensor:
     __array_priority__ = 1000
 
     def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None):
+        if isinstance(data, Tensor) and data.grad_id is not None and current_tape() is not None:
+            raise AutogradError(_NEW_LEAF_MESSAGE.format(gid=data.grad_id))
         arr = _to_array(data, dtype)
         self._storage = StorageHandle(arr)
         self._layout: Layout | None = None
@@ -58,7 +81,7 @@ class Tensor:
         if requires_grad:
             if not jnp.issubdtype(arr.dtype, jnp.floating):
                 raise TypeError(f"only floating-point tensors can require gradients, got dtype {arr.dtype}")
-            self.grad_id = next_grad_id()
+            self.grad_id = next_leaf_id()
 
     # -- construction helpers (internal) -------------------------------------
     @property
@@ -84,8 +107,9 @@ class Tensor:
         t._gid = grad_id
         return t
 
-    def _view(self, layout: Layout, grad_id: int | None) -> Tensor:
-        """A tensor sharing this tensor's storage through ``layout``."""
+    def _view(self, layout: Layout, grad_id: int | None, detached: bool = False) -> Tensor:
+        """A tensor sharing this tensor's storage through ``layout`` (``detached``:
+        cut from this tensor's history on purpose, as ``detach()``)."""
         t = Tensor.__new__(Tensor if grad_id is None else TrackedTensor)
         t._storage = self._storage
         buf_shape = tuple(self._storage._buffer.shape)
@@ -93,7 +117,7 @@ class Tensor:
         t._cache = None
         t._leaf = grad_id is None
         t._gid = grad_id
-        self._storage._register_view(self, t)
+        self._storage._register_view(self, t, detached)
         return t
 
     # -- array-like attributes -----------------------------------------------
@@ -216,7 +240,7 @@ class Tensor:
     # -- views -----------------------------------------------------------------
     def detach(self) -> Tensor:
         """An untracked view sharing this tensor's storage (and version)."""
-        return self._view(self.layout, None)
+        return self._view(self.layout, None, detached=True)
 
     def transpose(self, dim0: int, dim1: int) -> Tensor:
         return _ops().transpose(self, dim0, dim1)
@@ -398,5 +422,12 @@ def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
     >>> w = rf.tensor([[1.0, 2.0]], requires_grad=True)
     >>> w.shape, w.requires_grad
     ((1, 2), True)
+
+    A tracked tensor ``data`` while a tape records gives a recorded copy (cast
+    to ``dtype`` when given; records CastBackward), never a silent detach.
     """
+    if not requires_grad and isinstance(data, Tensor) and data.grad_id is not None and current_tape() is not None:
+        from .ops.cast import cast_to
+
+        return cast_to(data, data.dtype if dtype is None else dtype)
     return Tensor(data, requires_grad=requires_grad, dtype=dtype)

@@ -70,7 +70,7 @@ def test_debugging_outputs_are_real():
     with pytest.raises(rf.AutogradError) as info:
         exec(_PRELUDE + _block("example-anomaly"), {})
     assert f"{type(info.value).__name__}: {info.value}" == _output_after("example-anomaly")
-    # in a fresh interpreter, as a reader runs it (grad ids count from 1)
+    # in a fresh interpreter, as a reader runs it (leaves get odd grad ids from 3, results even ones)
     out = subprocess.run(
         [sys.executable, "-c", _PRELUDE + _block("example-table")], capture_output=True, text=True, check=True
     )

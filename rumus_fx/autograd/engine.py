@@ -10,13 +10,17 @@ snapshots, (2) call its hand-written backward rule (eagerly as one cached
 compiled call, see ``record.run_backward_rule``), (3) check that it returned
 one gradient per input with that input's shape and dtype, and (4) accumulate the
 gradients by grad id. Entries whose output got no gradient are dead branches and
-are skipped. Nothing here calls JAX's autodiff: records are plain jnp/lax/Pallas.
+are skipped. After the walk, every id that received a gradient but that no entry
+produced is handed to a ``foreign`` hook: a leaf is fine, a recorded result means
+its history lies on another tape (a nested one), which would silently drop the
+gradients behind it, so ``Tape.backward`` and the transforms raise there. Nothing
+here calls JAX's autodiff: records are plain jnp/lax/Pallas.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,7 +38,10 @@ ANOMALY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_a
 
 
 def run_backward(
-    entries: Sequence[TapeEntry], seeds: dict[int, jax.Array], keep: set[int] | None = None
+    entries: Sequence[TapeEntry],
+    seeds: dict[int, jax.Array],
+    keep: set[int] | None = None,
+    foreign: Callable[[int], None] | None = None,
 ) -> dict[int, jax.Array]:
     """Walk ``entries`` in reverse from the seed gradients; gradients by grad id.
 
@@ -42,12 +49,19 @@ def run_backward(
     gradient is dropped as soon as its producing record has used it (its
     consumers all come later on the tape, so it is final by then): eager
     backward then holds at most the gradients still in flight, not one per
-    intermediate tensor."""
+    intermediate tensor.
+
+    ``foreign(grad_id)`` is called, after the walk, for every id outside
+    ``keep`` that received a gradient although no entry here produced it and it
+    is no seed: a leaf, or a tensor whose history lies on another tape (see
+    ``check_history``)."""
     grads: dict[int, jax.Array] = dict(seeds)
+    produced: set[int] = set()
     anomaly = ANOMALY.get()
     anomaly_state = None  # traced "an earlier record failed" flag (see rumus_fx.debug)
     for index in range(len(entries) - 1, -1, -1):
         entry = entries[index]
+        produced.update(entry.outputs)
         op = entry.op
         if op.multi_output:  # one gradient (or None) per output
             grad_out = tuple(grads.get(o) for o in entry.outputs)
@@ -78,6 +92,11 @@ def run_backward(
             from ..debug import check_finite
 
             anomaly_state = check_finite(entry, index, grad_out, in_grads, anomaly_state, anomaly)
+    if foreign is not None:
+        for gid in [g for g in grads if g not in produced and g not in seeds and (keep is None or g not in keep)]:
+            foreign(gid)
+    if keep is not None:
+        grads = {g: v for g, v in grads.items() if g in keep}
     return grads
 
 
@@ -100,6 +119,24 @@ def _conform(name: str, k: int, g: Any, wanted: Any) -> Any:
     if out is not g and sharding.RESHARD_HOOK is not None:
         sharding.RESHARD_HOOK(name, k, jax.typeof(g).sharding, wanted)
     return out
+
+
+CROSS_TAPE_MESSAGE = (
+    "backward reached a tensor (grad_id={gid}) that is the result of an op recorded on "
+    "another tape (a nested rf.Tape, or a tape of rf.grad/vjp): this tape does not "
+    "hold its history, so the gradients behind it would silently be zero. Record the "
+    "whole computation on one tape (nested tapes record into the innermost only), or "
+    "call backward on the tape that recorded it."
+)
+
+
+def check_history(gid: int) -> None:
+    """``foreign`` hook of ``Tape.backward``: a gradient may stop at a leaf,
+    never at a recorded result that another tape holds."""
+    from ..tensor import is_leaf_id
+
+    if not is_leaf_id(gid):
+        raise AutogradError(CROSS_TAPE_MESSAGE.format(gid=gid))
 
 
 def _validate(name: str, k: int, g: Any, aval: Any) -> None:

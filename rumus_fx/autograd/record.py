@@ -5,12 +5,34 @@ dataclass named ``<Op>Backward`` that holds only what its backward rule reads:
 static metadata (shapes, axes, dtypes), the immutable arrays it needs, and one
 ``VersionSnapshot`` per storage whose *current* contents it would read. No
 closures: ``dataclasses.fields(record)`` shows everything it keeps.
+
+Note [Record fields]
+~~~~~~~~~~~~~~~~~~~~
+Each field is one of three kinds, read from the field itself, never from the
+text of its annotation:
+
+* ``saved``: data backward reads (arrays, python scalars such as the ``lr`` of
+  ``w * lr``, tuples of arrays, None). Pytree children, counted by
+  ``saved_bytes``.
+* ``snapshot``: a ``VersionSnapshot`` (or a tuple of them), checked before the
+  rule runs; dropped when the record is flattened.
+* ``static``: metadata (shapes, axes, dtypes, flags): pytree aux data.
+
+A field says its kind explicitly with ``saved()``, ``snapshot()`` or
+``static()`` (dataclass field metadata); otherwise its *resolved* type decides:
+a type that contains ``jax.Array`` is saved, one that contains
+``VersionSnapshot`` is a snapshot, anything else is static. As a last line of
+defence, a static field that holds an array at run time (say one annotated
+``Any``) is treated as saved data for that record, so it is never baked into
+a compiled rule as a constant nor missing from ``saved_bytes``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+import typing
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -53,6 +75,81 @@ class VersionSnapshot:
 
 _RECORD_TYPES: list[type[Record]] = []
 
+_KIND = "rumus_fx_kind"  # the dataclass field-metadata key naming a field's kind
+SAVED, SNAPSHOT, STATIC = "saved", "snapshot", "static"
+
+
+def saved(**kwargs: Any) -> Any:
+    """A record field holding data backward reads (``dataclasses.field`` kwargs
+    such as ``default=`` pass through)."""
+    return dataclasses.field(metadata={_KIND: SAVED}, **kwargs)
+
+
+def snapshot(**kwargs: Any) -> Any:
+    """A record field holding a ``VersionSnapshot`` (or a tuple of them)."""
+    return dataclasses.field(metadata={_KIND: SNAPSHOT}, **kwargs)
+
+
+def static(**kwargs: Any) -> Any:
+    """A record field holding static metadata (hashable: shapes, dtypes, flags)."""
+    return dataclasses.field(metadata={_KIND: STATIC}, **kwargs)
+
+
+def _mentions(tp: Any, target: type) -> bool:
+    """Whether the resolved type ``tp`` is, or is built from, ``target``
+    (``Array | None``, ``tuple[Array, ...]``, ``Optional[VersionSnapshot]`` ...)."""
+    if tp is target:
+        return True
+    if isinstance(tp, type):
+        try:
+            return issubclass(tp, target)
+        except TypeError:  # pragma: no cover - exotic metaclasses
+            return False
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _mentions(typing.get_args(tp)[0], target)
+    if origin is not None or isinstance(tp, types.UnionType):
+        return any(_mentions(a, target) for a in typing.get_args(tp) if a is not Ellipsis)
+    return False
+
+
+def _field_kinds(cls: type) -> dict[str, str]:
+    """The kind of every field of the record class ``cls`` (see Note [Record fields])."""
+    try:  # each class of the MRO resolves its annotations in its own module
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception as err:  # an annotation that cannot be resolved
+        hints = None
+        hint_error = err
+    kinds = {}
+    for f in dataclasses.fields(cls):
+        kind = f.metadata.get(_KIND)
+        if kind is None:
+            if hints is None:
+                raise TypeError(
+                    f"{cls.__name__}: cannot resolve the annotation of field {f.name!r} ({hint_error}); "
+                    "declare its kind with rumus_fx.autograd.record.saved() / snapshot() / static()"
+                )
+            tp = hints.get(f.name, Any)
+            if _mentions(tp, VersionSnapshot):
+                kind = SNAPSHOT
+            elif _mentions(tp, jax.Array):
+                kind = SAVED
+            else:
+                kind = STATIC
+        elif kind not in (SAVED, SNAPSHOT, STATIC):
+            raise TypeError(f"{cls.__name__}.{f.name}: unknown field kind {kind!r}")
+        kinds[f.name] = kind
+    return kinds
+
+
+def _holds_array(value: Any) -> bool:
+    """An array (jax, numpy or a tracer), or a tuple/list holding one."""
+    if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_array(v) for v in value)
+    return False
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Record:
@@ -68,15 +165,16 @@ class Record:
     multi_output: ClassVar[bool] = False
     _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
     _array_fields: ClassVar[tuple[str, ...] | None] = None
+    _static_fields: ClassVar[tuple[str, ...] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__name__.endswith("Backward"):
             _RECORD_TYPES.append(cls)
-            # records are pytrees (saved arrays as children, metadata as static
-            # aux data) so that eager backward can run each rule as one cached,
-            # compiled jax.jit call (see run_backward_rule)
-            jax.tree_util.register_pytree_node(cls, _flatten_record, functools.partial(_unflatten_record, cls))
+        # every record class, whatever its name, is a pytree (saved data as
+        # children, metadata as static aux data) so that eager backward can run
+        # each rule as one cached, compiled jax.jit call (see run_backward_rule)
+        jax.tree_util.register_pytree_node(cls, _flatten_record, functools.partial(_unflatten_record, cls))
 
     @property
     def name(self) -> str:
@@ -87,15 +185,15 @@ class Record:
 
     @classmethod
     def _classify_fields(cls) -> None:
-        snaps, arrays = [], []
-        for f in dataclasses.fields(cls):
-            kind = str(f.type)
-            if "VersionSnapshot" in kind:
-                snaps.append(f.name)
-            elif "Array" in kind:
-                arrays.append(f.name)
-        cls._snapshot_fields = tuple(snaps)
-        cls._array_fields = tuple(arrays)
+        kinds = _field_kinds(cls)
+        cls._snapshot_fields = tuple(n for n, k in kinds.items() if k == SNAPSHOT)
+        cls._array_fields = tuple(n for n, k in kinds.items() if k == SAVED)
+        cls._static_fields = tuple(n for n, k in kinds.items() if k == STATIC)
+
+    @classmethod
+    def field_kinds(cls) -> dict[str, str]:
+        """``{field name: "saved" | "snapshot" | "static"}`` (Note [Record fields])."""
+        return _field_kinds(cls)
 
     def snapshots(self) -> tuple[VersionSnapshot, ...]:
         """Every version snapshot this record holds."""
@@ -125,6 +223,10 @@ class Record:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (int, float, bool)):
                 out[name] = value
+        for name in cls._static_fields:  # undeclared arrays (Note [Record fields])
+            value = getattr(self, name)
+            if _holds_array(value):
+                out[name] = value
         return out
 
     @property
@@ -143,10 +245,10 @@ _CHILD = object()  # marks a field stored among the pytree children
 
 
 def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
-    """Saved data (fields annotated with ``Array``, whatever they hold: arrays,
-    python scalars such as the ``lr`` of ``w * lr``, None) are children, so a new
-    value never recompiles; version snapshots are dropped (checked before the
-    rule runs); everything else is static metadata."""
+    """Saved fields (whatever they hold: arrays, python scalars such as the
+    ``lr`` of ``w * lr``, None) are children, so a new value never recompiles;
+    version snapshots are dropped (checked before the rule runs); static fields
+    are aux data, unless one holds an array (Note [Record fields])."""
     cls = type(rec)
     if cls.__dict__.get("_array_fields") is None:
         cls._classify_fields()
@@ -160,7 +262,12 @@ def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
         elif name in cls._snapshot_fields:
             aux.append(None)
         else:
-            aux.append(getattr(rec, name))
+            value = getattr(rec, name)
+            if _holds_array(value):
+                children.append(value)
+                aux.append(_CHILD)
+            else:
+                aux.append(value)
     return children, tuple(aux)
 
 

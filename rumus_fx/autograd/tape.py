@@ -40,6 +40,20 @@ def suspend_recording() -> Iterator[None]:
         _TAPE.reset(token)
 
 
+@contextlib.contextmanager
+def recording(tape: Tape) -> Iterator[Tape]:
+    """Record on ``tape`` even inside an outer ``no_grad()``: what the transforms
+    do, as ``torch.func.grad`` and ``jax.grad``; a ``no_grad()`` entered inside
+    still stops recording there."""
+    tape_token = _TAPE.set(tape)
+    grad_token = _NO_GRAD.set(False)
+    try:
+        yield tape
+    finally:
+        _NO_GRAD.reset(grad_token)
+        _TAPE.reset(tape_token)
+
+
 class no_grad(contextlib.ContextDecorator):
     """Context manager (and decorator) inside which no op records.
 
@@ -183,8 +197,8 @@ class Tape:
                 "with rf.grad / rf.vjp inside the outer function: nested transforms record "
                 "their backward pass on the enclosing tape, to any order."
             )
-        from ..tensor import Tensor
-        from .engine import GradientStore, run_backward
+        from ..tensor import Tensor, is_leaf_id
+        from .engine import GradientStore, check_history, run_backward
 
         if self._consumed:
             raise AutogradError(
@@ -210,11 +224,25 @@ class Tape:
                 raise TypeError(
                     f"backward: grad has shape {tuple(seed.shape)} but the output has shape {tuple(loss.shape)}"
                 )
-        grads = run_backward(self._entries, {loss.grad_id: seed})
+        if not (is_leaf_id(loss.grad_id) or self._recorded(loss.grad_id)):
+            raise AutogradError(FOREIGN_LOSS_MESSAGE.format(gid=loss.grad_id))
+        grads = run_backward(self._entries, {loss.grad_id: seed}, foreign=check_history)
         if not retain:
             self._entries = []
             self._consumed = True
         return GradientStore(grads)
+
+    def _recorded(self, grad_id: int) -> bool:
+        """Whether an entry of this tape produced ``grad_id`` (the loss is
+        usually the last one, so search from the end)."""
+        return any(grad_id in e.outputs for e in reversed(self._entries))
+
+
+FOREIGN_LOSS_MESSAGE = (
+    "backward: the loss (grad_id={gid}) was not recorded on this tape (it is the result "
+    "of an op recorded on another tape, or of one recorded before this tape's entries "
+    "were released). Call backward on the tape that recorded the loss."
+)
 
 
 def _describe(x: Any) -> str:

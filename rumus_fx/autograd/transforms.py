@@ -2,7 +2,11 @@
 value_and_grad, vjp.
 
 Each call opens its own tape, wraps the differentiated leaves as tracked
-``Tensor`` leaves (new storages, version 0), runs ``fun`` and walks the tape.
+``Tensor`` leaves (new storages, version 0, ``requires_grad=True``: an in-place
+op on one raises, as on any such leaf), runs ``fun`` and walks the tape. The
+tape records even when the call sits inside an outer ``rf.no_grad()`` (as
+``torch.func.grad`` and ``jax.grad``); a ``no_grad()`` inside ``fun`` still
+stops recording there.
 Under ``jax.jit`` all of this runs once, at trace time; the tape and every
 storage die with the call, so nothing (no tracer) outlives it.
 """
@@ -17,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..tensor import Tensor, next_grad_id
+from ..tensor import Tensor, next_leaf_id
 from . import sharding
-from .engine import run_backward
-from .tape import Tape, current_tape
+from .engine import CROSS_TAPE_MESSAGE, run_backward
+from .errors import AutogradError
+from .tape import Tape, current_tape, recording
 
 
 def _is_tensor(x: Any) -> bool:
@@ -80,6 +85,36 @@ def _nested(transform: Callable, name: str) -> Callable:
     return call
 
 
+CAPTURED_MESSAGE = (
+    "{name}: the function uses a Tensor tracked by an enclosing tape (grad_id={gid}) "
+    "that is not one of its differentiated arguments (a closure over it?). The "
+    "enclosing tape does not see what {name} computes from it, so its gradients "
+    "would silently miss that path. Pass the tensor as an argument, or compute it "
+    "under `with rf.no_grad():` / from `t.detach()` if it is meant as a constant."
+)
+
+
+def _foreign_check(name: str, enclosing: bool, first: int) -> Any:
+    """The engine's ``foreign`` hook for a transform whose leaves got ids above
+    ``first``: a gradient reached a tensor that the transform's tape did not
+    produce and that is not one of its leaves.
+
+    * A recorded result created during the call came from a tape opened inside
+      ``fun`` (a nested ``rf.Tape``): the path through it would be missed.
+    * A tensor created before the call is a closure of ``fun``: a constant,
+      unless an enclosing tape records, which would miss this path.
+    * A leaf created inside ``fun`` is a constant of it."""
+    from ..tensor import is_leaf_id
+
+    def foreign(gid: int) -> None:
+        if gid > first and not is_leaf_id(gid):
+            raise AutogradError(CROSS_TAPE_MESSAGE.format(gid=gid))
+        if gid < first and enclosing:
+            raise AutogradError(CAPTURED_MESSAGE.format(name=name, gid=gid))
+
+    return foreign
+
+
 def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor | None], Any]:
     """Replace each leaf of ``tree`` by a tracked leaf Tensor."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
@@ -93,7 +128,8 @@ def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor |
             tensors.append(None)
             new_leaves.append(arr)
             continue
-        t = Tensor._wrap(arr, next_grad_id())
+        t = Tensor._wrap(arr, next_leaf_id())
+        t._leaf = True  # a leaf that requires grad, as rf.tensor(..., requires_grad=True)
         tensors.append(t)
         new_leaves.append(t)
     return jax.tree_util.tree_unflatten(treedef, new_leaves), tensors, treedef
@@ -177,13 +213,15 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
 
     def plain(*args: Any, **kwargs: Any) -> Any:
         nums, single = _argnums_tuple(argnums, len(args), name)
+        enclosing = current_tape() is not None
+        first = next_leaf_id()  # every id this call creates is larger
         tape = Tape()
         new_args = list(args)
         tracked: list[tuple[list[Tensor | None], Any]] = []
         for i in nums:
             new_args[i], tensors, treedef = _track(args[i], "grad")
             tracked.append((tensors, treedef))
-        with tape:
+        with recording(tape):
             out = _call(fun, new_args, kwargs)
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -195,7 +233,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
         if loss is not None:
             seed = jnp.ones(loss.shape, loss.dtype)
             keep = {t.grad_id for tensors, _ in tracked for t in tensors if t is not None}
-            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep)
+            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(name, enclosing, first))
         else:
             grads = {}
         tape._entries = []
@@ -269,6 +307,8 @@ def _nested_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
 
 
 def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
+    enclosing = current_tape() is not None
+    first = next_leaf_id()  # every id this call creates is larger
     tape = Tape()
     new_primals = []
     tracked = []
@@ -276,7 +316,7 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
         new_p, tensors, treedef = _track(p, "vjp", check=False)
         new_primals.append(new_p)
         tracked.append((tensors, treedef, [_leaf_array(x) for x in jax.tree_util.tree_leaves(p, is_leaf=_is_tensor)]))
-    with tape:
+    with recording(tape):
         out = _call(fun, new_primals, {})
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -301,7 +341,7 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
             ct = ct.astype(arr.dtype)
             seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
         keep = {t.grad_id for tensors, _, _ in tracked for t in tensors if t is not None}
-        grads = run_backward(entries, seeds, keep) if seeds else {}
+        grads = run_backward(entries, seeds, keep, _foreign_check("vjp", enclosing, first)) if seeds else {}
         return tuple(
             jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
         )

@@ -8,6 +8,7 @@ from .activation import sigmoid as sigmoid
 from .activation import softmax as softmax
 from .activation import tanh as tanh
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
+from .cast import cast_to as cast_to
 from .conv import adaptive_avg_pool2d as adaptive_avg_pool2d
 from .conv import add_channel_bias as add_channel_bias
 from .conv import conv2d as conv2d

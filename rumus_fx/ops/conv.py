@@ -41,7 +41,7 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 def _out_size(op: str, size: int, k: int, s: int, p: int, what: str) -> int:
     if size + 2 * p < k:
-        raise ValueError(
+        raise ShapeError(
             f"{op}: kernel_size {k} is larger than the padded input ({what} {size} + 2*padding {p} = {size + 2 * p})"
         )
     return (size + 2 * p - k) // s + 1

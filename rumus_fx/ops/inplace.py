@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ..autograd.errors import AutogradError, ShapeError
 from ..autograd.record import Aval, Record
 from ..autograd.tape import Tape, current_tape
+from ..storage import Layout
 from ..tensor import Tensor, next_grad_id
 from ._core import (
     BroadcastInfo,
@@ -48,6 +49,14 @@ SHARED_MESSAGE = (
     "recording. rumus_fx refuses rather than give that view a silently wrong "
     "gradient. Use the out-of-place op, or write under `with rf.no_grad():`."
 )
+ALIAS_MESSAGE = (
+    "{op}: in-place write of a value that depends on a tracked tensor into a storage "
+    "that another live tensor views (an untracked {what} of shape {shape}) while "
+    "recording. That tensor would show the new value without its history, so its "
+    "gradient would silently be zero (PyTorch rebases such views; rumus_fx refuses). "
+    "Use the out-of-place op (`y = x * b`), write into a tensor that has no other "
+    "views, or drop the other view first; `t.detach()` views are exempt."
+)
 
 
 @frozen
@@ -74,17 +83,25 @@ class CopyBackward(Record):
 
 
 def _recording_tape(self: Tensor, other: Any, op: str) -> Tape | None:
+    """The tape the write records on, None for a plain mutation; raises where a
+    write while recording would leave an alias silently stale (Note [Aliases
+    and in-place writes] in storage.py)."""
     tape = current_tape()
-    if tape is None:
-        return None
-    other_tracked = isinstance(other, Tensor) and other.grad_id is not None
-    if self.grad_id is None and not other_tracked:
+    if tape is None:  # no tape, or no_grad(): in-place ops only mutate
         return None
     if self.grad_id is not None and self._leaf:
         raise AutogradError(LEAF_MESSAGE.format(op=op, gid=self.grad_id))
-    for t in self._storage._tensors():
-        if t is not self and t.grad_id is not None:
+    stale = self._storage.stale_aliases(self)
+    for t in stale:  # a tracked alias: its history would not show the write
+        if t.grad_id is not None:
             raise AutogradError(SHARED_MESSAGE.format(op=op, other=t.grad_id))
+    other_tracked = isinstance(other, Tensor) and other.grad_id is not None
+    if self.grad_id is None and not other_tracked:
+        return None  # a constant written into constants
+    if stale:  # an untracked alias would show a value that depends on a tracked one
+        t = stale[0]
+        what = "base" if t.layout == Layout.contiguous(self._storage.buffer.shape) else "view"
+        raise AutogradError(ALIAS_MESSAGE.format(op=op, what=what, shape=t.shape))
     return tape
 
 

@@ -48,15 +48,34 @@ class LayerNormBackward(Record):
     norm_size: int
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
+    weight_dtype: Any = None  # set when there is a weight
 
     def backward(self, g, needs):
+        if not (needs[0] or needs[1]):  # only the bias: the input was not saved
+            return None, None, _bias_grad(g, tuple(range(g.ndim - 1)), self.bias_dtype)
         mean, rstd = self.save
-        dx, dw, db = kln.layer_norm_bwd(self.input, self.weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
+        weight = _weight_for_dw(self.weight, needs[1], self.norm_size, self.weight_dtype)
+        dx, dw, db = kln.layer_norm_bwd(self.input, weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
         return (
             dx if needs[0] else None,
             dw if needs[1] else None,
             _as_bias(db, self.bias_dtype) if needs[2] else None,
         )
+
+
+def _weight_for_dw(weight: Any, need_w: bool, size: int, dtype: Any) -> Any:
+    """The weight the backward kernels read. The weight's *data* is saved only
+    when the input's gradient reads it; when only the weight's own gradient is
+    needed (an untracked input), the kernels still need a weight to return
+    ``dw``: ones of its shape and dtype (``dw`` does not depend on its value)."""
+    if weight is None and need_w:
+        return jnp.ones((size,), dtype)
+    return weight
+
+
+def _bias_grad(g: Array, axes: tuple[int, ...], dtype: Any) -> Array:
+    """``db = sum(g)`` over ``axes`` (accumulated in float32 for low precision)."""
+    return _as_bias(jnp.sum(upcast(g), axis=axes).astype(g.dtype), dtype)
 
 
 def _as_bias(db: Any, dtype: Any) -> Any:
@@ -86,7 +105,16 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     saved_x, x_v = reads(x, need_x or need_w)
     saved_w, w_v = reads(weight, weight is not None and (need_x or need_w))  # dw needs to see a weight
     rec = LayerNormBackward(
-        saved_x, x_v, saved_w, w_v, (mean, rstd), xv.size // max(d, 1), d, bias is not None, getattr(bv, "dtype", None)
+        saved_x,
+        x_v,
+        saved_w,
+        w_v,
+        (mean, rstd),
+        xv.size // max(d, 1),
+        d,
+        bias is not None,
+        getattr(bv, "dtype", None),
+        getattr(wv, "dtype", None),
     )
     return record(tape, rec, (x, weight, bias), new_output(y, tape))
 
@@ -125,7 +153,10 @@ class BatchNorm2dBackward(Record):
         mean, rstd = self.save
         x = self.input
         if self.training:
-            dx, dw, db = kbn.batch_norm_train_bwd(x, self.weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
+            if not (needs[0] or needs[1]):  # only the bias: the input was not saved
+                return None, None, _bias_grad(g, (0, 2, 3), self.bias_dtype), None, None
+            weight = _weight_for_dw(self.weight, needs[1], self.channels, self.weight_dtype)
+            dx, dw, db = kbn.batch_norm_train_bwd(x, weight, mean, rstd, g, has_bias=self.has_bias and needs[2])
             db = _as_bias(db, self.bias_dtype) if needs[2] else None
             return (dx if needs[0] else None, dw if needs[1] else None, db, None, None)
         gf = upcast(g)

@@ -1,9 +1,11 @@
 """One parametrised suite over the op table: forward vs the jnp oracle, rf.grad vs
-jax.grad of the oracle (float32 and float64, eager and jit), a non-contiguous
+jax.grad of the oracle (float32 and float64, eager and jit), every proper subset
+of the differentiable arguments (the others plain arrays), a non-contiguous
 view as input, and float64 finite differences."""
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import chex
@@ -96,6 +98,49 @@ def test_grad_matches_jax(info: OpInfo, k: int, dtype, jit: bool):
         arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, dtype)
         # rf.grad (eager or jitted) vs jax.grad of the jnp oracle, shapes and dtypes too
         check_grads(fun_rf, arrays, diff, oracle=fun_ref, jit=jit, fd=False, **_tols(info, dtype))
+
+
+def proper_subsets(diff: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every non-empty proper subset of ``diff`` (none for a single argument)."""
+    return [c for r in range(1, len(diff)) for c in itertools.combinations(diff, r)]
+
+
+def _subset_cases(samples: str) -> list:
+    cases = []
+    for info in OPS:
+        ks = [0] if samples == "first" else range(1, len(_samples(info)))
+        for k in ks:
+            if proper_subsets(_samples(info)[k].diff):
+                cases.append(pytest.param(info, k, id=f"{info.name}-{k}"))
+    return cases
+
+
+def check_argument_subsets(info: OpInfo, k: int, dtype, jit: bool) -> None:
+    """rf.grad with respect to each proper subset of the differentiable
+    arguments, the others passed as plain arrays (untracked operands), against
+    jax.grad of the oracle with the same argnums."""
+    with jax.enable_x64(dtype == jnp.float64):
+        arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, dtype)
+        for subset in proper_subsets(diff):
+            try:
+                check_grads(fun_rf, arrays, subset, oracle=fun_ref, jit=jit, fd=False, **_tols(info, dtype))
+            except AssertionError as err:
+                raise AssertionError(f"{info.name} sample {k}, argnums={subset}: {err}") from None
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("info,k", _subset_cases("first"))
+def test_grad_of_each_argument_subset(info: OpInfo, k: int, dtype, jit: bool):
+    check_argument_subsets(info, k, dtype, jit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("info,k", _subset_cases("rest"))
+def test_grad_of_each_argument_subset_all_samples(info: OpInfo, k: int, dtype, jit: bool):
+    check_argument_subsets(info, k, dtype, jit)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

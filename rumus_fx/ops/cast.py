@@ -1,0 +1,44 @@
+"""A recorded copy with a dtype cast: what ``rf.tensor(t, dtype=...)`` of a
+tracked tensor means while a tape records."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..autograd.record import Record
+from ..tensor import Tensor
+from ._core import new_output, record, tape_for, value_of
+
+Array = jax.Array
+frozen = dataclasses.dataclass(frozen=True, eq=False)
+
+
+@frozen
+class CastBackward(Record):
+    """``y = x.astype(dtype)`` (a copy when the dtype is the same): ``dx = dy``
+    cast back to ``x``'s dtype; no gradient for a non-floating result. Reads no
+    data."""
+
+    input_dtype: Any
+
+    def backward(self, g, needs):
+        return (g if g.dtype == self.input_dtype else g.astype(self.input_dtype),)
+
+
+def cast_to(x: Any, dtype: Any) -> Tensor:
+    """``x`` as a new tensor (new storage) of ``dtype``; recorded (CastBackward)
+    when ``x`` is tracked, a tape records and ``dtype`` is floating."""
+    xv = value_of(x, "cast")
+    xv = jnp.asarray(xv)
+    dtype = np.dtype(dtype)
+    y = xv if xv.dtype == dtype else xv.astype(dtype)
+    tape = tape_for(x) if jnp.issubdtype(dtype, jnp.floating) else None
+    out = new_output(y, tape)
+    if tape is None:
+        return out
+    return record(tape, CastBackward(np.dtype(xv.dtype)), (x,), out)
