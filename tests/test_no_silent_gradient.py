@@ -242,11 +242,16 @@ def test_leaf_loss_and_unused_nested_tape_are_fine():
     np.testing.assert_allclose(tape.backward(w)[w], 1.0)
 
 
-def test_closure_over_a_tracked_tensor_under_an_enclosing_tape_raises():
-    with rf.Tape():
+def test_closure_over_a_tracked_tensor_under_an_enclosing_tape_is_differentiated():
+    # the inner transform is recorded on the enclosing tape (Note [Higher order]):
+    # the closed-over tensor is an input of that entry, so its path is not lost
+    with rf.Tape() as tape:
         w = rf.tensor(jnp.array([1.0, 2.0]), requires_grad=True)
-        with pytest.raises(rf.AutogradError, match="closure"):
-            rf.grad(lambda x: rf.sum(x * w))(jnp.ones(2))
+        g = rf.grad(lambda x: rf.sum(x * x * w))(jnp.ones(2))  # 2 x w
+        assert g.requires_grad
+        np.testing.assert_allclose(np.asarray(g.value), [2.0, 4.0])
+        loss = rf.sum(g)
+    np.testing.assert_allclose(tape.backward(loss)[w], [2.0, 2.0])
     # without an enclosing tape the closure is a constant of the function
     np.testing.assert_allclose(rf.grad(lambda x: rf.sum(x * w))(jnp.ones(2)), [1.0, 2.0])
 
