@@ -426,8 +426,8 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
 def _raise_shape_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
     """JAX's own shape errors, raised while tracing, as rf.ShapeError naming the
     function and the shapes (nothing is recorded then)."""
-    if isinstance(e, ShapeError) or "shape" not in str(e).lower():
-        return
+    if isinstance(e, (ShapeError, jax.errors.ConcretizationTypeError)) or "shape" not in str(e).lower():
+        return  # (a concretization error is about values, not shapes)
     shapes = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals)
     cls = ShapeTypeError if isinstance(e, TypeError) else ShapeError
     raise cls(f"{name}: operands of shapes {shapes}: {e}") from e

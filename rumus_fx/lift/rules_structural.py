@@ -130,12 +130,20 @@ defrule("broadcast_in_dim", _broadcast_in_dim_vjp)
 
 
 def _reshape_vjp(r, g):
-    return (g.reshape(r.in_avals[0].shape),) + (None,) * (len(r.in_avals) - 1)
+    shape = tuple(r.in_avals[0].shape)
+    dims = r.p.get("dimensions")
+    if dims is not None:  # the operand is transposed by ``dimensions`` first
+        g = lax.transpose(g.reshape(tuple(shape[d] for d in dims)), tuple(np.argsort(dims)))
+    return (g.reshape(shape),) + (None,) * (len(r.in_avals) - 1)
+
+
+def _squeeze_vjp(r, g):
+    return (g.reshape(r.in_avals[0].shape),)
 
 
 defrule("reshape", _reshape_vjp)
-defrule("squeeze", _reshape_vjp)
-defrule("expand_dims", _reshape_vjp)
+defrule("squeeze", _squeeze_vjp)
+defrule("expand_dims", _squeeze_vjp)
 
 
 def _transpose_vjp(r, g):

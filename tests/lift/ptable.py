@@ -137,6 +137,12 @@ CORE: list[PInfo] = [
         ("reshape", "transpose"),
     ),
     PInfo(
+        "reshape_dimensions",  # jnp.column_stack of a 2-D array: reshape with a transpose
+        lambda x: jnp.column_stack(x) * jnp.arange(12.0).reshape(4, 3),
+        unary(shapes=((3, 4),)),
+        ("reshape", "transpose"),
+    ),
+    PInfo(
         "squeeze_expand",
         lambda x: jnp.squeeze(jnp.expand_dims(x, 0), 0)[None] * 2.0,
         unary(shapes=((3, 4),)),
