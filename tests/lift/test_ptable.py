@@ -28,7 +28,13 @@ def _samples(info: PInfo) -> list[PSample]:
     return info.samples(np.random.default_rng(zlib.crc32(info.name.encode())))
 
 
-CASES = [pytest.param(info, k, id=f"{info.name}-{k}") for info in ENTRIES for k in range(len(_samples(info)))]
+# every sample of every entry; samples after the first run with -m slow (the
+# default run still exercises every rule, in both modes, through its first sample)
+CASES = [
+    pytest.param(info, k, id=f"{info.name}-{k}", marks=() if k == 0 else pytest.mark.slow)
+    for info in ENTRIES
+    for k in range(len(_samples(info)))
+]
 FIRST = [pytest.param(info, 0, id=info.name) for info in ENTRIES]
 FD = [pytest.param(info, 0, id=info.name) for info in ENTRIES if info.fd]
 VMAP = [pytest.param(info, 0, id=info.name) for info in ENTRIES if info.vmap]
@@ -85,9 +91,9 @@ def test_rule_matches_jax_grad(info, k, dtype, jit):
 @pytest.mark.parametrize("info,k", FIRST)
 def test_each_argument_alone(info, k):
     """Each differentiable argument alone (the others plain data), float64
-    eager and float32 jit: a rule that reads data saved for another argument
-    fails here."""
-    for dtype, jit in ((jnp.float64, False), (jnp.float32, True)):
+    eager (float32 jit too with -m slow): a rule that reads data saved for
+    another argument fails here."""
+    for dtype, jit in ((jnp.float64, False),):
         with jax.enable_x64(dtype == jnp.float64):
             args, f_rf, f_ref, diff = _setup(info, k, dtype)
             if len(diff) < 2:
@@ -95,6 +101,16 @@ def test_each_argument_alone(info, k):
             for r in range(1, len(diff)):
                 for subset in itertools.combinations(diff, r):
                     _check(info, args, f_rf, f_ref, subset, dtype, jit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("info,k", FIRST)
+def test_each_argument_alone_f32_jit(info, k):
+    with jax.enable_x64(False):
+        args, f_rf, f_ref, diff = _setup(info, k, jnp.float32)
+        for r in range(1, len(diff)):
+            for subset in itertools.combinations(diff, r):
+                _check(info, args, f_rf, f_ref, subset, jnp.float32, True)
 
 
 @pytest.mark.parametrize("info,k", FD)
