@@ -77,7 +77,7 @@ _SKIP = {
     "histogram", "histogram_bin_edges", "histogramdd", "histogram2d", "bincount", "digitize",
     "searchsorted", "unique", "unique_values", "nonzero", "flatnonzero", "argwhere", "where",
     "ldexp", "float_power", "copysign", "heaviside", "modf", "divmod", "floor_divide", "fmod",
-    "remainder", "mod", "interp", "piecewise", "select", "nanargmax", "nanargmin",
+    "remainder", "mod", "interp", "piecewise", "select", "nanargmax", "nanargmin", "from_dlpack", "frombuffer", "fromfunction", "fromiter", "fromstring",
 }  # fmt: skip
 
 
