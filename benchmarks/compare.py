@@ -131,8 +131,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(
+    argv: list[str] | None = None,
+    *,
+    description: str | None = None,
+    prepare: Callable[[Model], Model] = lambda model: model,
+    title: str = "ratios rf / jax.grad (< 1.00: rumus_fx faster or smaller), medians of interleaved runs",
+) -> None:
+    """Check and measure the models; ``prepare`` turns each into the pair to time."""
+    parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated subset of mlp,cnn,gpt")
     parser.add_argument("--repeats", type=int, default=30, help="timed runs of each jit step")
     parser.add_argument("--eager-repeats", type=int, default=5, help="timed runs of each eager step")
@@ -143,12 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     for name in args.models.split(","):
-        model = MODELS[name.strip()]()
+        model = prepare(MODELS[name.strip()]())
         l_rf, l_j = check_same(model)
         print(f"{model.name}: same loss ({l_rf:.6f} vs {l_j:.6f}) and gradients; measuring ...", flush=True)
         rows.append(measure(model, args.repeats, args.eager_repeats))
     print()
-    print("ratios rf / jax.grad (< 1.00: rumus_fx faster or smaller), medians of interleaved runs")
+    print(title)
     print(format_table(rows))
 
 

@@ -10,16 +10,12 @@ the same forward program. Same checks and ratios as ``python -m benchmarks.model
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import platform
-
-import jax
 
 import rumus_fx as rf
 
-from .compare import check_same, format_table, measure
-from .models import MODELS, Model
+from . import compare
+from .models import Model
 
 
 def lifted(model: Model) -> Model:
@@ -29,21 +25,12 @@ def lifted(model: Model) -> Model:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated subset of mlp,cnn,gpt")
-    parser.add_argument("--repeats", type=int, default=30, help="timed runs of each jit step")
-    parser.add_argument("--eager-repeats", type=int, default=5, help="timed runs of each eager step")
-    args = parser.parse_args(argv)
-    print(f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()})")
-    rows = []
-    for name in args.models.split(","):
-        model = lifted(MODELS[name.strip()]())
-        l_rf, l_j = check_same(model)
-        print(f"{model.name}: same loss ({l_rf:.6f} vs {l_j:.6f}) and gradients; measuring ...", flush=True)
-        rows.append(measure(model, args.repeats, args.eager_repeats))
-    print()
-    print("ratios rf.grad(rf.lift(f)) / jax.grad(f) (< 1.00: rumus_fx faster or smaller)")
-    print(format_table(rows))
+    compare.main(
+        argv,
+        description=__doc__.splitlines()[0],
+        prepare=lifted,
+        title="ratios rf.grad(rf.lift(f)) / jax.grad(f) (< 1.00: rumus_fx faster or smaller)",
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -85,32 +85,22 @@ def _nested(transform: Callable, name: str) -> Callable:
     return call
 
 
-CAPTURED_MESSAGE = (
-    "{name}: the function uses a Tensor tracked by an enclosing tape (grad_id={gid}) "
-    "that is not one of its differentiated arguments (a closure over it?). The "
-    "enclosing tape does not see what {name} computes from it, so its gradients "
-    "would silently miss that path. Pass the tensor as an argument, or compute it "
-    "under `with rf.no_grad():` / from `t.detach()` if it is meant as a constant."
-)
-
-
-def _foreign_check(name: str, enclosing: bool, first: int) -> Any:
+def _foreign_check(first: int) -> Any:
     """The engine's ``foreign`` hook for a transform whose leaves got ids above
     ``first``: a gradient reached a tensor that the transform's tape did not
     produce and that is not one of its leaves.
 
     * A recorded result created during the call came from a tape opened inside
       ``fun`` (a nested ``rf.Tape``): the path through it would be missed.
-    * A tensor created before the call is a closure of ``fun``: a constant,
-      unless an enclosing tape records, which would miss this path.
+    * A tensor created before the call is a closure of ``fun``: a constant of
+      it. (Under an enclosing tape the transform runs lifted, Note [Higher
+      order], and such a closure is captured as an input of the lifted entry.)
     * A leaf created inside ``fun`` is a constant of it."""
     from ..tensor import is_leaf_id
 
     def foreign(gid: int) -> None:
         if gid > first and not is_leaf_id(gid):
             raise AutogradError(CROSS_TAPE_MESSAGE.format(gid=gid))
-        if gid < first and enclosing:
-            raise AutogradError(CAPTURED_MESSAGE.format(name=name, gid=gid))
 
     return foreign
 
@@ -213,7 +203,6 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
 
     def plain(*args: Any, **kwargs: Any) -> Any:
         nums, single = _argnums_tuple(argnums, len(args), name)
-        enclosing = current_tape() is not None
         first = next_leaf_id()  # every id this call creates is larger
         tape = Tape()
         new_args = list(args)
@@ -233,7 +222,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
         if loss is not None:
             seed = jnp.ones(loss.shape, loss.dtype)
             keep = {t.grad_id for tensors, _ in tracked for t in tensors if t is not None}
-            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(name, enclosing, first))
+            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(first))
         else:
             grads = {}
         tape._entries = []
@@ -307,7 +296,6 @@ def _nested_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
 
 
 def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
-    enclosing = current_tape() is not None
     first = next_leaf_id()  # every id this call creates is larger
     tape = Tape()
     new_primals = []
@@ -341,7 +329,7 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
             ct = ct.astype(arr.dtype)
             seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
         keep = {t.grad_id for tensors, _, _ in tracked for t in tensors if t is not None}
-        grads = run_backward(entries, seeds, keep, _foreign_check("vjp", enclosing, first)) if seeds else {}
+        grads = run_backward(entries, seeds, keep, _foreign_check(first)) if seeds else {}
         return tuple(
             jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
         )
