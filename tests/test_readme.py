@@ -8,6 +8,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+import rumus_fx as rf
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -128,3 +130,16 @@ def test_higher_order_section_runs():
     assert float(jnp.abs(ns["gw"] - jax.grad(penalty_j)(w, x)).max()) < 1e-5
     d3 = jax.grad(jax.grad(jax.grad(jnp.tanh)))(0.5)
     assert abs(float(ns["d3"]) - float(d3)) < 1e-5
+
+
+def test_create_graph_section_runs():
+    ns: dict = {}
+    exec(compile(_block("example-create-graph"), "README.md:example-create-graph", "exec"), ns)
+    x0 = jnp.linspace(-1.0, 1.0, 4)
+
+    def penalty_j(x):
+        gx = jax.grad(lambda x: jnp.sum(jnp.tanh(x) * jnp.exp(x)))(x)
+        return jnp.sum((gx - 1.0) ** 2)
+
+    assert isinstance(ns["gx"], rf.Tensor)
+    assert float(jnp.abs(ns["hx"] - jax.grad(penalty_j)(x0)).max()) < 1e-5

@@ -32,6 +32,10 @@ from .errors import AutogradError
 from .record import run_backward_rule as _run_rule
 from .tape import TapeEntry
 
+# backward(create_graph=True): set by rumus_fx.lift (which builds on this
+# package) to its recorded walk, Note [Create graph] in rumus_fx/lift/higher.py
+CREATE_GRAPH: Callable[..., dict[int, Any]] | None = None
+
 # anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
 # mode string ("callback" or "checkify")
 ANOMALY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_anomaly", default=None)
@@ -42,6 +46,7 @@ def run_backward(
     seeds: dict[int, jax.Array],
     keep: set[int] | None = None,
     foreign: Callable[[int], None] | None = None,
+    rule: Callable[[TapeEntry, Any, tuple[bool, ...]], tuple] | None = None,
 ) -> dict[int, jax.Array]:
     """Walk ``entries`` in reverse from the seed gradients; gradients by grad id.
 
@@ -54,7 +59,11 @@ def run_backward(
     ``foreign(grad_id)`` is called, after the walk, for every id outside
     ``keep`` that received a gradient although no entry here produced it and it
     is no seed: a leaf, or a tensor whose history lies on another tape (see
-    ``check_history``)."""
+    ``check_history``).
+
+    ``rule(entry, grad_out, needs)`` replaces how a record's rule is run
+    (``backward(create_graph=True)`` differentiates the rules through the
+    values they saved, Note [Create graph] in rumus_fx/lift/higher.py)."""
     grads: dict[int, jax.Array] = dict(seeds)
     produced: set[int] = set()
     anomaly = ANOMALY.get()
@@ -73,7 +82,7 @@ def run_backward(
                 continue  # dead branch: nothing downstream needs this op
         op.check_versions()
         needs = tuple(i is not None for i in entry.inputs)
-        in_grads = run_backward_rule(op, grad_out, needs)
+        in_grads = run_backward_rule(op, grad_out, needs) if rule is None else rule(entry, grad_out, needs)
         if keep is not None:
             for o in entry.outputs:
                 if o not in keep:
@@ -98,6 +107,51 @@ def run_backward(
     if keep is not None:
         grads = {g: v for g, v in grads.items() if g in keep}
     return grads
+
+
+def gradients(
+    entries: Sequence[TapeEntry],
+    seeds: Sequence[tuple[int | None, Any]],
+    wrt: Sequence[tuple[Any, Any]] | None = None,
+    foreign: Callable[[int], None] | None = None,
+    create_graph_on: Any = None,
+) -> Any:
+    """The one backward entry point of ``Tape.backward``, ``grad``,
+    ``value_and_grad`` and ``vjp``: seeds -> walk -> gradients.
+
+    ``seeds`` pairs an output's grad id (None: untracked, skipped) with its
+    cotangent; several cotangents for one id add up. Without ``wrt`` the result
+    is every gradient by grad id; with ``wrt`` (pairs of a tracked leaf Tensor,
+    or None for an undifferentiated one, and an array like it) one gradient per
+    pair: zeros (keeping the leaf's sharding) where none arrived, ``float0``
+    zeros for None. ``create_graph_on``: the tape the walk is recorded on
+    (``backward(create_graph=True)``, Note [Create graph] in
+    rumus_fx/lift/higher.py); the gradients are then Tensors."""
+    by_id: dict[int, Any] = {}
+    for gid, ct in seeds:
+        if gid is not None:
+            by_id[gid] = ct if gid not in by_id else by_id[gid] + ct
+    keep = None if wrt is None else {t.grad_id for t, _ in wrt if t is not None}
+    if not by_id:
+        grads: dict[int, Any] = {}
+    elif create_graph_on is not None:
+        if CREATE_GRAPH is None:  # pragma: no cover - rumus_fx imports rumus_fx.lift
+            raise AutogradError("backward(create_graph=True) needs rumus_fx.lift")
+        grads = CREATE_GRAPH(entries, by_id, create_graph_on, foreign)
+    else:
+        grads = run_backward(entries, by_id, keep, foreign)
+    if wrt is None:
+        return grads
+    out = []
+    for t, like in wrt:
+        g = grads.get(t.grad_id) if t is not None else None
+        if g is None:
+            if t is None:
+                g = np.zeros(like.shape, jax.dtypes.float0)
+            else:
+                g = sharding.zeros(like.shape, like.dtype, sharding.sharding_of(like))
+        out.append(g)
+    return out
 
 
 def run_backward_rule(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:

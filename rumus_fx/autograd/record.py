@@ -163,6 +163,13 @@ class Record:
     # records of ops with several outputs get a tuple of gradients (None where
     # an output got none) instead of one gradient
     multi_output: ClassVar[bool] = False
+    # saved fields computed in the forward pass rather than inputs/outputs of the
+    # op: ``backward(create_graph=True)`` rebuilds them with ``derive(entry)``,
+    # or raises where a record defines none (Note [Create graph])
+    derived_fields: ClassVar[tuple[str, ...]] = ()
+    # inputs ``derive`` reads as tracers of the walk although the record does not
+    # save them (their gradients depend only on the saved values)
+    derive_inputs: ClassVar[tuple[int, ...]] = ()
     _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
     _array_fields: ClassVar[tuple[str, ...] | None] = None
     _static_fields: ClassVar[tuple[str, ...] | None] = None
@@ -294,6 +301,39 @@ def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tup
     if isinstance(g, jax.core.Tracer) or any(isinstance(c, jax.core.Tracer) for c in jax.tree_util.tree_leaves(rec)):
         return rec.backward(g, needs)
     return _jitted_backward(rec, g, needs)
+
+
+def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str, int | None, int | None], ...]:
+    """Where the saved data of ``rec`` came from (Note [Create graph] in
+    rumus_fx/lift/higher.py): one ``(field, index in a tuple field or None,
+    grad id)`` per saved array that *is* (by identity) the value of one of the
+    op's inputs or outputs, given as ``known = {id(value): grad id or None}``
+    (None: an untracked input, a constant). Saved arrays not listed were
+    computed in the forward pass (derived residuals)."""
+    cls = type(rec)
+    if cls.__dict__.get("_array_fields") is None:
+        cls._classify_fields()
+    out: list[tuple[str, int | None, int | None]] = []
+    for name in cls._array_fields:
+        value = getattr(rec, name)
+        if isinstance(value, tuple):
+            for k, v in enumerate(value):
+                if id(v) in known:
+                    out.append((name, k, known[id(v)]))
+        elif value is not None and id(value) in known:
+            out.append((name, None, known[id(value)]))
+    return tuple(out)
+
+
+def exact_value(saved: Any, recomputed: Any) -> Any:
+    """``saved`` in value, with the derivatives of ``recomputed`` (which equals
+    it up to rounding): ``saved + (r - stop_gradient(r))``. How a record rebuilds
+    a value its forward computed as a function of its substituted inputs
+    (``derive``, Note [Create graph] in rumus_fx/lift/higher.py)."""
+    if saved is None or not np.issubdtype(np.dtype(saved.dtype), np.inexact):
+        return saved
+    r = recomputed.astype(saved.dtype)
+    return saved + (r - jax.lax.stop_gradient(r))
 
 
 def record_types() -> tuple[type[Record], ...]:

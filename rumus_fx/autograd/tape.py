@@ -84,6 +84,12 @@ class TapeEntry:
     input_avals: tuple[tuple[tuple[int, ...], Any] | None, ...] = ()
     output_avals: tuple[tuple[tuple[int, ...], Any], ...] = ()
     input_shardings: tuple[Any, ...] = ()
+    # Note [Create graph] (rumus_fx/lift/higher.py): which saved arrays of ``op``
+    # are values of its inputs/outputs (``record.provenance_of``), and for a
+    # lifted call weak references to its input values, so that
+    # ``backward(create_graph=True)`` can differentiate the rule through them
+    provenance: tuple[tuple[str, int | None, int | None], ...] = ()
+    replay: tuple[Any, ...] = ()
 
 
 class Tape:
@@ -119,11 +125,16 @@ class Tape:
         input_avals: tuple = (),
         output_avals: tuple = (),
         input_shardings: tuple = (),
+        provenance: tuple = (),
+        replay: tuple = (),
     ) -> None:
         """Append one entry; ``input_shardings`` (``autograd.sharding.sharding_of``
         of each input, or ()) lets the engine check that the record's gradients
-        keep their inputs' explicit shardings."""
-        self._entries.append(TapeEntry(op, inputs, outputs, input_avals, output_avals, input_shardings))
+        keep their inputs' explicit shardings; ``provenance``/``replay``: see
+        ``TapeEntry``."""
+        self._entries.append(
+            TapeEntry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay)
+        )
 
     # -- inspection ----------------------------------------------------------
     @property
@@ -184,21 +195,14 @@ class Tape:
         ``loss`` is a tracked scalar tensor (or pass ``grad=`` of its shape for a
         non-scalar output). Unless ``retain=True`` the tape is consumed: its
         records are released and a second ``backward`` raises ``AutogradError``.
-        ``create_graph=True`` is not supported by the Tape API yet (its records
-        keep values, not the programs that made them): it raises
-        ``AutogradError``; nest the transforms instead (``rf.grad(rf.grad(f))``,
-        ``rf.vjp`` inside a loss), which record the inner backward to any order.
+        ``create_graph=True`` records the backward walk on the enclosing tape
+        (this tape when no other one is active; Note [Create graph] in
+        rumus_fx/lift/higher.py): the gradients are then tracked Tensors that
+        can be differentiated again, and the tape is retained (as PyTorch's
+        ``retain_graph`` defaults to ``create_graph``).
         """
-        if create_graph:
-            raise AutogradError(
-                "tape.backward(create_graph=True) is not supported: the tape's records hold "
-                "saved values, not the programs that made them, so the backward pass cannot be "
-                "differentiated through them without losing terms. Write the inner gradient "
-                "with rf.grad / rf.vjp inside the outer function: nested transforms record "
-                "their backward pass on the enclosing tape, to any order."
-            )
         from ..tensor import Tensor, is_leaf_id
-        from .engine import GradientStore, check_history, run_backward
+        from .engine import GradientStore, check_history, gradients
 
         if self._consumed:
             raise AutogradError(
@@ -219,14 +223,19 @@ class Tape:
                 )
             seed = jnp.ones(loss.shape, loss.dtype)
         else:
-            seed = jnp.asarray(grad, dtype=loss.dtype)
+            # a tracked cotangent stays tracked when the walk is recorded
+            tracked_grad = create_graph and isinstance(grad, Tensor) and grad.grad_id is not None
+            seed = grad if tracked_grad and grad.dtype == loss.dtype else jnp.asarray(grad, dtype=loss.dtype)
             if tuple(seed.shape) != tuple(loss.shape):
                 raise TypeError(
                     f"backward: grad has shape {tuple(seed.shape)} but the output has shape {tuple(loss.shape)}"
                 )
         if not (is_leaf_id(loss.grad_id) or self._recorded(loss.grad_id)):
             raise AutogradError(FOREIGN_LOSS_MESSAGE.format(gid=loss.grad_id))
-        grads = run_backward(self._entries, {loss.grad_id: seed}, foreign=check_history)
+        target = (current_tape() or self) if create_graph else None
+        grads = gradients(self._entries, [(loss.grad_id, seed)], foreign=check_history, create_graph_on=target)
+        if create_graph:
+            return GradientStore(grads)
         if not retain:
             self._entries = []
             self._consumed = True

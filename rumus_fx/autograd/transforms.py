@@ -23,7 +23,7 @@ import numpy as np
 
 from ..tensor import Tensor, next_leaf_id
 from . import sharding
-from .engine import CROSS_TAPE_MESSAGE, run_backward
+from .engine import CROSS_TAPE_MESSAGE, gradients
 from .errors import AutogradError
 from .tape import Tape, current_tape, recording
 
@@ -151,21 +151,6 @@ def _scalar_output(out: Any, name: str) -> tuple[jax.Array, Tensor | None]:
     return value, tracked
 
 
-def _gather(tensors: list[Tensor | None], leaves_like: list[jax.Array], grads: dict[int, jax.Array]) -> list:
-    out = []
-    for t, like in zip(tensors, leaves_like):
-        g = grads.get(t.grad_id) if t is not None else None
-        if g is None:
-            dtype = like.dtype if t is not None else jax.dtypes.float0
-            g = (
-                sharding.zeros(like.shape, dtype, sharding.sharding_of(like))
-                if t is not None
-                else np.zeros(like.shape, dtype)
-            )
-        out.append(g)
-    return out
-
-
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
     """Like ``jax.value_and_grad``, computed by recording ``fun`` on a tape.
 
@@ -219,17 +204,14 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
                 )
             out, aux = out
         value, loss = _scalar_output(out, "grad")
-        if loss is not None:
-            seed = jnp.ones(loss.shape, loss.dtype)
-            keep = {t.grad_id for tensors, _ in tracked for t in tensors if t is not None}
-            grads = run_backward(tape._entries, {loss.grad_id: seed}, keep, _foreign_check(first))
-        else:
-            grads = {}
+        seeds = [(loss.grad_id, jnp.ones(loss.shape, loss.dtype))] if loss is not None else []
+        wrt = [(t, t.value) for tensors, _ in tracked for t in tensors]
+        flat = gradients(tape._entries, seeds, wrt, _foreign_check(first))
         tape._entries = []
         results = []
+        it = iter(flat)
         for tensors, treedef in tracked:
-            likes = [t.value for t in tensors]
-            results.append(jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)))
+            results.append(jax.tree_util.tree_unflatten(treedef, [next(it) for _ in tensors]))
         g = results[0] if single else tuple(results)
         if has_aux:
             return (value, _to_arrays(aux)), g
@@ -319,20 +301,15 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
         ct_leaves, ct_tree = jax.tree_util.tree_flatten(cotangent)
         if ct_tree != out_tree:
             raise TypeError(f"vjp: cotangent tree structure {ct_tree} does not match the output structure {out_tree}")
-        seeds: dict[int, jax.Array] = {}
+        seeds = []
         for gid, arr, ct in zip(out_ids, out_arrays, ct_leaves):
             ct = jnp.asarray(ct)
             if tuple(ct.shape) != tuple(arr.shape):
                 raise ValueError(f"vjp: cotangent of shape {tuple(ct.shape)} for an output of shape {tuple(arr.shape)}")
-            if gid is None:
-                continue
-            ct = ct.astype(arr.dtype)
-            seeds[gid] = ct if gid not in seeds else seeds[gid] + ct
-        keep = {t.grad_id for tensors, _, _ in tracked for t in tensors if t is not None}
-        grads = run_backward(entries, seeds, keep, _foreign_check(first)) if seeds else {}
-        return tuple(
-            jax.tree_util.tree_unflatten(treedef, _gather(tensors, likes, grads)) for tensors, treedef, likes in tracked
-        )
+            seeds.append((gid, ct.astype(arr.dtype)))
+        wrt = [(t, like) for tensors, _, likes in tracked for t, like in zip(tensors, likes)]
+        it = iter(gradients(entries, seeds, wrt, _foreign_check(first)))
+        return tuple(jax.tree_util.tree_unflatten(treedef, [next(it) for _ in tensors]) for tensors, treedef, _ in tracked)
 
     out_tree_arrays = jax.tree_util.tree_unflatten(out_tree, out_arrays)
     if has_aux:

@@ -535,6 +535,13 @@ def attention_fwd_reference(q, k, v, mask, *, causal: bool, scale: float):
     return out.astype(q.dtype), lse
 
 
+def attention_lse(q, k, mask, *, causal: bool, scale: float):
+    """The per-row log-sum-exp of the scores, as ``attention_fwd_reference``."""
+    s = _scores(q, k, mask, causal=causal, scale=scale)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    return (m + jnp.log(jnp.sum(jnp.exp(s - m), axis=-1, keepdims=True)))[..., 0]
+
+
 def attention_bwd_reference(q, k, v, mask, out, lse, g, *, causal: bool, scale: float, mask_grad: bool = False):
     """-> (dq, dk, dv, dmask | None); dmask only for a float (additive) mask."""
     s = _scores(q, k, mask, causal=causal, scale=scale)

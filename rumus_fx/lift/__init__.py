@@ -1,6 +1,8 @@
 """Any JAX program on the tape: ``rf.lift``, ``rf.checkpoint`` and the
 per-primitive rules (one module per family; importing them declares the rules)."""
 
+from ..autograd import engine as _engine
+from . import higher as _higher
 from . import rules_control as rules_control
 from . import rules_conv as rules_conv
 from . import rules_elementwise as rules_elementwise
@@ -15,3 +17,5 @@ from .rules import NON_DIFFERENTIABLE as NON_DIFFERENTIABLE
 from .rules import RULES as RULES
 from .rules import PrimitiveRecord as PrimitiveRecord
 from .rules import defrule as defrule
+
+_engine.CREATE_GRAPH = _higher.recorded_backward  # Note [Create graph] in higher.py

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -523,11 +524,35 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
             out_ids,
             tuple(program.in_avals),
             tuple(program.out_avals),
+            replay=weak_values(all_values),
         )
     it_o = iter(out_tensors)
     it_s = iter(out_statics)
     out_leaves = [next(it_o) if m else next(it_s) for m in out_mask]
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+
+def weak_values(values: Sequence[Any]) -> tuple[Any, ...]:
+    """Weak references to a lifted call's input values, for
+    ``backward(create_graph=True)`` (Note [Create graph] in lift/higher.py);
+    python scalars, which cannot be weakly referenced, are kept."""
+    out: list[Any] = []
+    for v in values:
+        try:
+            out.append(weakref.ref(v))
+        except TypeError:
+            out.append(_Strong(v))
+    return tuple(out)
+
+
+class _Strong:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
 
 
 def _closes_over_tensor(objs: Sequence[Any], depth: int = 3) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -12,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..autograd.errors import ShapeError
-from ..autograd.record import Aval, VersionSnapshot
+from ..autograd.record import Aval, VersionSnapshot, provenance_of
 from ..autograd.sharding import sharding_of
-from ..autograd.tape import Tape, TapeEntry, current_tape
+from ..autograd.tape import Tape, current_tape
 from ..kernels._util import is_low_precision as is_low_precision
 from ..tensor import Tensor, next_grad_id
 
@@ -111,19 +110,28 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     ids = []
     avals = []
     shardings = []
+    known: dict[int, int | None] = {id(out._storage._buffer): out.grad_id}
     for x in inputs:
         if isinstance(x, Tensor):
+            known.setdefault(id(x.value), x.grad_id)
             ids.append(x.grad_id)
             avals.append(Aval(x.shape, x.dtype))
             shardings.append(sharding_of(x.value) if x.grad_id is not None else None)
         else:
+            if x is not None:
+                known.setdefault(id(x), None)
             ids.append(None)
             avals.append(aval_of(x))
             shardings.append(None)
-    entry = TapeEntry(op, tuple(ids), (out.grad_id,), tuple(avals), (Aval(out.shape, out.dtype),))
-    if any(s is not None for s in shardings):
-        entry = dataclasses.replace(entry, input_shardings=tuple(shardings))
-    tape._entries.append(entry)
+    tape.append(
+        op,
+        tuple(ids),
+        (out.grad_id,),
+        tuple(avals),
+        (Aval(out.shape, out.dtype),),
+        tuple(shardings) if any(s is not None for s in shardings) else (),
+        provenance_of(op, known),
+    )
     return out
 
 

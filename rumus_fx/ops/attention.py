@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..autograd.errors import ShapeError
-from ..autograd.record import Record, VersionSnapshot
+from ..autograd.errors import AutogradError, ShapeError
+from ..autograd.record import Record, VersionSnapshot, exact_value
 from ..kernels import attention as kattn
 from ..tensor import Tensor
 from ._core import (
@@ -53,6 +53,20 @@ class ScaledDotProductAttentionBackward(Record):
     causal: bool
     scale: float
     mask_broadcast: Any
+    derived_fields = ("lse",)
+
+    def derive(self, entry: Any, env: dict[int, Any]) -> ScaledDotProductAttentionBackward:
+        """The log-sum-exp as a function of the (substituted) q, k and mask."""
+        if len(entry.inputs) > 3 and entry.inputs[3] is not None:
+            if not any(name == "mask" and gid is not None for name, _, gid in entry.provenance):
+                raise AutogradError(
+                    "tape.backward(create_graph=True): scaled_dot_product_attention keeps its "
+                    "tracked mask broadcast, not the mask itself, so its backward cannot be "
+                    "differentiated through the mask; take the inner gradient with rf.grad / "
+                    "rf.vjp inside the outer function instead."
+                )
+        lse = kattn.attention_lse(self.q, self.k, self.mask, causal=self.causal, scale=self.scale)
+        return dataclasses.replace(self, lse=exact_value(self.lse, lse))
 
     def backward(self, g, needs):
         want_mask = len(needs) > 3 and needs[3]

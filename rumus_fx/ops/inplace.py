@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.errors import AutogradError, ShapeError
-from ..autograd.record import Aval, Record
+from ..autograd.record import Aval, Record, provenance_of
 from ..autograd.tape import Tape, current_tape
 from ..storage import Layout
 from ..tensor import Tensor, next_grad_id
@@ -119,10 +119,15 @@ def _write(self: Tensor, new: Array, tape: Tape | None, rec: Record | None, othe
         return self
     ids = (self.grad_id, other.grad_id if isinstance(other, Tensor) else None)
     avals = (Aval(self.shape, self.dtype), aval_of(other))
+    # the record saved the pre-write value of self (and of other)
+    known = {id(self.value): ids[0]}
+    known.setdefault(id(other.value) if isinstance(other, Tensor) else id(other), ids[1])
     self._storage.write(self.layout, new)
     self.grad_id = next_grad_id()
     self._leaf = False
-    tape.append(rec, ids, (self.grad_id,), avals, (Aval(self.shape, self.dtype),))
+    tape.append(
+        rec, ids, (self.grad_id,), avals, (Aval(self.shape, self.dtype),), provenance=provenance_of(rec, known)
+    )
     return self
 
 

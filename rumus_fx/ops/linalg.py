@@ -37,8 +37,10 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None)
     weight gradient of ``x @ W`` for any number of leading axes)."""
     # sharded rows, or the jnp reference anyway: one dot_general over the leading
     # axes (no reshape that merges a sharded axis; XLA's partitioner then keeps
-    # the weight gradient sharded like the weight on Auto mesh axes too)
-    if out_sharding is not None or (a.ndim > 2 and kdispatch.backend() == "reference"):
+    # the weight gradient sharded like the weight on Auto mesh axes too; no
+    # explicit transpose, which XLA:CPU may copy out when it feeds a matrix-vector
+    # dot, as in a second-order step)
+    if out_sharding is not None or kdispatch.backend() == "reference":
         lead = tuple(range(a.ndim - 1))
         pref = jnp.float32 if is_low_precision(out_dtype) else None
         dims = ((lead, lead), ((), ()))

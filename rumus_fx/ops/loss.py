@@ -83,6 +83,9 @@ class CrossEntropyBackward(Record):
     """
 
     grad: Array
+    # softmax - onehot cannot give back the logits: backward(create_graph=True)
+    # raises here (Note [Create graph] in rumus_fx/lift/higher.py)
+    derived_fields = ("grad",)
 
     def backward(self, g, needs):
         return (self.grad * g.astype(self.grad.dtype), None)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..autograd.errors import ShapeError
-from ..autograd.record import Record, VersionSnapshot
+from ..autograd.record import Record, VersionSnapshot, exact_value
 from ..kernels import batch_norm as kbn
 from ..kernels import layer_norm as kln
 from ..kernels._util import upcast
@@ -49,6 +49,13 @@ class LayerNormBackward(Record):
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
     weight_dtype: Any = None  # set when there is a weight
+    derived_fields = ("save",)
+
+    def derive(self, entry: Any, env: dict[int, Any]) -> LayerNormBackward:
+        """The statistics as functions of the (substituted) input."""
+        if self.input is None:
+            return self
+        return dataclasses.replace(self, save=_derived_stats(self.input, (-1,), *self.save))
 
     def backward(self, g, needs):
         if not (needs[0] or needs[1]):  # only the bias: the input was not saved
@@ -61,6 +68,20 @@ class LayerNormBackward(Record):
             dw if needs[1] else None,
             _as_bias(db, self.bias_dtype) if needs[2] else None,
         )
+
+
+def _derived_stats(x: Array, axes: tuple[int, ...], mean: Array, rstd: Array) -> tuple[Array, Array]:
+    """(mean, 1/std) over ``axes`` as functions of ``x``, equal in value to the
+    saved ones (``exact_value``); the epsilon the forward added is recovered
+    from the saved ``rstd`` (a constant, so only its rounding enters, in the
+    last bits of the derivatives)."""
+    xf = upcast(x)
+    m = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - m), axis=axes)
+    m = m.reshape(var.shape)
+    r32 = rstd.astype(var.dtype)
+    eps = jax.lax.stop_gradient(1 / (r32 * r32) - var)
+    return exact_value(mean, m), exact_value(rstd, jax.lax.rsqrt(var + eps))
 
 
 def _weight_for_dw(weight: Any, need_w: bool, size: int, dtype: Any) -> Any:
@@ -148,6 +169,29 @@ class BatchNorm2dBackward(Record):
     width: int
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
+    derived_fields = ("save",)
+
+    derive_inputs = (3, 4)  # eval: the running statistics, which it does not save
+
+    def derive(self, entry: Any, env: dict[int, Any]) -> BatchNorm2dBackward:
+        """Training: the batch statistics as functions of the (substituted)
+        input. Eval: the statistics as functions of the running mean and
+        variance (inputs 3 and 4, tracers of the walk where tracked)."""
+        if self.training:
+            if self.input is None:
+                return self
+            return dataclasses.replace(self, save=_derived_stats(self.input, (0, 2, 3), *self.save))
+        mean, rstd = self.save
+        rm, rv = (env.get(g) if g is not None else None for g in entry.inputs[3:5])
+        substituted = {(name, k) for name, k, gid in entry.provenance if gid is not None}
+        if rm is not None and ("save", 0) not in substituted:
+            mean = exact_value(mean, upcast(rm))
+        if rv is not None:
+            rvf = upcast(rv)
+            r32 = rstd.astype(rvf.dtype)
+            eps = jax.lax.stop_gradient(1 / (r32 * r32) - rvf)
+            rstd = exact_value(rstd, jax.lax.rsqrt(rvf + eps))
+        return dataclasses.replace(self, save=(mean, rstd))
 
     def backward(self, g, needs):
         mean, rstd = self.save
