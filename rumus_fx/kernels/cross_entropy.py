@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd.sharding import sharding_of
+from ..sharding import sharding_of
 from . import blocks
 from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call

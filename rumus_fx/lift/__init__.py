@@ -1,6 +1,7 @@
 """Any JAX program on the tape: ``rf.lift``, ``rf.checkpoint`` and the
 per-primitive rules (one module per family; importing them declares the rules)."""
 
+from ..autograd import transforms as _transforms
 from . import rules_control as rules_control
 from . import rules_conv as rules_conv
 from . import rules_elementwise as rules_elementwise
@@ -15,3 +16,5 @@ from .rules import NON_DIFFERENTIABLE as NON_DIFFERENTIABLE
 from .rules import RULES as RULES
 from .rules import PrimitiveRecord as PrimitiveRecord
 from .rules import defrule as defrule
+
+_transforms.set_lift(lift)  # the nested transforms run lifted (Note [Higher order])

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd.errors import ShapeError
 from ..autograd.record import Aval, VersionSnapshot
-from ..autograd.sharding import sharding_of
 from ..autograd.tape import Tape, TapeEntry, current_tape
+from ..errors import ShapeError
 from ..kernels._util import is_low_precision as is_low_precision
+from ..sharding import sharding_of
 from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array

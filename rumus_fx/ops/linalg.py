@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd import sharding as shd
-from ..autograd.errors import ShapeError
+from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
+from ..errors import ShapeError
 from ..kernels import dispatch as kdispatch
 from ..kernels import matmul as kmm
 from ..kernels._util import explicit_sharding, is_low_precision

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..errors import ShapeError
 from ..kernels import batch_norm as kbn
 from ..kernels import layer_norm as kln
 from ..kernels._util import upcast
