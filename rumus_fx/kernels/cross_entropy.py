@@ -22,8 +22,8 @@ from ..sharding import sharding_of
 from . import blocks
 from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from ._util import upcast
 from .dispatch import call
+from .precision import upcast
 
 # ---------------------------------------------------------------- kernel
 

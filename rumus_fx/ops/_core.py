@@ -14,7 +14,7 @@ import numpy as np
 from ..autograd.record import Aval, VersionSnapshot
 from ..autograd.tape import Tape, TapeEntry, current_tape
 from ..errors import ShapeError
-from ..kernels._util import is_low_precision as is_low_precision
+from ..kernels.precision import is_low_precision as is_low_precision
 from ..sharding import sharding_of
 from ..tensor import Tensor, next_grad_id
 

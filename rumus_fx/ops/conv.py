@@ -18,7 +18,7 @@ from jax import lax
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
-from ..kernels._util import compute_dtype, upcast
+from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor
 from ._core import (
     acc_sum,

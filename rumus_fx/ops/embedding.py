@@ -13,7 +13,7 @@ from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
 from ..kernels import embedding as kemb
-from ..kernels._util import upcast
+from ..kernels.precision import upcast
 from ..tensor import Tensor
 from ._core import array_of, check_index_range, new_output, record, require_float, snapshot, tape_for
 

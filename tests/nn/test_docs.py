@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["rumus_fx.nn", "rumus_fx.nn.init", "rumus_fx.nn.layers", "rumus_fx.nn.transformer", "rumus_fx.nn.checkpoint"]
+MODULES = ["rumus_fx.nn", "rumus_fx.nn.init", "rumus_fx.nn.layers", "rumus_fx.nn.transformer", "rumus_fx.nn.serialization"]
 
 
 @pytest.mark.parametrize("name", MODULES)
