@@ -42,13 +42,16 @@ class TapeEntry:
 class Tape:
     """Records one ``TapeEntry`` per differentiable op run inside ``with Tape():``.
 
-    Example::
-
-        with rf.Tape() as tape:
-            w = rf.tensor(w0, requires_grad=True)
-            loss = rf.mse_loss(x @ w, y)
-        grads = tape.backward(loss)
-        grads[w]
+    >>> import jax.numpy as jnp, rumus_fx as rf
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+    >>> with rf.Tape() as tape:
+    ...     w = rf.tensor(jnp.full((3, 2), 0.5), requires_grad=True)
+    ...     loss = rf.mse_loss(x @ w, y)
+    >>> grads = tape.backward(loss)
+    >>> grads[w]
+    Array([[1.5, 1.5],
+           [1.5, 1.5],
+           [1.5, 1.5]], dtype=float32)
     """
 
     def __init__(self) -> None:
