@@ -9,10 +9,6 @@ from . import numpy as numpy
 from . import ops as ops
 from . import tensor_methods as _tensor_methods
 from .autograd.engine import GradientStore as GradientStore
-from .autograd.errors import AutogradError as AutogradError
-from .autograd.errors import ShapeError as ShapeError
-from .autograd.errors import ShardingError as ShardingError
-from .autograd.errors import VersionMismatch as VersionMismatch
 from .autograd.record import VersionSnapshot as VersionSnapshot
 from .autograd.tape import Tape as Tape
 from .autograd.tape import TapeEntry as TapeEntry
@@ -20,6 +16,10 @@ from .autograd.tape import no_grad as no_grad
 from .autograd.transforms import grad as grad
 from .autograd.transforms import value_and_grad as value_and_grad
 from .autograd.transforms import vjp as vjp
+from .errors import AutogradError as AutogradError
+from .errors import ShapeError as ShapeError
+from .errors import ShardingError as ShardingError
+from .errors import VersionMismatch as VersionMismatch
 from .lift import checkpoint as checkpoint
 from .lift import lift as lift
 from .ops import adaptive_avg_pool2d as adaptive_avg_pool2d
@@ -59,11 +59,11 @@ from .ops import sub as sub
 from .ops import sum as sum  # noqa: A004
 from .ops import tanh as tanh
 from .ops import transpose as transpose
+from .ops.cast import tensor as tensor
 from .storage import Layout as Layout
 from .storage import StorageHandle as StorageHandle
 from .storage import WeakStorageHandle as WeakStorageHandle
 from .tensor import Tensor as Tensor
-from .tensor import tensor as tensor
 
 __version__ = "0.1.0"
 

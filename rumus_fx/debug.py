@@ -3,7 +3,9 @@
 Note [Anomaly mode]
 ~~~~~~~~~~~~~~~~~~~
 Inside ``detect_anomaly()`` the engine hands every record's input gradients to
-``check_finite`` right after the record's backward rule ran. The first record,
+``check_finite`` right after the record's backward rule ran (through the hook
+this module registers with ``engine.set_anomaly_hook``: the state, ``ANOMALY``,
+and the check both live here; the engine only calls the hook). The first record,
 in backward order, whose gradient holds a NaN or an Inf is the one reported:
 later records only propagate it. Eagerly the check is a plain ``bool`` and
 raises ``AnomalyError`` (an ``rf.AutogradError``) on the spot. Under a trace
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
+import functools
 import itertools
 import logging
 import threading
@@ -45,12 +49,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from .autograd.engine import ANOMALY
-from .autograd.errors import AutogradError
+from .autograd import engine
+from .errors import AutogradError
 from .storage import live_storage_count
 
 _MODES = ("callback", "checkify")
+# anomaly mode's state: None when off, else the mode ("callback" or "checkify")
+ANOMALY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_anomaly", default=None)
 # part of jax.jit's cache key: the anomaly checks are traced into the program
 _JIT_KEY = jax.make_user_context(None)
 
@@ -190,8 +197,21 @@ def check_anomalies(since: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------
-# the check (called by the engine, rumus_fx/autograd/engine.py)
+# the check (called by the engine, rumus_fx/autograd/engine.py, through the
+# hook registered below)
 # ---------------------------------------------------------------------------
+
+
+def anomaly_check() -> engine.AnomalyCheck | None:
+    """The engine's anomaly hook: None when anomaly mode is off, else
+    ``check_finite`` in the current mode."""
+    mode = ANOMALY.get()
+    if mode is None:
+        return None
+    return functools.partial(check_finite, mode=mode)
+
+
+engine.set_anomaly_hook(anomaly_check)
 
 
 def check_finite(
@@ -219,8 +239,6 @@ def check_finite(
     earlier = jnp.asarray(False) if state is None else state
     ks = tuple(k for k, _ in checked)
     if mode == "checkify":
-        from jax.experimental import checkify
-
         for j, k in enumerate(ks):  # one check per input: the message names it
             err = AnomalyError(entry.op.name, index, _describe_entry(entry), (k,), "nan/inf", _CHECKIFY_CAUSE)
             _register(str(err), err)

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .autograd.errors import AutogradError
-from .autograd.sharding import reshape as sharded_reshape
+from .errors import AutogradError
+from .sharding import reshape as sharded_reshape
 
 try:  # the trace a storage was created in; used to refuse tracer leaks
     from jax._src.core import OpaqueTraceState as _OpaqueTraceState

@@ -1,4 +1,9 @@
-"""``rf.Tensor``: a strided view of a copy-on-write storage, plus autograd identity."""
+"""``rf.Tensor``: a strided view of a copy-on-write storage, plus autograd identity.
+
+This module sits below the autograd package and the ops: the methods that run
+an op (``t.sum()``, ``t + u``, ``t.add_(u)``, ``t.T``, ...) are attached to
+``Tensor`` from above, by ``rumus_fx/tensor_methods.py`` when the package is
+imported (as jax attaches its own array methods)."""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .autograd.errors import AutogradError, ShapeError
-from .autograd.tape import current_tape
+from .errors import AutogradError
+from .recording import current_tape
 from .storage import Layout, StorageHandle
 
 _grad_ids = itertools.count(1)
@@ -242,119 +247,8 @@ class Tensor:
         """An untracked view sharing this tensor's storage (and version)."""
         return self._view(self.layout, None, detached=True)
 
-    def transpose(self, dim0: int, dim1: int) -> Tensor:
-        return _ops().transpose(self, dim0, dim1)
-
-    @property
-    def T(self) -> Tensor:
-        if self.ndim != 2:
-            raise ShapeError(f"T: expects a 2-D tensor, got shape {self.shape}; use transpose(d0, d1)")
-        return _ops().transpose(self, 0, 1)
-
-    def reshape(self, *shape: Any) -> Tensor:
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-            shape = tuple(shape[0])
-        return _ops().reshape(self, shape)
-
-    def flatten(self) -> Tensor:
-        return _ops().flatten(self)
-
-    def __getitem__(self, key: Any) -> Tensor:
-        """``t[key]``: a new tensor (a copy, not a view as in PyTorch); see rf.index."""
-        return _ops().index(self, key)
-
-    # -- reductions and common ops ---------------------------------------------
-    def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return _ops().sum(self, axis=axis, keepdims=keepdims)
-
-    def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return _ops().mean(self, axis=axis, keepdims=keepdims)
-
-    def relu(self) -> Tensor:
-        return _ops().relu(self)
-
-    def sigmoid(self) -> Tensor:
-        return _ops().sigmoid(self)
-
-    def tanh(self) -> Tensor:
-        return _ops().tanh(self)
-
-    def exp(self) -> Tensor:
-        return _ops().exp(self)
-
-    def log(self) -> Tensor:
-        return _ops().log(self)
-
-    def gelu(self, approximate: bool = True) -> Tensor:
-        return _ops().gelu(self, approximate=approximate)
-
-    def leaky_relu(self, alpha: float = 0.01) -> Tensor:
-        return _ops().leaky_relu(self, alpha)
-
-    def softmax(self, axis: int = -1) -> Tensor:
-        return _ops().softmax(self, axis=axis)
-
-    def matmul(self, other: Any) -> Tensor:
-        return _ops().matmul(self, other)
-
-    # -- operators -------------------------------------------------------------
-    def __add__(self, other: Any) -> Tensor:
-        return _ops().add(self, other)
-
-    def __radd__(self, other: Any) -> Tensor:
-        return _ops().add(other, self)
-
-    def __sub__(self, other: Any) -> Tensor:
-        return _ops().sub(self, other)
-
-    def __rsub__(self, other: Any) -> Tensor:
-        return _ops().sub(other, self)
-
-    def __mul__(self, other: Any) -> Tensor:
-        return _ops().mul(self, other)
-
-    def __rmul__(self, other: Any) -> Tensor:
-        return _ops().mul(other, self)
-
-    def __truediv__(self, other: Any) -> Tensor:
-        return _ops().div(self, other)
-
-    def __rtruediv__(self, other: Any) -> Tensor:
-        return _ops().div(other, self)
-
-    def __matmul__(self, other: Any) -> Tensor:
-        return _ops().matmul_any(self, other)
-
-    def __rmatmul__(self, other: Any) -> Tensor:
-        return _ops().matmul_any(other, self)
-
-    def __neg__(self) -> Tensor:
-        return _ops().neg(self)
-
     def __pos__(self) -> Tensor:
         return self
-
-    # -- in-place (copy-on-write, version + 1, differentiable while recording) --
-    def add_(self, other: Any) -> Tensor:
-        return _inplace().binary_(self, other, "add")
-
-    def sub_(self, other: Any) -> Tensor:
-        return _inplace().binary_(self, other, "sub")
-
-    def mul_(self, other: Any) -> Tensor:
-        return _inplace().binary_(self, other, "mul")
-
-    def div_(self, other: Any) -> Tensor:
-        return _inplace().binary_(self, other, "div")
-
-    def zero_(self) -> Tensor:
-        return _inplace().fill_(self, 0, "zero_")
-
-    def fill_(self, value: Any) -> Tensor:
-        return _inplace().fill_(self, value, "fill_")
-
-    def copy_(self, src: Any) -> Tensor:
-        return _inplace().copy_(self, src)
 
 
 class TrackedTensor(Tensor):
@@ -384,18 +278,6 @@ def _unflatten_tensor(_: None, children: Any) -> Tensor:
 jax.tree_util.register_pytree_node(Tensor, _flatten_tensor, _unflatten_tensor)
 
 
-def _ops() -> Any:
-    from . import ops
-
-    return ops
-
-
-def _inplace() -> Any:
-    from .ops import inplace
-
-    return inplace
-
-
 def _to_array(data: Any, dtype: Any) -> jax.Array:
     if isinstance(data, Tensor):
         data = data.value
@@ -410,24 +292,3 @@ def _to_array(data: Any, dtype: Any) -> jax.Array:
         elif probe.dtype.kind == "O":
             raise TypeError(f"cannot build a Tensor from {type(data).__name__}")
     return jnp.asarray(data, dtype=dtype)
-
-
-def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
-    """A new tensor (new storage, version 0) holding ``data``.
-
-    Python floats become float32 unless ``dtype`` says otherwise; numpy and jax
-    arrays keep their dtype. ``requires_grad=True`` makes it a tracked leaf.
-
-    >>> import rumus_fx as rf
-    >>> w = rf.tensor([[1.0, 2.0]], requires_grad=True)
-    >>> w.shape, w.requires_grad
-    ((1, 2), True)
-
-    A tracked tensor ``data`` while a tape records gives a recorded copy (cast
-    to ``dtype`` when given; records CastBackward), never a silent detach.
-    """
-    if not requires_grad and isinstance(data, Tensor) and data.grad_id is not None and current_tape() is not None:
-        from .ops.cast import cast_to
-
-        return cast_to(data, data.dtype if dtype is None else dtype)
-    return Tensor(data, requires_grad=requires_grad, dtype=dtype)

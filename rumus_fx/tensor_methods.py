@@ -1,9 +1,11 @@
-"""Tensor methods and operators that mirror ``jax.Array``'s, each recorded.
+"""Tensor methods and operators, each recorded: the rf ops as methods
+(``t.sum()``, ``t + u``, ``t.T``, ``t[i]``, the in-place ``t.add_(u)``, ...) and
+the methods and operators that mirror ``jax.Array``'s.
 
 Attached to ``rf.Tensor`` when the package is imported (as jax attaches its own
-array methods), so ``tensor.py`` does not import the ops. Comparisons and ``==``
-are elementwise and return untracked boolean Tensors; Tensors hash by identity,
-as torch's do.
+array methods), so ``tensor.py``, which sits below the ops, imports none of
+them. Comparisons and ``==`` are elementwise and return untracked boolean
+Tensors; Tensors hash by identity, as torch's do.
 """
 
 from __future__ import annotations
@@ -13,10 +15,135 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import lax as rlax
 from . import numpy as rnp
 from . import ops
 from ._mirror import matmul_fits
+from .errors import ShapeError
+from .lift import lift
+from .ops import inplace
 from .tensor import Tensor
+
+# -- the rf ops as methods (installed first) --------------------------------
+
+
+def _transpose(self: Tensor, dim0: int, dim1: int) -> Tensor:
+    """Swap two dimensions (a view; see rf.transpose)."""
+    return ops.transpose(self, dim0, dim1)
+
+
+def _T(self: Tensor) -> Tensor:
+    """The transpose of a 2-D tensor (a view)."""
+    if self.ndim != 2:
+        raise ShapeError(f"T: expects a 2-D tensor, got shape {self.shape}; use transpose(d0, d1)")
+    return ops.transpose(self, 0, 1)
+
+
+def _reshape(self: Tensor, *shape: Any) -> Tensor:
+    """``t.reshape(2, 3)`` or ``t.reshape((2, 3))``: a view when the layout allows (see rf.reshape)."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return ops.reshape(self, shape)
+
+
+def _flatten(self: Tensor) -> Tensor:
+    """The tensor as 1-D (a view when the layout allows; see rf.flatten)."""
+    return ops.flatten(self)
+
+
+def _getitem(self: Tensor, key: Any) -> Tensor:
+    """``t[key]``: a new tensor (a copy, not a view as in PyTorch); see rf.index."""
+    return ops.index(self, key)
+
+
+def _sum(self: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
+    return ops.sum(self, axis=axis, keepdims=keepdims)
+
+
+def _mean(self: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
+    return ops.mean(self, axis=axis, keepdims=keepdims)
+
+
+def _gelu(self: Tensor, approximate: bool = True) -> Tensor:
+    return ops.gelu(self, approximate=approximate)
+
+
+def _leaky_relu(self: Tensor, alpha: float = 0.01) -> Tensor:
+    return ops.leaky_relu(self, alpha)
+
+
+def _softmax(self: Tensor, axis: int = -1) -> Tensor:
+    return ops.softmax(self, axis=axis)
+
+
+def _unary_op(fn: Any, name: str) -> Any:
+    def method(self: Tensor) -> Tensor:
+        return fn(self)
+
+    method.__name__ = name
+    method.__doc__ = f"``rf.{name}`` of this tensor."
+    return method
+
+
+def _binary_op(fn: Any, name: str, reflected: bool = False) -> Any:
+    def method(self: Tensor, other: Any) -> Tensor:
+        return fn(other, self) if reflected else fn(self, other)
+
+    method.__name__ = name
+    return method
+
+
+def _inplace_binary(kind: str) -> Any:
+    def method(self: Tensor, other: Any) -> Tensor:
+        return inplace.binary_(self, other, kind)
+
+    method.__name__ = f"{kind}_"
+    method.__doc__ = f"In place ``self {kind} other`` (copy-on-write, version + 1, differentiable while recording)."
+    return method
+
+
+def _zero_(self: Tensor) -> Tensor:
+    """Fill with zeros in place (copy-on-write, version + 1)."""
+    return inplace.fill_(self, 0, "zero_")
+
+
+def _fill_(self: Tensor, value: Any) -> Tensor:
+    """Fill with ``value`` in place (copy-on-write, version + 1)."""
+    return inplace.fill_(self, value, "fill_")
+
+
+def _copy_(self: Tensor, src: Any) -> Tensor:
+    """Copy ``src`` into this tensor in place (copy-on-write, version + 1)."""
+    return inplace.copy_(self, src)
+
+
+def _install_ops() -> None:
+    """The rf ops as methods and operators of ``rf.Tensor``."""
+    Tensor.transpose = _transpose
+    Tensor.T = property(_T, doc=_T.__doc__)
+    Tensor.reshape = _reshape
+    Tensor.flatten = _flatten
+    Tensor.__getitem__ = _getitem
+    Tensor.sum = _sum
+    Tensor.mean = _mean
+    for name in ("relu", "sigmoid", "tanh", "exp", "log"):
+        setattr(Tensor, name, _unary_op(getattr(ops, name), name))
+    Tensor.gelu = _gelu
+    Tensor.leaky_relu = _leaky_relu
+    Tensor.softmax = _softmax
+    Tensor.matmul = _binary_op(ops.matmul, "matmul")
+    for dunder, name in (("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "div")):
+        setattr(Tensor, f"__{dunder}__", _binary_op(getattr(ops, name), f"__{dunder}__"))
+        setattr(Tensor, f"__r{dunder}__", _binary_op(getattr(ops, name), f"__r{dunder}__", reflected=True))
+    Tensor.__neg__ = _unary_op(ops.neg, "__neg__")
+    for kind in ("add", "sub", "mul", "div"):
+        setattr(Tensor, f"{kind}_", _inplace_binary(kind))
+    Tensor.zero_ = _zero_
+    Tensor.fill_ = _fill_
+    Tensor.copy_ = _copy_
+
+
+# -- jax.Array's methods ---------------------------------------------------
 
 # jax.Array methods that take the array first and are jax.numpy functions
 _ARRAY_METHODS = (
@@ -54,8 +181,6 @@ def _method(name: str):
 
 
 def rf_lax_rsqrt(x: Any) -> Any:
-    from . import lax as rlax
-
     return rlax.rsqrt(x)
 
 
@@ -185,8 +310,7 @@ rnp_at = None  # set below (a lifted function)
 def install() -> None:
     """Attach the methods to ``rf.Tensor``."""
     global rnp_at
-    from .lift import lift
-
+    _install_ops()
     rnp_at = lift(_at_update, name="Array.at")
     for name in _ARRAY_METHODS + _MATH:
         if name not in Tensor.__dict__:

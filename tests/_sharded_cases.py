@@ -534,7 +534,7 @@ def _reshard_hook(name: str, k: int, found: Any, wanted: Any) -> None:
     RESHARDS.append(f"{name} input {k}: {found.spec} -> {wanted.spec}")
 
 
-rf.autograd.sharding.RESHARD_HOOK = _reshard_hook
+rf.sharding.RESHARD_HOOK = _reshard_hook
 
 
 def _is_spec(s: Any) -> bool:
@@ -710,7 +710,7 @@ def model_cases() -> tuple[list[Case], list[Case], list[Case]]:
 
 
 def _explicit(w: Any) -> bool:
-    return rf.autograd.sharding.sharding_of(w) is not None
+    return rf.sharding.sharding_of(w) is not None
 
 
 def model_group(which: str) -> list[str]:

@@ -1,10 +1,13 @@
-"""Strict settings for the whole suite: silent rank promotion and warnings fail."""
+"""Strict settings for the whole suite: silent rank promotion, implicit dtype
+promotion and warnings fail (a test that mixes dtypes on purpose says so with
+``jax.numpy_dtype_promotion("standard")``)."""
 
 import jax
 import numpy as np
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ def _block(marker: str) -> str:
 
 def test_training_example_runs_and_learns(capsys):
     ns: dict = {}
-    with jax.numpy_rank_promotion("allow"):  # user code, not library code
+    # user code, not library code; optax's adam mixes a python float with its int32 step count (not strict-clean)
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
         exec(compile(_block("example-mlp"), "README.md:example-mlp", "exec"), ns)
     assert len(_block("example-mlp").strip().splitlines()) <= 25
     assert float(ns["loss"]) < 0.5 * float(ns["first_loss"])
@@ -52,16 +53,18 @@ _PRELUDE = "import jax, jax.numpy as jnp\nimport rumus_fx as rf\n"
 
 
 def test_nn_tour_runs(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    ns: dict = {}
-    exec(compile(_block("example-nn"), "README.md:example-nn", "exec"), ns)
-    x = jnp.ones((2, 1, 8, 8))
-    y = jnp.array([1, 2])
-    params, opt_state, state, loss = ns["step"](ns["params"], ns["opt_state"], ns["state"], x, y)
-    assert jnp.isfinite(loss)
-    assert jax.tree_util.tree_structure(ns["restored"]) == jax.tree_util.tree_structure(
-        {"params": ns["params"], "state": ns["state"]}
-    )
+    # optax's adam mixes a python float with its int32 step count (not strict-clean)
+    with jax.numpy_dtype_promotion("standard"):
+        monkeypatch.chdir(tmp_path)
+        ns: dict = {}
+        exec(compile(_block("example-nn"), "README.md:example-nn", "exec"), ns)
+        x = jnp.ones((2, 1, 8, 8))
+        y = jnp.array([1, 2])
+        params, opt_state, state, loss = ns["step"](ns["params"], ns["opt_state"], ns["state"], x, y)
+        assert jnp.isfinite(loss)
+        assert jax.tree_util.tree_structure(ns["restored"]) == jax.tree_util.tree_structure(
+            {"params": ns["params"], "state": ns["state"]}
+        )
 
 
 def test_debugging_outputs_are_real():

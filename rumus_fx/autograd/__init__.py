@@ -1,12 +1,13 @@
-"""The autograd core: records, snapshots, tape, engine, transforms, errors."""
+"""The autograd core: records, snapshots, tape, engine, transforms (and the
+errors of ``rumus_fx/errors.py``, re-exported)."""
 
 from typing import Any, Union
 
+from ..errors import AutogradError as AutogradError
+from ..errors import ShapeError as ShapeError
+from ..errors import ShardingError as ShardingError
+from ..errors import VersionMismatch as VersionMismatch
 from .engine import GradientStore as GradientStore
-from .errors import AutogradError as AutogradError
-from .errors import ShapeError as ShapeError
-from .errors import ShardingError as ShardingError
-from .errors import VersionMismatch as VersionMismatch
 from .record import Aval as Aval
 from .record import Record as Record
 from .record import VersionSnapshot as VersionSnapshot
@@ -20,9 +21,9 @@ from .transforms import vjp as vjp
 
 
 def __getattr__(name: str) -> Any:
-    # BackwardOp: the union of every record type (known once the ops are imported)
+    # BackwardOp: the union of every record type, computed on access: the ops
+    # (and rf.lift) define their records above this package, and importing
+    # rumus_fx.autograd imports rumus_fx, hence all of them, first
     if name == "BackwardOp":
-        from .. import ops  # noqa: F401  (defines the record types)
-
         return Union[record_types()]  # noqa: UP007
     raise AttributeError(name)

@@ -19,26 +19,44 @@ here calls JAX's autodiff: records are plain jnp/lax/Pallas.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sharding
-from .errors import AutogradError
+from .. import sharding
+from ..errors import AutogradError
+from ..tensor import Tensor, is_leaf_id
 from .record import run_backward_rule as _run_rule
-from .tape import TapeEntry
+
+if TYPE_CHECKING:  # typing only: tape.py builds on this module
+    from .tape import TapeEntry
+
+# A check run on each record's input gradients during a walk:
+# check(entry, index, grad_out, in_grads, state) -> state (Note [Anomaly mode]).
+AnomalyCheck = Callable[[Any, int, Any, Sequence[Any], Any], Any]
+
+
+def _anomaly_off() -> AnomalyCheck | None:
+    return None
+
+
+_anomaly_hook: Callable[[], AnomalyCheck | None] = _anomaly_off
+
+
+def set_anomaly_hook(hook: Callable[[], AnomalyCheck | None] | None) -> None:
+    """Install the engine's anomaly hook (``rumus_fx.debug`` does, when it is
+    imported; None removes it). The hook is called once per backward walk and
+    returns None (anomaly mode is off) or the check to run after each record's
+    backward rule; see Note [Anomaly mode] in rumus_fx/debug.py."""
+    global _anomaly_hook
+    _anomaly_hook = _anomaly_off if hook is None else hook
 
 # backward(create_graph=True): set by rumus_fx.lift (which builds on this
 # package) to its recorded walk, Note [Create graph] in rumus_fx/lift/higher.py
 CREATE_GRAPH: Callable[..., dict[int, Any]] | None = None
-
-# anomaly mode (rumus_fx.debug.detect_anomaly) state: None when off, else the
-# mode string ("callback" or "checkify")
-ANOMALY: contextvars.ContextVar[str | None] = contextvars.ContextVar("rumus_fx_anomaly", default=None)
 
 
 def run_backward(
@@ -66,7 +84,7 @@ def run_backward(
     values they saved, Note [Create graph] in rumus_fx/lift/higher.py)."""
     grads: dict[int, jax.Array] = dict(seeds)
     produced: set[int] = set()
-    anomaly = ANOMALY.get()
+    anomaly = _anomaly_hook()  # None unless anomaly mode is on
     anomaly_state = None  # traced "an earlier record failed" flag (see rumus_fx.debug)
     for index in range(len(entries) - 1, -1, -1):
         entry = entries[index]
@@ -97,10 +115,8 @@ def run_backward(
                 g = _conform(op.name, k, g, entry.input_shardings[k])
             prev = grads.get(gid)
             grads[gid] = g if prev is None else prev + g
-        if anomaly:  # Note [Anomaly mode] in rumus_fx/debug.py
-            from ..debug import check_finite
-
-            anomaly_state = check_finite(entry, index, grad_out, in_grads, anomaly_state, anomaly)
+        if anomaly is not None:  # Note [Anomaly mode] in rumus_fx/debug.py
+            anomaly_state = anomaly(entry, index, grad_out, in_grads, anomaly_state)
     if foreign is not None:
         for gid in [g for g in grads if g not in produced and g not in seeds and (keep is None or g not in keep)]:
             foreign(gid)
@@ -156,7 +172,7 @@ def gradients(
 
 def run_backward_rule(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:
     """The record's rule; JAX refusing a sharding in it becomes an
-    ``rf.ShardingError`` naming the record (autograd/sharding.py)."""
+    ``rf.ShardingError`` naming the record (rumus_fx/sharding.py)."""
     try:
         return _run_rule(op, grad_out, needs)
     except Exception as e:
@@ -168,7 +184,7 @@ def run_backward_rule(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:
 
 def _conform(name: str, k: int, g: Any, wanted: Any) -> Any:
     """``g`` with its input's explicit sharding (Note [Gradients keep their
-    operand's sharding] in autograd/sharding.py)."""
+    operand's sharding] in rumus_fx/sharding.py)."""
     out = sharding.conform(g, wanted)
     if out is not g and sharding.RESHARD_HOOK is not None:
         sharding.RESHARD_HOOK(name, k, jax.typeof(g).sharding, wanted)
@@ -187,8 +203,6 @@ CROSS_TAPE_MESSAGE = (
 def check_history(gid: int) -> None:
     """``foreign`` hook of ``Tape.backward``: a gradient may stop at a leaf,
     never at a recorded result that another tape holds."""
-    from ..tensor import is_leaf_id
-
     if not is_leaf_id(gid):
         raise AutogradError(CROSS_TAPE_MESSAGE.format(gid=gid))
 
@@ -216,8 +230,6 @@ class GradientStore(Mapping):
         self._grads = grads
 
     def __getitem__(self, key: Any) -> jax.Array:
-        from ..tensor import Tensor
-
         if isinstance(key, Tensor):
             if key.grad_id is None:
                 raise KeyError("this Tensor is not tracked (requires_grad=False), so it has no gradient")
@@ -228,15 +240,11 @@ class GradientStore(Mapping):
         return self._grads[key]
 
     def get(self, key: Any, default: Any = None) -> Any:
-        from ..tensor import Tensor
-
         if isinstance(key, Tensor):
             key = key.grad_id
         return self._grads.get(key, default)
 
     def __contains__(self, key: Any) -> bool:
-        from ..tensor import Tensor
-
         if isinstance(key, Tensor):
             key = key.grad_id
         return key in self._grads

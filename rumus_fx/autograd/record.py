@@ -38,8 +38,8 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import numpy as np
 
+from ..errors import VersionMismatch
 from ..storage import StorageHandle, WeakStorageHandle, nbytes_of
-from .errors import VersionMismatch
 
 
 class Aval(NamedTuple):

@@ -1,74 +1,27 @@
-"""The tape: recording context (per thread and per asyncio task), entries, no_grad."""
+"""The tape: its entries, backward, and printing. The recording context
+(which tape records, ``no_grad``) lives in ``rumus_fx/recording.py`` and is
+re-exported here."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import AutogradError
+from ..recording import current_tape as current_tape
+from ..recording import enter_tape, exit_tape
+from ..recording import no_grad as no_grad
+from ..recording import recording as recording
+from ..recording import suspend_recording as suspend_recording
 from ..storage import nbytes_of
-from .errors import AutogradError
+from ..tensor import Tensor, is_leaf_id
+from .engine import GradientStore, check_history, gradients
 from .record import Record
-
-if TYPE_CHECKING:
-    from .engine import GradientStore
-
-_TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("rumus_fx_tape", default=None)
-_NO_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("rumus_fx_no_grad", default=False)
-
-
-def current_tape() -> Tape | None:
-    """The innermost active tape of this thread/task, or None (also under no_grad)."""
-    if _NO_GRAD.get():
-        return None
-    return _TAPE.get()
-
-
-@contextlib.contextmanager
-def suspend_recording() -> Iterator[None]:
-    """No tape is active inside (rf.lift traces functions this way; a tape
-    opened inside, e.g. by a nested rf.grad, records as usual)."""
-    token = _TAPE.set(None)
-    try:
-        yield
-    finally:
-        _TAPE.reset(token)
-
-
-@contextlib.contextmanager
-def recording(tape: Tape) -> Iterator[Tape]:
-    """Record on ``tape`` even inside an outer ``no_grad()``: what the transforms
-    do, as ``torch.func.grad`` and ``jax.grad``; a ``no_grad()`` entered inside
-    still stops recording there."""
-    tape_token = _TAPE.set(tape)
-    grad_token = _NO_GRAD.set(False)
-    try:
-        yield tape
-    finally:
-        _NO_GRAD.reset(grad_token)
-        _TAPE.reset(tape_token)
-
-
-class no_grad(contextlib.ContextDecorator):
-    """Context manager (and decorator) inside which no op records.
-
-    Nestable; per thread and per asyncio task. In-place ops inside only mutate.
-    """
-
-    def __init__(self) -> None:
-        self._tokens: list[contextvars.Token] = []
-
-    def __enter__(self) -> no_grad:
-        self._tokens.append(_NO_GRAD.set(True))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _NO_GRAD.reset(self._tokens.pop())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,13 +48,16 @@ class TapeEntry:
 class Tape:
     """Records one ``TapeEntry`` per differentiable op run inside ``with Tape():``.
 
-    Example::
-
-        with rf.Tape() as tape:
-            w = rf.tensor(w0, requires_grad=True)
-            loss = rf.mse_loss(x @ w, y)
-        grads = tape.backward(loss)
-        grads[w]
+    >>> import jax.numpy as jnp, rumus_fx as rf
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+    >>> with rf.Tape() as tape:
+    ...     w = rf.tensor(jnp.full((3, 2), 0.5), requires_grad=True)
+    ...     loss = rf.mse_loss(x @ w, y)
+    >>> grads = tape.backward(loss)
+    >>> grads[w]
+    Array([[1.5, 1.5],
+           [1.5, 1.5],
+           [1.5, 1.5]], dtype=float32)
     """
 
     def __init__(self) -> None:
@@ -111,11 +67,11 @@ class Tape:
 
     # -- recording -----------------------------------------------------------
     def __enter__(self) -> Tape:
-        self._tokens.append(_TAPE.set(self))
+        self._tokens.append(enter_tape(self))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _TAPE.reset(self._tokens.pop())
+        exit_tape(self._tokens.pop())
 
     def append(
         self,
@@ -128,7 +84,7 @@ class Tape:
         provenance: tuple = (),
         replay: tuple = (),
     ) -> None:
-        """Append one entry; ``input_shardings`` (``autograd.sharding.sharding_of``
+        """Append one entry; ``input_shardings`` (``rumus_fx.sharding.sharding_of``
         of each input, or ()) lets the engine check that the record's gradients
         keep their inputs' explicit shardings; ``provenance``/``replay``: see
         ``TapeEntry``."""
@@ -201,9 +157,6 @@ class Tape:
         can be differentiated again, and the tape is retained (as PyTorch's
         ``retain_graph`` defaults to ``create_graph``).
         """
-        from ..tensor import Tensor, is_leaf_id
-        from .engine import GradientStore, check_history, gradients
-
         if self._consumed:
             raise AutogradError(
                 "backward called on a consumed tape: its records were released by the "
@@ -255,8 +208,6 @@ FOREIGN_LOSS_MESSAGE = (
 
 
 def _describe(x: Any) -> str:
-    from ..tensor import Tensor
-
     if isinstance(x, Tensor):
         return f"an untracked Tensor of shape {x.shape}"
     return type(x).__name__

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..tensor import Tensor, next_leaf_id
-from . import sharding
+from .. import sharding
+from ..errors import AutogradError
+from ..tensor import Tensor, is_leaf_id, next_leaf_id
 from .engine import CROSS_TAPE_MESSAGE, gradients
-from .errors import AutogradError
 from .tape import Tape, current_tape, recording
 
 
@@ -62,6 +62,18 @@ def _check_float_leaf(x: jax.Array, name: str) -> None:
         )
 
 
+# rf.lift, registered by the lift package (which builds on this package's tape,
+# so it sits above it): Note [Higher order]
+_lift: Callable[..., Callable] | None = None
+
+
+def set_lift(lift: Callable[..., Callable]) -> None:
+    """Register ``rf.lift`` for the nested transforms (``rumus_fx.lift`` does,
+    when it is imported; ``import rumus_fx`` always imports it)."""
+    global _lift
+    _lift = lift
+
+
 def _nested(transform: Callable, name: str) -> Callable:
     """Note [Higher order]: a transform called while an enclosing tape records
     (``rf.grad`` inside ``rf.grad``, ``rf.vjp`` inside a loss) runs as one lifted
@@ -69,9 +81,9 @@ def _nested(transform: Callable, name: str) -> Callable:
     its backward walk, with no tape active outside it) to primitives and records
     each with rf's rules, so the gradient is itself differentiable to any order.
     Tracked Tensors the function closes over become inputs of that entry."""
-    from ..lift import lift  # the lift package builds on the transforms' tape
-
-    lifted = lift(transform, name=name)
+    if _lift is None:  # pragma: no cover - rumus_fx/__init__ imports rumus_fx.lift
+        raise AutogradError("a nested rf transform needs rf.lift: import rumus_fx")
+    lifted = _lift(transform, name=name)
 
     @functools.wraps(transform)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -96,7 +108,6 @@ def _foreign_check(first: int) -> Any:
       it. (Under an enclosing tape the transform runs lifted, Note [Higher
       order], and such a closure is captured as an input of the lifted entry.)
     * A leaf created inside ``fun`` is a constant of it."""
-    from ..tensor import is_leaf_id
 
     def foreign(gid: int) -> None:
         if gid > first and not is_leaf_id(gid):
@@ -169,7 +180,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
 def _call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``fun(*args, **kwargs)``; JAX refusing an rf op's shardings becomes an
-    ``rf.ShardingError`` that names the op (autograd/sharding.py)."""
+    ``rf.ShardingError`` that names the op (rumus_fx/sharding.py)."""
     try:
         return fun(*args, **kwargs)
     except Exception as e:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ._util import upcast
+from .precision import upcast
 
 Reshape = Callable[[jax.Array], jax.Array]
 

@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from . import blocks
 from ._pallas import MASK_VALUE, Config, chunk_loop, dot, ds, iota, pad_to, pallas_call, vmem
 from ._sharding import sharded_call
-from ._util import upcast
 from .dispatch import call
+from .precision import upcast
 
 # ---------------------------------------------------------------- kernels
 

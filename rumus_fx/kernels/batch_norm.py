@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from . import _norm_jvp, blocks
 from ._pallas import Config, f32, iota, merge_moments, pad_to, pallas_call
 from ._sharding import sharded_call
-from ._util import compute_dtype, upcast
 from .dispatch import call
+from .precision import compute_dtype, upcast
 
 _AXES = (0, 2, 3)
 

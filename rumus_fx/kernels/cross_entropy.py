@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd.sharding import sharding_of
+from ..sharding import sharding_of
 from . import blocks
 from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from ._util import upcast
 from .dispatch import call
+from .precision import upcast
 
 # ---------------------------------------------------------------- kernel
 

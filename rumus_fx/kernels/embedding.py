@@ -32,8 +32,8 @@ from jax.experimental import pallas as pl
 from . import blocks
 from ._pallas import Config, dot, ds, iota, pad_to, pallas_call
 from ._sharding import sharded_call
-from ._util import upcast
 from .dispatch import call
+from .precision import upcast
 
 # ---------------------------------------------------------------- kernel
 

@@ -20,8 +20,8 @@ from jax import lax
 from . import _norm_jvp, blocks
 from ._pallas import Config, RowPasses, first_row, iota, merge_moments, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from ._util import compute_dtype, upcast
 from .dispatch import call
+from .precision import compute_dtype, upcast
 
 _PARTIAL_ROWS = blocks.SUBLANE
 

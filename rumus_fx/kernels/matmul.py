@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 from . import blocks
 from ._pallas import Config, chunk_loop, dot, ds, pad_to, pallas_call, vmem
 from ._sharding import sharded_call
-from ._util import is_low_precision
 from .dispatch import call
+from .precision import is_low_precision
 
 # ---------------------------------------------------------------- kernel
 

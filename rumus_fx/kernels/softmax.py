@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from . import blocks
 from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from ._util import upcast
 from .dispatch import call
+from .precision import upcast
 
 # ---------------------------------------------------------------- kernels
 

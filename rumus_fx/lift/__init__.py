@@ -2,6 +2,7 @@
 per-primitive rules (one module per family; importing them declares the rules)."""
 
 from ..autograd import engine as _engine
+from ..autograd import transforms as _transforms
 from . import higher as _higher
 from . import rules_control as rules_control
 from . import rules_conv as rules_conv
@@ -19,3 +20,4 @@ from .rules import PrimitiveRecord as PrimitiveRecord
 from .rules import defrule as defrule
 
 _engine.CREATE_GRAPH = _higher.recorded_backward  # Note [Create graph] in higher.py
+_transforms.set_lift(lift)  # the nested transforms run lifted (Note [Higher order])

@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd import engine
-from ..autograd.errors import AutogradError
 from ..autograd.record import exact_value
 from ..autograd.tape import Tape, TapeEntry, recording
+from ..errors import AutogradError
 from ..tensor import Tensor
 from .interpreter import LiftedBackward, lift
 

@@ -37,9 +37,9 @@ import numpy as np
 from jax.extend import core as jcore
 
 from .. import tensor as tensor_mod
-from ..autograd.errors import AutogradError, ShapeError, ShapeTypeError
 from ..autograd.record import Aval, Record, VersionSnapshot
 from ..autograd.tape import current_tape, suspend_recording
+from ..errors import AutogradError, ShapeError, ShapeTypeError
 from ..kernels.dispatch import use as kernel_mode
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id

@@ -22,13 +22,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from ..autograd.errors import AutogradError
+from ..errors import AutogradError
+from .interpreter import Program
 from .rules import defrule, is_float
 
 
 def _program(closed, tracked, name):
-    from .interpreter import Program
-
     if isinstance(closed, jcore.Jaxpr):
         closed = jcore.ClosedJaxpr(closed, ())
     return Program(closed, tracked, name)

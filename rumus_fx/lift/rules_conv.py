@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..autograd.errors import AutogradError
+from ..errors import AutogradError
 from .rules import defrule, in_
 
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..autograd.errors import AutogradError
+from ..errors import AutogradError
 from .rules import defrule, in_, is_float, out_
 
 _UINT32_MAX = int(np.iinfo(np.uint32).max)

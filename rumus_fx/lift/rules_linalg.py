@@ -26,7 +26,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from ..autograd.errors import AutogradError
+from ..errors import AutogradError
+from .interpreter import Program
 from .rules import defrule, in_, out_
 from .rules_elementwise import unbroadcast
 
@@ -303,8 +304,6 @@ def _linear_solve_split(r_or_step):
 def _linear_solve_prepare(step):
     """The matvec as a program of its own (rf's rules), for the gradient of the
     matrix it reads: its consts are tracked where the step's are."""
-    from .interpreter import Program
-
     cl, n_c, nb = _linear_solve_split(step)
     needs_mv = step.needs[: cl.matvec]
     if not any(needs_mv):

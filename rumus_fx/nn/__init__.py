@@ -1,4 +1,4 @@
-"""Neural-network layers and checkpoints for rumus_fx: parameters are plain pytrees.
+"""Neural-network layers and their safetensors serialization for rumus_fx: parameters are plain pytrees.
 
 Each layer is a small static (hashable) config object; ``layer.init(key)``
 returns a dict of jax arrays with PyTorch's parameter names and
@@ -18,8 +18,6 @@ through it. Optimisers are optax's.
 """
 
 from . import init as init
-from .checkpoint import load as load
-from .checkpoint import save as save
 from .layers import AdaptiveAvgPool2d as AdaptiveAvgPool2d
 from .layers import BatchNorm2d as BatchNorm2d
 from .layers import Conv2d as Conv2d
@@ -32,6 +30,8 @@ from .layers import MaxPool2d as MaxPool2d
 from .layers import Module as Module
 from .layers import Params as Params
 from .layers import Sequential as Sequential
+from .serialization import load as load
+from .serialization import save as save
 from .transformer import MultiheadAttention as MultiheadAttention
 from .transformer import TransformerBlock as TransformerBlock
 

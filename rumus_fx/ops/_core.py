@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd.errors import ShapeError
 from ..autograd.record import Aval, VersionSnapshot, provenance_of
-from ..autograd.sharding import sharding_of
 from ..autograd.tape import Tape, current_tape
-from ..kernels._util import is_low_precision as is_low_precision
+from ..errors import ShapeError
+from ..kernels.precision import is_low_precision as is_low_precision
+from ..sharding import sharding_of
 from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
+from ..errors import ShapeError
 from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
 from ._core import (

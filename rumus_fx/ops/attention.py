@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..autograd.errors import AutogradError, ShapeError
 from ..autograd.record import Record, VersionSnapshot, exact_value
+from ..errors import AutogradError, ShapeError
 from ..kernels import attention as kattn
 from ..tensor import Tensor
 from ._core import (

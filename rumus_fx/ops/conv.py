@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..autograd import sharding as shd
-from ..autograd.errors import ShapeError
+from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
-from ..kernels._util import compute_dtype, upcast
+from ..errors import ShapeError
+from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor
 from ._core import (
     acc_sum,
@@ -191,7 +191,7 @@ class Conv2dBackward(Record):
     input_dtype: Any
     weight_dtype: Any
     bias_dtype: Any
-    input_sharding: Any = None  # explicit shardings (autograd/sharding.py)
+    input_sharding: Any = None  # explicit shardings (rumus_fx/sharding.py)
     weight_sharding: Any = None
     bias_sharding: Any = None
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Record
-from ..autograd.sharding import sharding_of
+from ..sharding import sharding_of
 from ..tensor import Tensor
 from ._core import array_of, is_real_scalar, new_output, record, require_float, tape_for
 

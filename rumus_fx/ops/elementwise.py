@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..autograd.errors import ShapeError
 from ..autograd.record import Aval, Record, VersionSnapshot
+from ..errors import ShapeError
 from ..tensor import Tensor
 from ._core import (
     BroadcastInfo,

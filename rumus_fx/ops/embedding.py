@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd import sharding as shd
-from ..autograd.errors import ShapeError
+from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
+from ..errors import ShapeError
 from ..kernels import embedding as kemb
-from ..kernels._util import upcast
+from ..kernels.precision import upcast
 from ..tensor import Tensor
 from ._core import array_of, check_index_range, new_output, record, require_float, snapshot, tape_for
 
@@ -33,7 +33,7 @@ class EmbeddingBackward(Record):
     embed_dim: int
     total_lookups: int
     dtype: Any
-    weight_sharding: Any = None  # the table's explicit sharding (autograd/sharding.py)
+    weight_sharding: Any = None  # the table's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
         flat_g = shd.reshape(g, (self.total_lookups, self.embed_dim))

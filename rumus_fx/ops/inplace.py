@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..autograd.errors import AutogradError, ShapeError
 from ..autograd.record import Aval, Record, provenance_of
 from ..autograd.tape import Tape, current_tape
+from ..errors import AutogradError, ShapeError
 from ..storage import Layout
 from ..tensor import Tensor, next_grad_id
 from ._core import (

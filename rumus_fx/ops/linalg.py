@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd import sharding as shd
-from ..autograd.errors import ShapeError
+from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
+from ..errors import ShapeError
 from ..kernels import dispatch as kdispatch
 from ..kernels import matmul as kmm
-from ..kernels._util import explicit_sharding, is_low_precision
+from ..kernels.precision import is_low_precision
 from ..tensor import Tensor
 from ._core import (
     is_tracked,
@@ -135,7 +135,7 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     lhs, lhs_v = reads(a, is_tracked(b))
     rhs, rhs_v = reads(b, is_tracked(a))
     saved = (lhs, lhs_v, rhs, rhs_v)
-    shardings = (explicit_sharding(av), explicit_sharding(bv))
+    shardings = (shd.sharding_of(av), shd.sharding_of(bv))
     dtypes = (av.dtype, bv.dtype)
     if op == "matmul":
         rec: Record = MatmulBackward(*saved, math.prod(sa[:-1]), sa[-1], sb[1], *dtypes, *shardings)

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..autograd import sharding as shd
-from ..autograd.errors import ShapeError
+from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
+from ..errors import ShapeError
 from ..kernels import cross_entropy as kce
 from ..tensor import Tensor
 from ._core import (

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot, exact_value
+from ..errors import ShapeError
 from ..kernels import batch_norm as kbn
 from ..kernels import layer_norm as kln
-from ..kernels._util import upcast
+from ..kernels.precision import upcast
 from ..tensor import Tensor
 from ._core import array_of, is_real_scalar, is_tracked, new_output, reads, record, require_float, shape_of, tape_for
 

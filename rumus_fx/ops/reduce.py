@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd import sharding as shd
+from .. import sharding as shd
 from ..autograd.record import Record
 from ..tensor import Tensor
 from ._core import acc_sum, array_of, cast, is_low_precision, new_output, normalize_axis, record, shape_of, tape_for
@@ -44,7 +44,7 @@ class SumBackward(Record):
     axes: tuple[int, ...]
     keepdims: bool
     dtype: Any
-    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
+    sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
         return (cast(_expand(g, self.input_shape, self.axes, self.keepdims, self.sharding), self.dtype),)

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..autograd import sharding as shd
-from ..autograd.errors import ShapeError
+from .. import sharding as shd
 from ..autograd.record import Record
+from ..errors import ShapeError
 from ..tensor import Tensor, next_grad_id
 from ._core import array_of, new_output, normalize_axis, record, shape_of, tape_for, value_of
 
@@ -28,7 +28,7 @@ class ReshapeBackward(Record):
     """``y = reshape(x)``: ``dx = reshape(dy, original_shape)``. Reads no data."""
 
     original_shape: tuple[int, ...]
-    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
+    sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
         return (shd.reshape(g, self.original_shape, self.sharding),)
@@ -185,7 +185,7 @@ class SliceBatchBackward(Record):
 
     original_shape: tuple[int, ...]
     index: int
-    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
+    sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
         n = self.original_shape[0]
@@ -280,7 +280,7 @@ class IndexBackward(Record):
     dtype: Any
     template: tuple
     arrays: tuple[Array, ...]
-    sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
+    sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
         key = _index_key(self.template, self.arrays)

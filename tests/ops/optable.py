@@ -38,6 +38,8 @@ class OpInfo:
     rtol32: float = 2e-5
     atol32: float = 2e-5
     fd_tol: float = 1e-6
+    # pytest marks for every case of this op (e.g. ``(pytest.mark.slow,)``)
+    marks: tuple[Any, ...] = ()
 
     def __str__(self) -> str:
         return self.name

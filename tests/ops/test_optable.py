@@ -20,20 +20,36 @@ from rumus_fx.testing import check_fd, check_grads
 from .optable import OPS, OpInfo, Sample
 
 
+def _is_array(a) -> bool:
+    return isinstance(a, np.ndarray)
+
+
 def _samples(info: OpInfo) -> list[Sample]:
     return info.samples(np.random.default_rng(zlib.crc32(info.name.encode())))
 
 
 CASES = [
-    pytest.param(info, k, id=f"{info.name}-{k}", marks=getattr(info, "marks", ()))
-    for info in OPS
-    for k in range(len(_samples(info)))
+    pytest.param(info, k, id=f"{info.name}-{k}", marks=info.marks) for info in OPS for k in range(len(_samples(info)))
 ]
-FIRST_CASES = [pytest.param(info, 0, id=f"{info.name}-0") for info in OPS]
+FIRST_CASES = [pytest.param(info, 0, id=f"{info.name}-0", marks=info.marks) for info in OPS]
 
 
-def _is_array(a) -> bool:
-    return isinstance(a, np.ndarray)
+def view_axes(a) -> tuple[int, int] | None:
+    """Two axes of ``a`` longer than 1 (the last such pair), whose transpose is
+    a non-contiguous view; None when ``a`` has fewer than two such axes (every
+    view rf makes of it, a transpose or a reshape, is contiguous)."""
+    long = [d for d in range(np.ndim(a)) if np.shape(a)[d] > 1]
+    return (long[-2], long[-1]) if len(long) >= 2 else None
+
+
+def _has_view(info: OpInfo, k: int) -> bool:
+    sample = _samples(info)[k]
+    return any(_is_array(sample.args[i]) and view_axes(sample.args[i]) is not None for i in sample.diff)
+
+
+# the cases with a differentiable input that a non-contiguous view can show;
+# the others (1-D inputs, (1, 4) @ (4, 1)) have none (test_every_op_has_a_view_case)
+VIEW_CASES = [p for p in CASES if _has_view(*p.values)]
 
 
 def _setup(info: OpInfo, k: int, dtype):
@@ -143,21 +159,38 @@ def test_grad_of_each_argument_subset_all_samples(info: OpInfo, k: int, dtype, j
     check_argument_subsets(info, k, dtype, jit)
 
 
+def test_every_op_has_a_view_case():
+    """Each op is checked through a non-contiguous view in some sample, and only
+    cases no view can reach are left out of the view test."""
+    assert len(CASES) - len(VIEW_CASES) <= 2, [p.id for p in CASES if p not in VIEW_CASES]
+    for info in OPS:
+        assert any(p.values[0] is info for p in VIEW_CASES), info.name
+    for p in CASES:
+        if p not in VIEW_CASES:
+            arrays, _, _, diff, _, _ = _setup(*p.values, jnp.float32)
+            assert all(view_axes(arrays[d]) is None for d in diff), p.id
+
+
+def test_cases_carry_their_ops_marks():
+    for p in CASES + FIRST_CASES + VIEW_CASES:
+        assert tuple(p.marks) == tuple(p.values[0].marks)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("info,k", CASES)
+@pytest.mark.parametrize("info,k", VIEW_CASES)
 def test_grad_through_noncontiguous_view(info: OpInfo, k: int, jit: bool):
-    """Differentiable inputs of rank >= 2 arrive transposed and are viewed back
-    (a non-contiguous Tensor view) before the op reads them."""
+    """Differentiable inputs with two axes longer than 1 arrive transposed and
+    are viewed back (a non-contiguous Tensor view) before the op reads them;
+    every case gets at least one such view."""
     arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, jnp.float32)
-    swap = [j in diff and a.ndim >= 2 and a.shape[-1] > 1 and a.shape[-2] > 1 for j, a in enumerate(arrays)]
-    if not any(swap):
-        swap = [False] * len(arrays)
-    flipped = [jnp.swapaxes(a, -1, -2) if s else a for a, s in zip(arrays, swap)]
+    swap = [view_axes(a) if j in diff else None for j, a in enumerate(arrays)]
+    assert any(s is not None for s in swap)
+    flipped = [a if s is None else jnp.swapaxes(a, *s) for a, s in zip(arrays, swap)]
 
     def fun_view(*args):
-        views = [a.transpose(-1, -2) if s else a for a, s in zip(args, swap)]
+        views = [a if s is None else a.transpose(*s) for a, s in zip(args, swap)]
         for v, s in zip(views, swap):
-            if s:
+            if s is not None:
                 assert not v.is_contiguous()
         return fun_rf(*views)
 
@@ -166,7 +199,7 @@ def test_grad_through_noncontiguous_view(info: OpInfo, k: int, jit: bool):
         g = jax.jit(g)
     got = g(*flipped)
     want = jax.grad(fun_ref, argnums=diff)(*arrays)
-    want = tuple(jnp.swapaxes(w, -1, -2) if swap[d] else w for w, d in zip(want, diff))
+    want = tuple(w if swap[d] is None else jnp.swapaxes(w, *swap[d]) for w, d in zip(want, diff))
     chex.assert_trees_all_close(got, want, **_tols(info, jnp.float32))
 
 

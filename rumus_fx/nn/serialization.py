@@ -1,4 +1,4 @@
-"""safetensors checkpoints of parameter pytrees: atomic ``save``, checked ``load``.
+"""Serialization of parameter pytrees to safetensors files: atomic ``save``, checked ``load``.
 
 A pytree (nested dicts / lists / tuples / NamedTuples of arrays) is stored as a
 flat safetensors file whose keys are the dotted paths to the leaves

@@ -157,7 +157,7 @@ def describe(x: Any) -> str:
         return type(x).__name__
 
 
-_OPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops") + os.sep
+_OPS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops") + os.sep
 
 
 def is_sharding_failure(e: BaseException) -> bool:
