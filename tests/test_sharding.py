@@ -1,4 +1,4 @@
-"""Sharding (SPEC section 10): every op family, the Pallas kernels and the
+"""Sharding (docs/SPEC.md section 10): every op family, the Pallas kernels and the
 models, inside ``jax.jit`` on 8 host CPU devices, on meshes with Explicit axes
 (``jax.make_mesh``'s default) and Auto axes, with and without ``jax.set_mesh``;
 data parallel, tensor parallel (2x4 ("data", "model")) and FSDP. Gradients equal

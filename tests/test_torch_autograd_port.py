@@ -419,7 +419,7 @@ def test_allow_mutation_on_saved_basic():
     # b.sin_(); out.backward() gives a.grad == 2 * a (the saved b is cloned before the
     # write). rumus_fx's records also keep the pre-write buffer (copy-on-write), but the
     # storage's version changed since MulBackward read it, and rumus_fx reports that
-    # (SPEC: a record checks its snapshots before computing): it refuses.
+    # (docs/SPEC.md section 4: a record checks its snapshots before computing): it refuses.
     a0 = np.random.default_rng(8).uniform(size=(2, 3))
     with rf.Tape() as tape:
         a = rf.tensor(a0, requires_grad=True)

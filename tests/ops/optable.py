@@ -209,7 +209,7 @@ def ref_cross_entropy(logits, targets, ignore_index=None):
     valid = jnp.ones(targets.shape, bool) if ignore_index is None else targets != ignore_index
     safe = jnp.where(valid, targets, 0)
     picked = jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
-    return -jnp.sum(jnp.where(valid, picked, 0)) / jnp.sum(valid)
+    return -jnp.sum(jnp.where(valid, picked, 0)) / jnp.sum(valid).astype(picked.dtype)
 
 
 def ref_im2col(x, k, stride=1, padding=0):
