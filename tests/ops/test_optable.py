@@ -71,11 +71,14 @@ def _setup(info: OpInfo, k: int, dtype):
     out_shape = np.shape(info.output(info.ref(*full(arrays), **sample.kwargs)))
     ct = jnp.asarray(np.random.default_rng(1).standard_normal(out_shape), dtype)
 
+    # (ct in the output's dtype: check_fd runs the funs in float64)
     def fun_rf(*arr_args):
-        return rf.sum(rf.mul(info.output(info.op(*full(arr_args), **sample.kwargs)), ct))
+        out = info.output(info.op(*full(arr_args), **sample.kwargs))
+        return rf.sum(rf.mul(out, ct.astype(out.dtype)))
 
     def fun_ref(*arr_args):
-        return jnp.sum(info.output(info.ref(*full(arr_args), **sample.kwargs)) * ct)
+        out = info.output(info.ref(*full(arr_args), **sample.kwargs))
+        return jnp.sum(out * ct.astype(out.dtype))
 
     diff = tuple(positions.index(d) for d in sample.diff)
     return arrays, fun_rf, fun_ref, diff, sample, full
