@@ -20,9 +20,11 @@ from .transforms import vjp as vjp
 
 
 def __getattr__(name: str) -> Any:
-    # BackwardOp: the union of every record type (known once the ops are imported)
+    # BackwardOp: the union of every declared record type (Note [Declaring an op]
+    # in registry.py), known once the ops and the primitive rules are imported
     if name == "BackwardOp":
-        from .. import ops  # noqa: F401  (defines the record types)
+        from .. import lift, ops  # noqa: F401  (declare the ops)
+        from .registry import declared_records
 
-        return Union[record_types()]  # noqa: UP007
+        return Union[declared_records()]  # noqa: UP007
     raise AttributeError(name)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record, VersionSnapshot
@@ -26,6 +27,7 @@ from ._core import (
     sum_to,
     tape_for,
 )
+from ._declare import A, BadInput, F, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -72,6 +74,50 @@ class ScaledDotProductAttentionBackward(Record):
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dm)[: len(needs)]
 
 
+def ref_attention(q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False) -> Array:
+    """The jax.numpy oracle of ``scaled_dot_product_attention`` (op table)."""
+    s = jnp.einsum("...qd,...kd->...qk", q, k) / np.sqrt(q.shape[-1])
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf) if mask.dtype == bool else s + mask
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = jnp.where(np.tril(np.ones((sq, sk), bool)), s, -jnp.inf)
+    return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _attention_samples(r: np.random.Generator) -> list[Sample]:
+    mask = (r.uniform(size=(5, 5)) > 0.3) | np.eye(5, dtype=bool)
+    return [
+        Sample((normal(r, 2, 5, 3), normal(r, 2, 7, 3), normal(r, 2, 7, 4)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 2, 6, 4), normal(r, 2, 2, 6, 4), normal(r, 2, 2, 6, 4)), {"causal": True}, diff=(0, 1, 2)),
+        Sample((normal(r, 3, 5, 4), normal(r, 3, 5, 4), normal(r, 3, 5, 4), mask), diff=(0, 1, 2)),
+        Sample((normal(r, 4, 3), normal(r, 5, 3), normal(r, 5, 2), normal(r, 4, 5)), diff=(0, 1, 2, 3)),
+    ]
+
+
+def _attention_errors() -> list[BadInput]:
+    return [
+        BadInput("rank-1 q", (F(4), F(4), F(4)), ShapeError),
+        BadInput("ranks differ", (F(2, 5, 4), F(5, 4), F(5, 4)), ShapeError),
+        BadInput("q and k widths", (F(5, 4), F(6, 3), F(6, 2)), ShapeError),
+        BadInput("k and v lengths", (F(5, 4), F(6, 4), F(7, 2)), ShapeError),
+        BadInput("leading axes differ", (F(2, 5, 4), F(3, 6, 4), F(3, 6, 2)), ShapeError),
+        BadInput("mask shape", (F(5, 4), F(6, 4), F(6, 2), A(np.ones((5, 5), bool))), ShapeError, ("(5, 5)",)),
+        BadInput("causal not a bool", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"causal": "yes"}),
+        BadInput("integer mask", (F(5, 4), F(5, 4), F(5, 2), A(np.ones((5, 5)), jnp.int32)), TypeError),
+        BadInput("scale a string", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"scale": "x"}),
+        BadInput("integer q", (N(5, 4), F(5, 4), F(5, 2)), TypeError),
+    ]
+
+
+@op(
+    records=(ScaledDotProductAttentionBackward,),
+    ref=ref_attention,
+    samples=_attention_samples,
+    errors=_attention_errors,
+    rtol32=1e-4,
+    atol32=1e-4,
+)
 def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False, scale: float | None = None
 ) -> Tensor:

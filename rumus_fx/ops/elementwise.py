@@ -31,6 +31,7 @@ from ._core import (
     tape_for,
     value_of,
 )
+from ._declare import BadInput, F, Sample, normal, op, positive, ranked, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -276,26 +277,68 @@ def _binary(kind: str, a: Any, b: Any) -> Tensor:
     return record(tape, binary_record(kind, a, b, av, bv, out_shape), (a, b), res)
 
 
+def _binary_samples(positive_rhs: bool = False):
+    rhs = positive if positive_rhs else normal
+    pairs = [((3, 5), (3, 5)), ((2, 3, 7), (3, 7)), ((4, 1, 3), (5, 1)), ((3,), (2, 3)), ((), (3, 2))]
+    return lambda rng: [Sample((normal(rng, *a), rhs(rng, *b)), diff=(0, 1)) for a, b in pairs]
+
+
+_UNARY_SHAPES = [(3, 5), (2, 3, 7)]
+
+
+@op(
+    records=(AddBackward, BroadcastAddBackward),
+    ref=ranked(jnp.add),
+    samples=_binary_samples(),
+    errors=lambda: [
+        BadInput("shapes that do not broadcast", (F(3, 4), F(5)), ShapeError, ("(3, 4)", "(5,)")),
+        BadInput("swapped axes", (F(2, 3), F(3, 2)), ShapeError),
+    ],
+)
 def add(a: Any, b: Any) -> Tensor:
     """``a + b`` with NumPy broadcasting (records AddBackward or BroadcastAddBackward)."""
     return _binary("add", a, b)
 
 
+@op(
+    records=(SubBackward, BroadcastSubBackward),
+    ref=ranked(jnp.subtract),
+    samples=_binary_samples(),
+    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 3, 4), F(3, 2)), ShapeError, ("(3, 2)",))],
+)
 def sub(a: Any, b: Any) -> Tensor:
     """``a - b`` with NumPy broadcasting (records SubBackward or BroadcastSubBackward)."""
     return _binary("sub", a, b)
 
 
+@op(
+    records=(MulBackward, BroadcastMulBackward),
+    ref=ranked(jnp.multiply),
+    samples=_binary_samples(),
+    errors=lambda: [BadInput("shapes that do not broadcast", (F(4), F(3)), ShapeError, ("(4,)", "(3,)"))],
+)
 def mul(a: Any, b: Any) -> Tensor:
     """``a * b`` with NumPy broadcasting (records MulBackward or BroadcastMulBackward)."""
     return _binary("mul", a, b)
 
 
+@op(
+    records=(DivBackward,),
+    ref=ranked(jnp.divide),
+    samples=_binary_samples(positive_rhs=True),
+    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 5), F(2, 4)), ShapeError)],
+)
 def div(a: Any, b: Any) -> Tensor:
     """``a / b`` with NumPy broadcasting (records DivBackward)."""
     return _binary("div", a, b)
 
 
+@op(
+    records=(NegBackward,),
+    ref=jnp.negative,
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("a python list", ([1.0, 2.0],), TypeError, ("list",))],
+)
 def neg(x: Any) -> Tensor:
     """``-x`` (records NegBackward)."""
     xv = array_of(x, "neg")
@@ -306,6 +349,12 @@ def neg(x: Any) -> Tensor:
     return record(tape, NegBackward(), (x,), new_output(out, tape))
 
 
+@op(
+    records=(ExpBackward,),
+    ref=jnp.exp,
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("None", (None,), TypeError, ("NoneType",))],
+)
 def exp(x: Any) -> Tensor:
     """``exp(x)`` (records ExpBackward, which saves the output)."""
     xv = array_of(x, "exp")
@@ -317,6 +366,12 @@ def exp(x: Any) -> Tensor:
     return record(tape, ExpBackward(out, snapshot(res)), (x,), res)
 
 
+@op(
+    records=(LogBackward,),
+    ref=jnp.log,
+    samples=unary_samples(_UNARY_SHAPES, positive),
+    errors=lambda: [BadInput("a string", ("1.0",), TypeError, ("str",))],
+)
 def log(x: Any) -> Tensor:
     """Natural logarithm (records LogBackward, which saves the input)."""
     xv = array_of(x, "log")
@@ -328,6 +383,23 @@ def log(x: Any) -> Tensor:
     return record(tape, LogBackward(saved, version), (x,), new_output(out, tape))
 
 
+def _ref_add_bias(m: Any, b: Any) -> Any:
+    return m + b[None, :] if m.ndim == 2 else m + b.reshape((1,) * (m.ndim - 1) + b.shape)
+
+
+@op(
+    records=(AddBiasBackward,),
+    ref=_ref_add_bias,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 5)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 5), normal(r, 5)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-2 bias", (F(3, 5), F(2, 5)), ShapeError, ("(2, 5)",)),
+        BadInput("bias size", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("scalar input", (F(), F(1)), ShapeError),
+    ],
+)
 def add_bias(m: Any, b: Any) -> Tensor:
     """``m + b`` for ``m:[M, N]`` (or ``[..., N]``) and ``b:[N]`` (records AddBiasBackward)."""
     mv = value_of(m, "add_bias", "input")

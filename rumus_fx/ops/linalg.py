@@ -27,6 +27,7 @@ from ._core import (
     tape_for,
     value_of,
 )
+from ._declare import BadInput, F, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -142,17 +143,48 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     return record(tape, rec, (a, b), new_output(out, tape))
 
 
+@op(
+    records=(MatmulBackward,),
+    ref=jnp.matmul,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 5, 7)), diff=(0, 1)),
+        Sample((normal(r, 1, 4), normal(r, 4, 1)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 5), normal(r, 5, 6)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-1 lhs", (F(3), F(3, 4)), ShapeError, ("(3,)",)),
+        BadInput("inner sizes differ", (F(2, 3), F(4, 5)), ShapeError, ("(2, 3)", "(4, 5)")),
+        BadInput("rank-3 rhs", (F(2, 3), F(2, 3, 4)), ShapeError),
+        BadInput("integer lhs", (N(2, 3), F(3, 4)), TypeError, ("int32",)),
+    ],
+)
 def matmul(a: Any, b: Any) -> Tensor:
     """``a @ b`` for ``a:[M, K]`` (or ``[..., M, K]``) and ``b:[K, N]`` (records MatmulBackward)."""
     return _product("matmul", a, b)
 
 
+@op(
+    records=(BmmBackward,),
+    ref=jnp.matmul,
+    samples=lambda r: [
+        Sample((normal(r, 3, 4, 5), normal(r, 3, 5, 2)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 4, 5), normal(r, 2, 3, 5, 7)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-2 operands", (F(3, 4), F(4, 5)), ShapeError, ("(3, 4)",)),
+        BadInput("batch sizes differ", (F(2, 3, 4), F(3, 4, 5)), ShapeError),
+        BadInput("inner sizes differ", (F(2, 3, 4), F(2, 5, 5)), ShapeError),
+        BadInput("ranks differ", (F(2, 2, 3, 4), F(2, 4, 5)), ShapeError),
+        BadInput("integer operand", (N(2, 3, 4), F(2, 4, 5)), TypeError),
+    ],
+)
 def bmm(a: Any, b: Any) -> Tensor:
     """Batched ``a @ b``: ``[B, M, K] @ [B, K, N]``; any equal leading batch axes
     (records BmmBackward)."""
     return _product("bmm", a, b)
 
 
+@op(records=(MatmulBackward, BmmBackward), toplevel=False)  # the @ operator: no table entry of its own
 def matmul_any(a: Any, b: Any) -> Tensor:
     """The ``@`` operator: ``matmul`` when ``b`` is 2-D, ``bmm`` when both have
     the same rank >= 3."""

@@ -18,6 +18,7 @@ from ..autograd.errors import ShapeError
 from ..autograd.record import Record
 from ..tensor import Tensor, next_grad_id
 from ._core import array_of, new_output, normalize_axis, record, shape_of, tape_for, value_of
+from ._declare import A, BadInput, F, Sample, normal, op, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -102,6 +103,24 @@ def _reshape_to(x: Any, shape: tuple[int, ...], rec: Record) -> Tensor:
     return record(tape, rec, (x,), out)
 
 
+@op(
+    records=(ReshapeBackward,),
+    call=lambda x, shape: reshape(x, shape),
+    ref=lambda x, shape: jnp.reshape(x, shape),
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), (5, 3))),
+        Sample((normal(r, 2, 3, 7), (6, -1))),
+        Sample((normal(r, 6, 5), (2, 3, 5))),
+    ],
+    errors=lambda: [
+        BadInput("wrong size", (F(3, 5), (4, 4)), ShapeError, ("(3, 5)", "(4, 4)")),
+        BadInput("two -1", (F(3, 4), (2, -1, -1)), ShapeError),
+        BadInput("negative size", (F(3, 4), (-2, -6)), ShapeError),
+        BadInput("float sizes", (F(3, 4), (3.0, 4)), TypeError, ("3.0",)),
+        BadInput("a string shape", (F(3, 4), "12"), TypeError),
+        BadInput("a shape of strings", (F(3, 4), ("a", "b")), TypeError),
+    ],
+)
 def reshape(x: Any, shape: Any) -> Tensor:
     """``x`` with a new shape (one -1 allowed): a view of the same storage when
     the layout allows, a contiguous copy otherwise (records ReshapeBackward)."""
@@ -110,6 +129,12 @@ def reshape(x: Any, shape: Any) -> Tensor:
     return _reshape_to(x, new, ReshapeBackward(old, _sharding_if_tracked(x)))
 
 
+@op(
+    records=(FlattenBackward,),
+    ref=lambda x: jnp.reshape(x, (x.shape[0], -1)),
+    samples=unary_samples([(3, 5), (2, 3, 7), (2, 3, 2, 5)]),
+    errors=lambda: [BadInput("scalar", (F(),), ShapeError)],
+)
 def flatten(x: Any) -> Tensor:
     """``[B, d1, d2, ...] -> [B, d1*d2*...]`` keeping axis 0 (records FlattenBackward)."""
     old = shape_of(x) if isinstance(x, Tensor) else shape_of(value_of(x, "flatten"))
@@ -119,6 +144,19 @@ def flatten(x: Any) -> Tensor:
     return _reshape_to(x, new, FlattenBackward(old, _sharding_if_tracked(x)))
 
 
+@op(
+    records=(TransposeBackward,),
+    ref=jnp.swapaxes,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), 0, 1)),
+        Sample((normal(r, 2, 3, 7), 0, 2)),
+        Sample((normal(r, 2, 3, 7), -1, 1)),
+    ],
+    errors=lambda: [
+        BadInput("dim out of range", (F(3, 4), 0, 2), ShapeError, ("axis 2",)),
+        BadInput("float dim", (F(3, 4), 0.0, 1), TypeError),
+    ],
+)
 def transpose(x: Any, dim0: int, dim1: int) -> Tensor:
     """Swap two axes; a view of the same storage (records TransposeBackward)."""
     nd = len(shape_of(x)) if isinstance(x, Tensor) else len(shape_of(value_of(x, "transpose")))
@@ -156,6 +194,21 @@ class StackBackward(Record):
         return tuple(out)
 
 
+@op(
+    records=(StackBackward,),
+    call=lambda a, b, c, axis=0: stack([a, b, c], axis=axis),
+    ref=lambda a, b, c, axis=0: jnp.stack([a, b, c], axis=axis),
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 3, 5), normal(r, 3, 5)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 3), normal(r, 2, 3), normal(r, 2, 3)), {"axis": -1}, diff=(0, 2)),
+    ],
+    errors=lambda: [
+        BadInput("shapes differ", ([F(3, 4), F(3, 5)],), ShapeError, ("(3, 4)", "(3, 5)")),
+        BadInput("empty list", ([],), ValueError),
+        BadInput("a tensor, not a list", (F(3, 4),), TypeError),
+        BadInput("axis out of range", ([F(3), F(3)],), ShapeError, kwargs={"axis": 3}),
+    ],
+)
 def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     """Stack equally shaped tensors along a new ``axis`` (records StackBackward)."""
     op = "stack"
@@ -197,6 +250,18 @@ class SliceBatchBackward(Record):
         return (lax.pad(g[None], np.zeros((), g.dtype), pads),)
 
 
+@op(
+    records=(SliceBatchBackward,),
+    ref=lambda x, i: x[i],
+    samples=lambda r: [Sample((normal(r, 4, 3, 5), 2)), Sample((normal(r, 3, 5), -1)), Sample((normal(r, 5, 2), 0))],
+    errors=lambda: [
+        BadInput("index == size", (F(4, 3), 4), IndexError, ("4",)),
+        BadInput("index below -size", (F(4, 3), -5), IndexError, ("-5",)),
+        BadInput("float index", (F(4, 3), 1.0), TypeError),
+        BadInput("array index", (F(4, 3), A(1)), TypeError),
+        BadInput("scalar input", (F(), 0), ShapeError),
+    ],
+)
 def slice_batch(x: Any, index: int) -> Tensor:
     """``x[index]`` along axis 0 (a static int; negative counts from the end); a
     new tensor, not a view (records SliceBatchBackward)."""
@@ -290,6 +355,25 @@ class IndexBackward(Record):
         return (zeros.at[key].add(g.astype(self.dtype), out_sharding=self.sharding),)
 
 
+@op(
+    records=(IndexBackward,),
+    ref=lambda x, key: x[key],
+    samples=lambda r: [
+        Sample((normal(r, 4, 5), (slice(1, None), 2))),
+        Sample((normal(r, 3, 4, 5), (Ellipsis, np.array([0, 2, 2, 4])))),  # repeats accumulate
+        Sample((normal(r, 6, 3), (np.array([[5, 0], [0, 1]]), None, slice(None, None, 2)))),
+        Sample((normal(r, 3, 5), -1)),
+    ],
+    errors=lambda: [
+        BadInput("int out of range", (F(4, 3), 4), IndexError, ("4",)),
+        BadInput("array index out of range", (F(4, 3), np.array([0, 7])), IndexError, ("7",)),
+        BadInput("negative array index below -size", (F(4, 3), (np.array([-5]),)), IndexError),
+        BadInput("array index after an ellipsis", (F(4, 3), (Ellipsis, np.array([3]))), IndexError),
+        BadInput("too many indices", (F(4, 3), (0, 0, 0)), IndexError, ("(4, 3)",)),
+        BadInput("float index array", (F(4, 3), np.array([0.5])), TypeError, ("float",)),
+        BadInput("boolean mask", (F(4, 3), np.array([True, False, True, True])), TypeError, ("bool",)),
+    ],
+)
 def index(x: Any, key: Any) -> Tensor:
     """``x[key]`` with NumPy basic and integer-array indexing (``t[key]`` calls
     it). The result is a new tensor, not a view: unlike PyTorch, writing into it
@@ -355,6 +439,7 @@ class ReshardBackward(Record):
         return (shd.conform(g, self.sharding),)
 
 
+@op(records=(ReshardBackward,))  # sharding: tested in tests/test_sharding.py
 def reshard(x: Any, sharding: Any) -> Tensor:
     """``x`` with another sharding (a ``NamedSharding``, or a ``PartitionSpec`` on
     ``x``'s mesh): ``jax.sharding.reshard`` for arrays sharded over Explicit mesh
