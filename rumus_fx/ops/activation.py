@@ -141,8 +141,6 @@ class SoftmaxBackward(Record):
     output: Array
     output_version: VersionSnapshot | None
     axis: int
-    num_rows: int
-    row_size: int
 
     def backward(self, g, needs):
         return (ksoftmax.softmax_bwd(self.output, g, self.axis),)
@@ -256,5 +254,4 @@ def softmax(x: Any, axis: int = -1) -> Tensor:
         raise ShapeError("softmax: expects a tensor of rank >= 1, got a scalar")
     ax = normalize_axis("softmax", axis, xv.ndim)
     out = ksoftmax.softmax_fwd(xv, ax)
-    row = xv.shape[ax]
-    return _saves_output(x, out, SoftmaxBackward, ax, xv.size // max(row, 1), row)
+    return _saves_output(x, out, SoftmaxBackward, ax)

@@ -39,7 +39,8 @@ class ScaledDotProductAttentionBackward(Record):
 
     Saves q, k, v (snapshotted), the output and the per-row log-sum-exp, so the
     backward recomputes the probabilities block by block instead of keeping the
-    [Sq, Sk] matrix. A float (additive) mask that is tracked gets a gradient.
+    [Sq, Sk] matrix. The mask is kept at its own shape (broadcast to the scores
+    again in backward). A float (additive) mask that is tracked gets a gradient.
     """
 
     q: Array
@@ -58,11 +59,14 @@ class ScaledDotProductAttentionBackward(Record):
 
     def backward(self, g, needs):
         want_mask = len(needs) > 3 and needs[3]
+        mask = None
+        if self.mask is not None:
+            mask = _broadcast_mask(self.mask, (*self.q.shape[:-1], self.k.shape[-2]))
         dq, dk, dv, dmask = kattn.attention_bwd(
             self.q,
             self.k,
             self.v,
-            self.mask,
+            mask,
             self.out,
             self.lse,
             g,
@@ -72,6 +76,11 @@ class ScaledDotProductAttentionBackward(Record):
         )
         dm = sum_to(dmask, self.mask_broadcast) if want_mask else None
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dm)[: len(needs)]
+
+
+def _broadcast_mask(mask: Array, scores_shape: tuple[int, ...]) -> Array:
+    """``mask`` (broadcastable to the scores) at the scores' full shape."""
+    return jnp.broadcast_to(mask.reshape((1,) * (len(scores_shape) - mask.ndim) + mask.shape), scores_shape)
 
 
 def ref_attention(q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False) -> Array:
@@ -152,14 +161,14 @@ def scaled_dot_product_attention(
             require_float(op, mv, "mask")
         if broadcast_shapes(op, shape_of(mv), scores_shape) != scores_shape:
             raise ShapeError(f"{op}: mask of shape {shape_of(mv)} does not broadcast to the scores {scores_shape}")
-        mv = jnp.broadcast_to(mv.reshape((1,) * (len(scores_shape) - mv.ndim) + mv.shape), scores_shape)
         mask_info = broadcast_info(mask if not isinstance(mask, Tensor) else mask.value, scores_shape)
     if scale is None:
         scale = 1.0 / math.sqrt(qv.shape[-1])
     if not is_real_scalar(scale):
         raise TypeError(f"{op}: scale must be a python float or None, got {scale!r}")
     scale = float(scale)
-    out, lse = kattn.attention_fwd(qv, kv, vv, mv, causal=causal, scale=scale)
+    full_mask = None if mv is None else _broadcast_mask(mv, scores_shape)
+    out, lse = kattn.attention_fwd(qv, kv, vv, full_mask, causal=causal, scale=scale)
     inputs = (q, k, v) if mask is None else (q, k, v, mask)
     tape = tape_for(*inputs)
     if tape is None:

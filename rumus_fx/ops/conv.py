@@ -367,8 +367,6 @@ class AddChannelBiasBackward(Record):
     """``y = x + b[:, None]`` for ``x:[..., C, L]``: ``dx = dy``, ``db`` sums
     ``dy`` over everything but the channel axis. Reads no data."""
 
-    channels: int
-    spatial: int
     input_dtype: Any
     bias_dtype: Any
 
@@ -405,7 +403,7 @@ def add_channel_bias(x: Any, b: Any) -> Tensor:
     tape = tape_for(x, b)
     if tape is None:
         return Tensor._wrap(out)
-    rec = AddChannelBiasBackward(xv.shape[-2], xv.shape[-1], xv.dtype, bv.dtype)
+    rec = AddChannelBiasBackward(xv.dtype, bv.dtype)
     return record(tape, rec, (x, b), new_output(out, tape))
 
 
@@ -421,8 +419,6 @@ class MaxPool2dBackward(Record):
     indices are private to the record: it snapshots nothing."""
 
     indices: Array
-    input_shape: tuple[int, ...]
-    channels: int
     h: int
     w: int
     out_h: int
@@ -505,13 +501,13 @@ def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int
     k, s, p = _window_args(op, kernel_size, stride, padding)
     if p > k // 2:
         raise ValueError(f"{op}: padding {p} must be at most kernel_size // 2 = {k // 2}")
-    *lead, c, h, w = xv.shape
+    *_, h, w = xv.shape
     oh, ow = _out_size(op, h, k, s, p, "height"), _out_size(op, w, k, s, p, "width")
     out, indices = _max_pool_forward(xv, k, s, p, oh, ow)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
-    rec = MaxPool2dBackward(indices, tuple(xv.shape), c, h, w, oh, ow, k, s, p)
+    rec = MaxPool2dBackward(indices, h, w, oh, ow, k, s, p)
     return record(tape, rec, (x,), new_output(out, tape))
 
 
@@ -545,8 +541,6 @@ class AdaptiveAvgPool2dBackward(Record):
     """Each input pixel receives ``dy / count`` from every bin that covers it:
     ``dx = P_h^T dy P_w`` with the (static) bin-averaging matrices. Reads no data."""
 
-    batch: tuple[int, ...]
-    channels: int
     h_in: int
     w_in: int
     h_out: int
@@ -605,12 +599,12 @@ def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
         ow = static_int(op, "output_size", output_size[1], 1)
     else:
         oh = ow = static_int(op, "output_size", output_size, 1)
-    *lead, c, h, w = xv.shape
+    *_, h, w = xv.shape
     if h == 0 or w == 0:
         raise ShapeError(f"{op}: input spatial size must be non-empty, got {xv.shape}")
     out = _bin_pool(xv, h, w, oh, ow, xv.dtype, False)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
-    rec = AdaptiveAvgPool2dBackward(tuple(lead), c, h, w, oh, ow, xv.dtype)
+    rec = AdaptiveAvgPool2dBackward(h, w, oh, ow, xv.dtype)
     return record(tape, rec, (x,), new_output(out, tape))

@@ -42,36 +42,70 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 # ---------------------------------------------------------------------------
 
 
+# One formula per arithmetic op, shared by its equal-shape record and its
+# broadcasting record; the two differ only in how an output-shaped gradient is
+# taken back to an operand (``_to``: a cast, or a sum over the broadcast axes).
+
+
+class _AddFormula(Record):
+    """``c = a + b``: ``da = dc``, ``db = dc``."""
+
+    def _to(self, k: int, g: Array) -> Array:
+        raise NotImplementedError
+
+    def backward(self, g, needs):
+        return (self._to(0, g) if needs[0] else None, self._to(1, g) if needs[1] else None)
+
+
+class _SubFormula(_AddFormula):
+    """``c = a - b``: ``da = dc``, ``db = -dc``."""
+
+    def backward(self, g, needs):
+        return (self._to(0, g) if needs[0] else None, self._to(1, -g) if needs[1] else None)
+
+
+class _MulFormula(_AddFormula):
+    """``c = a * b``: ``da = dc * b``, ``db = dc * a`` (saved: ``b`` only when
+    ``a`` needs a gradient, ``a`` only when ``b`` does)."""
+
+    def backward(self, g, needs):
+        nd = g.ndim
+        return (
+            self._to(0, g * align_rank(self.rhs, nd)) if needs[0] else None,
+            self._to(1, g * align_rank(self.lhs, nd)) if needs[1] else None,
+        )
+
+
+class _Broadcasting(_AddFormula):
+    """Gradients summed over the axes each operand was broadcast along."""
+
+    def _to(self, k, g):
+        return sum_to(g, self.rhs_broadcast if k else self.lhs_broadcast)
+
+
 @frozen
-class AddBackward(Record):
+class AddBackward(_AddFormula):
     """``c = a + b`` (equal shapes): ``da = dc``, ``db = dc``. Reads no data."""
 
     lhs: Aval | None
     rhs: Aval | None
 
-    def backward(self, g, needs):
-        return (
-            cast(g, self.lhs.dtype) if needs[0] else None,
-            cast(g, self.rhs.dtype) if needs[1] else None,
-        )
+    def _to(self, k, g):
+        return cast(g, (self.rhs if k else self.lhs).dtype)
 
 
 @frozen
-class SubBackward(Record):
+class SubBackward(_SubFormula):
     """``c = a - b`` (equal shapes): ``da = dc``, ``db = -dc``. Reads no data."""
 
     lhs: Aval | None
     rhs: Aval | None
 
-    def backward(self, g, needs):
-        return (
-            cast(g, self.lhs.dtype) if needs[0] else None,
-            cast(-g, self.rhs.dtype) if needs[1] else None,
-        )
+    _to = AddBackward._to
 
 
 @frozen
-class MulBackward(Record):
+class MulBackward(_MulFormula):
     """``c = a * b`` (equal shapes): ``da = dc * b``, ``db = dc * a``.
 
     Saves ``b`` only when ``a`` needs a gradient and ``a`` only when ``b`` does.
@@ -84,45 +118,28 @@ class MulBackward(Record):
     lhs_aval: Aval | None
     rhs_aval: Aval | None
 
-    def backward(self, g, needs):
-        return (
-            cast(g * self.rhs, self.lhs_aval.dtype) if needs[0] else None,
-            cast(g * self.lhs, self.rhs_aval.dtype) if needs[1] else None,
-        )
+    def _to(self, k, g):
+        return cast(g, (self.rhs_aval if k else self.lhs_aval).dtype)
 
 
 @frozen
-class BroadcastAddBackward(Record):
+class BroadcastAddBackward(_Broadcasting):
     """``c = a + b`` with broadcasting: gradients summed over broadcast axes."""
 
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
-
-    def backward(self, g, needs):
-        return (
-            sum_to(g, self.lhs_broadcast) if needs[0] else None,
-            sum_to(g, self.rhs_broadcast) if needs[1] else None,
-        )
 
 
 @frozen
-class BroadcastSubBackward(Record):
+class BroadcastSubBackward(_Broadcasting, _SubFormula):
     """``c = a - b`` with broadcasting."""
 
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
-
-    def backward(self, g, needs):
-        return (
-            sum_to(g, self.lhs_broadcast) if needs[0] else None,
-            sum_to(-g, self.rhs_broadcast) if needs[1] else None,
-        )
 
 
 @frozen
-class BroadcastMulBackward(Record):
+class BroadcastMulBackward(_Broadcasting, _MulFormula):
     """``c = a * b`` with broadcasting."""
 
     lhs: Array | float | None
@@ -131,14 +148,6 @@ class BroadcastMulBackward(Record):
     rhs_version: VersionSnapshot | None
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
-
-    def backward(self, g, needs):
-        nd = g.ndim
-        return (
-            sum_to(g * align_rank(self.rhs, nd), self.lhs_broadcast) if needs[0] else None,
-            sum_to(g * align_rank(self.lhs, nd), self.rhs_broadcast) if needs[1] else None,
-        )
 
 
 @frozen
@@ -151,7 +160,6 @@ class DivBackward(Record):
     rhs_version: VersionSnapshot | None
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
 
     def backward(self, g, needs):
         nd = g.ndim
@@ -197,10 +205,8 @@ class LogBackward(Record):
 @frozen
 class AddBiasBackward(Record):
     """``y = m + b`` with ``m:[..., n]``, ``b:[n]``: ``dm = dy``,
-    ``db = dy`` summed over the ``m`` leading rows. Reads no data."""
+    ``db = dy`` summed over the leading rows. Reads no data."""
 
-    m: int
-    n: int
     input_dtype: Any
     bias_dtype: Any
 
@@ -239,7 +245,7 @@ def binary_record(
             cls = AddBackward if kind == "add" else SubBackward
             return cls(aval_of(av), aval_of(bv))
         cls = BroadcastAddBackward if kind == "add" else BroadcastSubBackward
-        return cls(broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape)
+        return cls(broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
     # mul / div read data: save what the needed gradients read
     lhs_needed = need_b
     rhs_needed = need_a or (kind == "div" and need_b)
@@ -248,10 +254,8 @@ def binary_record(
     if kind == "mul":
         if same:
             return MulBackward(lhs, lhs_v, rhs, rhs_v, aval_of(av), aval_of(bv))
-        return BroadcastMulBackward(
-            lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape
-        )
-    return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape)
+        return BroadcastMulBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
+    return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
 
 
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
@@ -411,9 +415,5 @@ def add_bias(m: Any, b: Any) -> Tensor:
     tape = tape_for(m, b)
     if tape is None:
         return Tensor._wrap(out)
-    n = bs[0]
-    rows = 1
-    for s in ms[:-1]:
-        rows *= s
-    rec = AddBiasBackward(rows, n, getattr(mv, "dtype", None), getattr(bv, "dtype", None))
+    rec = AddBiasBackward(getattr(mv, "dtype", None), getattr(bv, "dtype", None))
     return record(tape, rec, (m, b), new_output(out, tape))

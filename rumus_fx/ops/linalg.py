@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -49,50 +48,43 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None)
 
 
 @frozen
-class MatmulBackward(Record):
-    """``C = A @ B``: ``dA = dC @ B^T``, ``dB = A^T @ dC`` (A may have leading
-    axes; they are contracted for dB). Saves B only if A needs a gradient, A only
-    if B does."""
+class _ProductRecord(Record):
+    """``C = A @ B``: ``dA = dC @ B^T``, ``dB = A^T @ dC``. Saves B only if A
+    needs a gradient, A only if B does. One body for both records: they differ
+    in how ``dB`` treats A's leading axes (``batched``)."""
+
+    batched: ClassVar[bool] = False
 
     lhs: Array | None
     lhs_version: VersionSnapshot | None
     rhs: Array | None
     rhs_version: VersionSnapshot | None
-    m: int
-    k: int
-    n: int
     lhs_dtype: Any
     rhs_dtype: Any
     lhs_sharding: Any = None  # set for operands sharded over Explicit mesh axes
     rhs_sharding: Any = None
 
     def backward(self, g, needs):
-        ga = kmm.matmul(g, self.rhs.T, self.lhs_dtype, self.lhs_sharding) if needs[0] else None
-        gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding) if needs[1] else None
+        ga = kmm.matmul(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype, self.lhs_sharding) if needs[0] else None
+        gb = None
+        if needs[1] and self.batched:  # per batch
+            gb = kmm.matmul(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype, self.rhs_sharding)
+        elif needs[1]:  # A's leading axes are contracted too
+            gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding)
         return ga, gb
 
 
 @frozen
-class BmmBackward(Record):
+class MatmulBackward(_ProductRecord):
+    """``C = A @ B`` for ``A:[..., M, K]``, ``B:[K, N]``: ``dA = dC @ B^T``,
+    ``dB = A^T @ dC`` with A's leading axes contracted."""
+
+
+@frozen
+class BmmBackward(_ProductRecord):
     """``C = A @ B`` batched: ``dA = dC @ B^T``, ``dB = A^T @ dC`` per batch."""
 
-    lhs: Array | None
-    lhs_version: VersionSnapshot | None
-    rhs: Array | None
-    rhs_version: VersionSnapshot | None
-    batch: int
-    m: int
-    k: int
-    n: int
-    lhs_dtype: Any
-    rhs_dtype: Any
-    lhs_sharding: Any = None  # set for operands sharded over Explicit mesh axes
-    rhs_sharding: Any = None
-
-    def backward(self, g, needs):
-        ga = kmm.bmm(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype, self.lhs_sharding) if needs[0] else None
-        gb = kmm.bmm(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype, self.rhs_sharding) if needs[1] else None
-        return ga, gb
+    batched: ClassVar[bool] = True
 
 
 def _product_sharding(op: str, av: Array, bv: Array) -> Any:
@@ -127,7 +119,7 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     require_float(op, av, "lhs")
     require_float(op, bv, "rhs")
     out_sharding = _product_sharding(op, av, bv)
-    out = kmm.matmul(av, bv, None, out_sharding) if op == "matmul" else kmm.bmm(av, bv, None, out_sharding)
+    out = kmm.matmul(av, bv, None, out_sharding)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)
@@ -136,10 +128,8 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     saved = (lhs, lhs_v, rhs, rhs_v)
     shardings = (explicit_sharding(av), explicit_sharding(bv))
     dtypes = (av.dtype, bv.dtype)
-    if op == "matmul":
-        rec: Record = MatmulBackward(*saved, math.prod(sa[:-1]), sa[-1], sb[1], *dtypes, *shardings)
-    else:
-        rec = BmmBackward(*saved, math.prod(sa[:-2]), sa[-2], sa[-1], sb[-1], *dtypes, *shardings)
+    cls = MatmulBackward if op == "matmul" else BmmBackward
+    rec = cls(*saved, *dtypes, *shardings)
     return record(tape, rec, (a, b), new_output(out, tape))
 
 

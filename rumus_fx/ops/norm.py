@@ -45,7 +45,6 @@ class LayerNormBackward(Record):
     weight: Array | None
     weight_version: VersionSnapshot | None
     save: tuple[Array, Array]  # (mean, rstd), each of shape input.shape[:-1]
-    num_instances: int
     norm_size: int
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
@@ -143,7 +142,6 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
         saved_w,
         w_v,
         (mean, rstd),
-        xv.size // max(d, 1),
         d,
         bias is not None,
         getattr(bv, "dtype", None),
@@ -175,10 +173,7 @@ class BatchNorm2dBackward(Record):
     stats_dtype: Any
     weight_dtype: Any
     training: bool
-    batch: int
     channels: int
-    height: int
-    width: int
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
 
@@ -343,10 +338,7 @@ def batch_norm_2d(
         rv.dtype,
         getattr(wv, "dtype", None),
         training,
-        b,
         c,
-        h,
-        w,
         bias is not None,
         getattr(bv, "dtype", None),
     )

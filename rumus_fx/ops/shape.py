@@ -17,7 +17,7 @@ from ..autograd import sharding as shd
 from ..autograd.errors import ShapeError
 from ..autograd.record import Record
 from ..tensor import Tensor, next_grad_id
-from ._core import array_of, new_output, normalize_axis, record, shape_of, tape_for, value_of
+from ._core import array_of, check_index_range, new_output, normalize_axis, record, shape_of, tape_for, value_of
 from ._declare import A, BadInput, F, Sample, normal, op, unary_samples
 
 Array = jax.Array
@@ -25,8 +25,9 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 
 @frozen
-class ReshapeBackward(Record):
-    """``y = reshape(x)``: ``dx = reshape(dy, original_shape)``. Reads no data."""
+class _ReshapeRecord(Record):
+    """``dx = reshape(dy, original_shape)``. Reads no data. (The body of
+    ReshapeBackward and FlattenBackward.)"""
 
     original_shape: tuple[int, ...]
     sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
@@ -36,14 +37,13 @@ class ReshapeBackward(Record):
 
 
 @frozen
-class FlattenBackward(Record):
+class ReshapeBackward(_ReshapeRecord):
+    """``y = reshape(x)``: ``dx = reshape(dy, original_shape)``. Reads no data."""
+
+
+@frozen
+class FlattenBackward(_ReshapeRecord):
     """``y = flatten(x)`` (``[B, ...] -> [B, rest]``): ``dx = reshape(dy)``."""
-
-    original_shape: tuple[int, ...]
-    sharding: Any = None
-
-    def backward(self, g, needs):
-        return (shd.reshape(g, self.original_shape, self.sharding),)
 
 
 @frozen
@@ -179,7 +179,6 @@ class StackBackward(Record):
     ``axis``. Reads no data."""
 
     count: int
-    each_shape: tuple[int, ...]
     axis: int
     dtypes: tuple[Any, ...]
 
@@ -228,7 +227,7 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     tape = tape_for(*tensors)
     if tape is None:
         return Tensor._wrap(out)
-    rec = StackBackward(len(values), shape, ax, tuple(v.dtype for v in values))
+    rec = StackBackward(len(values), ax, tuple(v.dtype for v in values))
     return record(tape, rec, tuple(tensors), new_output(out, tape))
 
 
@@ -241,13 +240,7 @@ class SliceBatchBackward(Record):
     sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
-        n = self.original_shape[0]
-        if self.sharding is not None:  # a select per shard instead of a pad of a sharded axis
-            spread = shd.broadcast_to(g[None], self.original_shape, self.sharding)
-            rows = lax.broadcasted_iota(jnp.int32, self.original_shape, 0, out_sharding=self.sharding)
-            return (jnp.where(rows == self.index, spread, jnp.zeros((), g.dtype)),)
-        pads = [(self.index, n - 1 - self.index, 0)] + [(0, 0, 0)] * g.ndim
-        return (lax.pad(g[None], np.zeros((), g.dtype), pads),)
+        return (index_grad(g, self.original_shape, g.dtype, (("int", self.index),), (), self.sharding),)
 
 
 @op(
@@ -272,8 +265,7 @@ def slice_batch(x: Any, index: int) -> Tensor:
     if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
         raise TypeError(f"{op}: index must be a python int, got {index!r}")
     n = xv.shape[0]
-    if not -n <= index < n:
-        raise IndexError(f"{op}: index {index} is out of range for axis 0 of size {n}")
+    check_index_range(op, index, n, axis=0)
     index = int(index) % n
     spec = shd.spec_of(xv)
     if spec is not None and spec[0] is not None:
@@ -348,11 +340,24 @@ class IndexBackward(Record):
     sharding: Any = None  # the input's explicit sharding (autograd/sharding.py)
 
     def backward(self, g, needs):
-        key = _index_key(self.template, self.arrays)
-        zeros = shd.zeros(self.input_shape, self.dtype, self.sharding)
-        if self.sharding is None:
-            return (zeros.at[key].add(g.astype(self.dtype)),)
-        return (zeros.at[key].add(g.astype(self.dtype), out_sharding=self.sharding),)
+        return (index_grad(g, self.input_shape, self.dtype, self.template, self.arrays, self.sharding),)
+
+
+def index_grad(g: Array, shape: tuple[int, ...], dtype: Any, template: tuple, arrays: tuple, sharding: Any) -> Array:
+    """The gradient of ``x[key]`` (x of ``shape``/``dtype``): zeros with ``g``
+    added at ``key`` (repeated indices accumulate). One body for IndexBackward
+    and SliceBatchBackward. A single integer on an explicitly sharded axis 0 is
+    a select per shard (JAX slices a sharded axis only into whole shards)."""
+    g = g.astype(dtype)
+    if sharding is not None and len(template) == 1 and template[0][0] == "int":
+        spread = shd.broadcast_to(g[None], shape, sharding)
+        rows = lax.broadcasted_iota(jnp.int32, shape, 0, out_sharding=sharding)
+        return jnp.where(rows == template[0][1] % shape[0], spread, jnp.zeros((), dtype))
+    key = _index_key(template, arrays)
+    zeros = shd.zeros(shape, dtype, sharding)
+    if sharding is None:
+        return zeros.at[key].add(g)
+    return zeros.at[key].add(g, out_sharding=sharding)
 
 
 @op(
@@ -385,15 +390,13 @@ def index(x: Any, key: Any) -> Tensor:
     for t in template:
         if t[0] == "int":
             axis = _int_axis(template, t)
-            if axis is not None and axis < xv.ndim and not -xv.shape[axis] <= t[1] < xv.shape[axis]:
-                raise IndexError(f"{op}: index {t[1]} is out of range for axis {axis} of size {xv.shape[axis]}")
+            if axis is not None and axis < xv.ndim:
+                check_index_range(op, t[1], xv.shape[axis], axis=axis)
     for t in template:  # concrete index arrays: numpy's bounds, not jnp's silent clamping
-        if t[0] == "array" and not isinstance(arrays[t[1]], jax.core.Tracer):
+        if t[0] == "array":
             axis = _array_axis(template, t, xv.ndim)
-            a = np.asarray(arrays[t[1]])
-            if axis is not None and a.size and ((a < -xv.shape[axis]) | (a >= xv.shape[axis])).any():
-                first = int(a[(a < -xv.shape[axis]) | (a >= xv.shape[axis])].reshape(-1)[0])
-                raise IndexError(f"{op}: index {first} is out of range for axis {axis} of size {xv.shape[axis]}")
+            if axis is not None:
+                check_index_range(op, arrays[t[1]], xv.shape[axis], axis=axis)
     try:
         out = xv[_index_key(template, arrays)]
     except IndexError as e:
