@@ -184,3 +184,11 @@ def test_sample_is_the_registry_sample():
     s = Sample((normal(__import__("numpy").random.default_rng(0), 2),))
     assert s.diff == (0,) and s.kwargs == {}
     assert F(2).make().requires_grad
+
+
+def test_rules_declared_with_a_table_entry_reach_the_primitive_table():
+    from ..lift import ptable
+
+    declared = {e.name for d in registry.declarations("primitive") for e in d.extra["table"]}
+    assert {"exp2", "log1p", "expm1", "cbrt", "square"} <= declared
+    assert declared <= {info.name for info in ptable.ENTRIES}
