@@ -12,6 +12,7 @@ from .record import Aval as Aval
 from .record import Record as Record
 from .record import VersionSnapshot as VersionSnapshot
 from .record import record_types as record_types
+from .registry import declared_records
 from .tape import Tape as Tape
 from .tape import TapeEntry as TapeEntry
 from .tape import no_grad as no_grad
@@ -21,9 +22,10 @@ from .transforms import vjp as vjp
 
 
 def __getattr__(name: str) -> Any:
-    # BackwardOp: the union of every record type, computed on access: the ops
-    # (and rf.lift) define their records above this package, and importing
-    # rumus_fx.autograd imports rumus_fx, hence all of them, first
+    # BackwardOp: the union of every declared record type (Note [Declaring an
+    # op] in registry.py), computed on access: the ops (and rf.lift) declare
+    # theirs above this package, and importing rumus_fx.autograd imports
+    # rumus_fx, hence all of them, first
     if name == "BackwardOp":
-        return Union[record_types()]  # noqa: UP007
+        return Union[declared_records()]  # noqa: UP007
     raise AttributeError(name)

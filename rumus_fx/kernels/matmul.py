@@ -162,7 +162,8 @@ def matmul_reference(a: jax.Array, b: jax.Array, *, out_dtype: Any = None, out_s
 
 
 def matmul(a: jax.Array, b: jax.Array, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
-    """``a @ b`` for ``[M, K] @ [K, N]`` (also with equal leading batch axes).
+    """``a @ b`` for ``[..., M, K] @ [K, N]`` and the batched ``[..., M, K] @
+    [..., K, N]`` (the kernel reads the form from the shapes, ``_pallas_form``).
 
     ``out_sharding`` (for operands sharded over Explicit mesh axes) takes the
     reference path, which passes it to XLA's dot."""
@@ -171,8 +172,4 @@ def matmul(a: jax.Array, b: jax.Array, out_dtype: Any = None, out_sharding: Any 
     return call(matmul_reference, matmul_pallas, a, b, out_dtype=out_dtype)
 
 
-def bmm(a: jax.Array, b: jax.Array, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
-    """Batched ``[..., M, K] @ [..., K, N]`` (``out_sharding`` as for ``matmul``)."""
-    if out_sharding is not None:
-        return matmul_reference(a, b, out_dtype=out_dtype, out_sharding=out_sharding)
-    return call(matmul_reference, matmul_pallas, a, b, out_dtype=out_dtype)
+bmm = matmul  # the batched product: the same entry point (one body)

@@ -38,6 +38,7 @@ from jax.extend import core as jcore
 
 from .. import tensor as tensor_mod
 from ..autograd.record import Aval, Record, VersionSnapshot
+from ..autograd.registry import OpDecl, declare
 from ..autograd.tape import current_tape, suspend_recording
 from ..errors import AutogradError, ShapeError, ShapeTypeError
 from ..kernels.dispatch import use as kernel_mode
@@ -321,6 +322,9 @@ class LiftedBackward(Record):
 # ---------------------------------------------------------------------------
 # tracing and closure capture
 # ---------------------------------------------------------------------------
+
+
+declare(OpDecl(name="lift", kind="composite", records=(LiftedBackward,), module=__name__))
 
 
 class _Capture:

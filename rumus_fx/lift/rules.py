@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record
+from ..autograd.registry import OpDecl, TableEntry, declare
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -152,8 +153,12 @@ def defrule(
     multiple_results: bool = False,
     record_name: str | None = None,
     doc: str | None = None,
+    table: tuple[TableEntry, ...] = (),
 ) -> Rule:
-    """Declare the backward rule of primitive ``name`` (see Note [Primitive rules])."""
+    """Declare the backward rule of primitive ``name`` (see Note [Primitive rules]);
+    it joins the op registry (Note [Declaring an op] in ``autograd/registry.py``)
+    as a ``"primitive"`` declaration, with ``table`` entries for the primitive
+    table."""
     cls_name = record_name or f"{camel(name)}Backward"
     cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
     cls = frozen(cls)
@@ -162,6 +167,15 @@ def defrule(
     rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results)
     cls.rule = rule
     RULES[name] = rule
+    declare(
+        OpDecl(
+            name=name,
+            kind="primitive",
+            records=(cls,),
+            module=vjp.__module__,
+            extra={"rule": rule, "saves": saves_fn, "backward": vjp, "table": tuple(table)},
+        )
+    )
     return rule
 
 

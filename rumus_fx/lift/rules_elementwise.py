@@ -13,6 +13,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from ..autograd.registry import TableEntry
+from ..ops._declare import normal, positive, unary_samples
 from .rules import defrule, in_, out_
 
 
@@ -41,22 +43,29 @@ def _y(r, k=0):
     return r.outs[k]
 
 
-def _unary(name, formula, saves, doc=None):
+_SHAPES = [(3, 4), (2, 3, 5)]
+
+
+def _unary(name, formula, saves, doc=None, program=None, gen=normal):
+    """A unary rule; ``program`` (a jnp function emitting the primitive) adds its
+    primitive-table entry (Note [Declaring an op] in autograd/registry.py)."""
+
     def vjp(r, g):
         return (formula(r, g),)
 
     vjp.__name__ = f"{name}_vjp"
     vjp.__module__ = __name__
-    defrule(name, vjp, saves, doc=doc)
+    table = () if program is None else (TableEntry(name, program, unary_samples(_SHAPES, gen)),)
+    defrule(name, vjp, saves, doc=doc, table=table)
 
 
 # -- unary ---------------------------------------------------------------------
 _unary("neg", lambda r, g: -g, ((), ()))
 _unary("exp", lambda r, g: g * _y(r), out_(0))
-_unary("exp2", lambda r, g: g * _y(r) * jnp.asarray(math.log(2.0), g.dtype), out_(0))
+_unary("exp2", lambda r, g: g * _y(r) * jnp.asarray(math.log(2.0), g.dtype), out_(0), program=jnp.exp2)
 _unary("log", lambda r, g: g / _x(r), in_(0))
-_unary("log1p", lambda r, g: g / (_x(r) + 1), in_(0))
-_unary("expm1", lambda r, g: g * (_y(r) + 1), out_(0))
+_unary("log1p", lambda r, g: g / (_x(r) + 1), in_(0), program=jnp.log1p, gen=positive)
+_unary("expm1", lambda r, g: g * (_y(r) + 1), out_(0), program=jnp.expm1)
 _unary("tanh", lambda r, g: g * (1 - _y(r) * _y(r)), out_(0))
 _unary("logistic", lambda r, g: g * _y(r) * (1 - _y(r)), out_(0))
 _unary("sin", lambda r, g: g * lax.cos(_x(r)), in_(0))
@@ -72,9 +81,9 @@ _unary("acosh", lambda r, g: g * lax.rsqrt((_x(r) - 1) * (_x(r) + 1)), in_(0))
 _unary("atanh", lambda r, g: g / (1 - _x(r) * _x(r)), in_(0))
 _unary("sqrt", lambda r, g: g * 0.5 / _y(r), out_(0))
 _unary("rsqrt", lambda r, g: g * -0.5 * _y(r) / _x(r), ((0,), (0,)))
-_unary("cbrt", lambda r, g: g / (3 * _y(r) * _y(r)), out_(0))
+_unary("cbrt", lambda r, g: g / (3 * _y(r) * _y(r)), out_(0), program=jnp.cbrt, gen=positive)
 _unary("abs", lambda r, g: g * jnp.sign(_x(r)), in_(0))
-_unary("square", lambda r, g: g * 2 * _x(r), in_(0))
+_unary("square", lambda r, g: g * 2 * _x(r), in_(0), program=jnp.square)
 _unary("erf", lambda r, g: g * (2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)), in_(0))
 _unary("erfc", lambda r, g: g * (-2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)), in_(0))
 _unary("erf_inv", lambda r, g: g * (math.sqrt(math.pi) / 2) * lax.exp(_y(r) * _y(r)), out_(0))

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import ops
+from ..ops._core import static_int
 from ..tensor import Tensor
 from . import init as _init
 
@@ -54,8 +55,7 @@ __all__ = [
 
 
 def _check_int(layer: str, name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{layer}: {name} must be an int >= {minimum}, got {value!r}")
+    static_int(layer, name, value, minimum)  # a ValueError (IntArgumentError is one too)
 
 
 def _check_float(layer: str, name: str, value: Any, lo: float, hi: float, hi_open: bool = False) -> None:

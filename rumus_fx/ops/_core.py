@@ -64,9 +64,16 @@ def is_real_scalar(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+class IntArgumentError(TypeError, ValueError):
+    """A non-int where a static int is needed: the TypeError of the ops' error
+    convention, and the ValueError the rf.nn layers' configuration checks raise."""
+
+
 def static_int(op: str, name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an int ``>= minimum``: ``IntArgumentError`` for a non-int,
+    ``ValueError`` below the minimum. The one int validator (ops and rf.nn layers)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+        raise IntArgumentError(f"{op}: {name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
     return int(value)
@@ -234,16 +241,22 @@ def array_of(x: Any, op: str, what: str = "input") -> Any:
     return v
 
 
-def check_index_range(op: str, indices: Any, size: int, what: str, ignore: int | None = None) -> None:
-    """IndexError for concrete out-of-range indices (traced ones cannot be checked)."""
+def check_index_range(
+    op: str, indices: Any, size: int, what: str = "index", ignore: int | None = None, axis: int | None = None
+) -> None:
+    """IndexError for concrete out-of-range indices (traced ones cannot be
+    checked). Without ``axis``: ``0 <= i < size`` (lookups such as embedding
+    rows and class targets; ``ignore`` is exempt); with ``axis``: numpy's
+    indexing bounds ``-size <= i < size`` for that axis of the input."""
     if isinstance(indices, jax.core.Tracer):
         return
     arr = np.asarray(indices)
     if arr.size == 0:
         return
-    bad = (arr < 0) | (arr >= size)
+    bad = (arr < (0 if axis is None else -size)) | (arr >= size)
     if ignore is not None:
         bad &= arr != ignore
     if bad.any():
-        first = arr[bad].reshape(-1)[0]
-        raise IndexError(f"{op}: {what} {int(first)} is out of range for size {size} (valid: 0..{size - 1})")
+        first = int(arr[bad].reshape(-1)[0])
+        where = f"size {size} (valid: 0..{size - 1})" if axis is None else f"axis {axis} of size {size}"
+        raise IndexError(f"{op}: {what} {first} is out of range for {where}")

@@ -25,6 +25,7 @@ from ._core import (
     snapshot,
     tape_for,
 )
+from ._declare import BadInput, F, N, Sample, away_from_zero, normal, op, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -41,6 +42,15 @@ class ReluBackward(Record):
         return (jnp.where(self.input > 0, g, 0),)
 
 
+_UNARY_SHAPES = [(3, 5), (2, 3, 7)]
+
+
+@op(
+    records=(ReluBackward,),
+    ref=jax.nn.relu,
+    samples=unary_samples(_UNARY_SHAPES, away_from_zero),
+    errors=lambda: [BadInput("an object", (object(),), TypeError)],
+)
 def relu(x: Any) -> Tensor:
     """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
     xv = array_of(x, "relu")
@@ -131,8 +141,6 @@ class SoftmaxBackward(Record):
     output: Array
     output_version: VersionSnapshot | None
     axis: int
-    num_rows: int
-    row_size: int
 
     def backward(self, g, needs):
         return (ksoftmax.softmax_bwd(self.output, g, self.axis),)
@@ -154,6 +162,12 @@ def _saves_input(x: Any, out: Array, rec_cls: type, *extra: Any) -> Tensor:
     return record(tape, rec_cls(saved, version, *extra), (x,), new_output(out, tape))
 
 
+@op(
+    records=(SigmoidBackward,),
+    ref=jax.nn.sigmoid,
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+)
 def sigmoid(x: Any) -> Tensor:
     """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
     xv = array_of(x, "sigmoid")
@@ -161,6 +175,12 @@ def sigmoid(x: Any) -> Tensor:
     return _saves_output(x, jax.nn.sigmoid(xv), SigmoidBackward)
 
 
+@op(
+    records=(TanhBackward,),
+    ref=jnp.tanh,
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+)
 def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent (records TanhBackward, which saves the output)."""
     xv = array_of(x, "tanh")
@@ -168,6 +188,19 @@ def tanh(x: Any) -> Tensor:
     return _saves_output(x, jnp.tanh(xv), TanhBackward)
 
 
+@op(
+    records=(GeluBackward,),
+    ref=jax.nn.gelu,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5),)),
+        Sample((normal(r, 2, 3, 7),), {"approximate": False}),
+        Sample((normal(r, 4, 6),), {"approximate": True}),
+    ],
+    errors=lambda: [
+        BadInput("integer input", (N(3),), TypeError),
+        BadInput("approximate not a bool", (F(3),), TypeError, ("'tanh'",), {"approximate": "tanh"}),
+    ],
+)
 def gelu(x: Any, approximate: bool = True) -> Tensor:
     """GELU; the tanh approximation by default (as rumus), exact erf form with
     ``approximate=False`` (records GeluBackward)."""
@@ -178,6 +211,15 @@ def gelu(x: Any, approximate: bool = True) -> Tensor:
     return _saves_input(x, _gelu_forward(xv, approximate), GeluBackward, approximate)
 
 
+@op(
+    records=(LeakyReluBackward,),
+    ref=lambda x, alpha=0.01: jax.nn.leaky_relu(x, alpha),
+    samples=lambda r: [Sample((away_from_zero(r, 3, 5),)), Sample((away_from_zero(r, 2, 3, 7), 0.2))],
+    errors=lambda: [
+        BadInput("alpha a string", (F(3),), TypeError, ("'0.1'",), {"alpha": "0.1"}),
+        BadInput("integer input", (N(3),), TypeError),
+    ],
+)
 def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
     """``x`` where ``x >= 0``, else ``alpha * x`` (records LeakyReluBackward)."""
     xv = array_of(x, "leaky_relu")
@@ -189,6 +231,20 @@ def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
     return _saves_input(x, out, LeakyReluBackward, alpha)
 
 
+@op(
+    records=(SoftmaxBackward,),
+    ref=jax.nn.softmax,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5),)),
+        Sample((normal(r, 2, 3, 7),), {"axis": 1}),
+        Sample((normal(r, 2, 3, 7) * 5,), {"axis": 0}),
+    ],
+    errors=lambda: [
+        BadInput("axis out of range", (F(3, 4),), ShapeError, kwargs={"axis": 2}),
+        BadInput("scalar", (F(),), ShapeError),
+        BadInput("integer input", (N(3),), TypeError),
+    ],
+)
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """Numerically stable softmax along ``axis`` (records SoftmaxBackward, which
     saves the output)."""
@@ -198,5 +254,4 @@ def softmax(x: Any, axis: int = -1) -> Tensor:
         raise ShapeError("softmax: expects a tensor of rank >= 1, got a scalar")
     ax = normalize_axis("softmax", axis, xv.ndim)
     out = ksoftmax.softmax_fwd(xv, ax)
-    row = xv.shape[ax]
-    return _saves_output(x, out, SoftmaxBackward, ax, xv.size // max(row, 1), row)
+    return _saves_output(x, out, SoftmaxBackward, ax)

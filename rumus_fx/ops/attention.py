@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..autograd.record import Record, VersionSnapshot, exact_value
 from ..errors import AutogradError, ShapeError
@@ -26,6 +27,7 @@ from ._core import (
     sum_to,
     tape_for,
 )
+from ._declare import A, BadInput, F, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -37,7 +39,8 @@ class ScaledDotProductAttentionBackward(Record):
 
     Saves q, k, v (snapshotted), the output and the per-row log-sum-exp, so the
     backward recomputes the probabilities block by block instead of keeping the
-    [Sq, Sk] matrix. A float (additive) mask that is tracked gets a gradient.
+    [Sq, Sk] matrix. The mask is kept at its own shape (broadcast to the scores
+    again in backward). A float (additive) mask that is tracked gets a gradient.
     """
 
     q: Array
@@ -70,11 +73,14 @@ class ScaledDotProductAttentionBackward(Record):
 
     def backward(self, g, needs):
         want_mask = len(needs) > 3 and needs[3]
+        mask = None
+        if self.mask is not None:
+            mask = _broadcast_mask(self.mask, (*self.q.shape[:-1], self.k.shape[-2]))
         dq, dk, dv, dmask = kattn.attention_bwd(
             self.q,
             self.k,
             self.v,
-            self.mask,
+            mask,
             self.out,
             self.lse,
             g,
@@ -86,6 +92,55 @@ class ScaledDotProductAttentionBackward(Record):
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dm)[: len(needs)]
 
 
+def _broadcast_mask(mask: Array, scores_shape: tuple[int, ...]) -> Array:
+    """``mask`` (broadcastable to the scores) at the scores' full shape."""
+    return jnp.broadcast_to(mask.reshape((1,) * (len(scores_shape) - mask.ndim) + mask.shape), scores_shape)
+
+
+def ref_attention(q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False) -> Array:
+    """The jax.numpy oracle of ``scaled_dot_product_attention`` (op table)."""
+    s = jnp.einsum("...qd,...kd->...qk", q, k) / np.sqrt(q.shape[-1])
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf) if mask.dtype == bool else s + mask
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = jnp.where(np.tril(np.ones((sq, sk), bool)), s, -jnp.inf)
+    return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _attention_samples(r: np.random.Generator) -> list[Sample]:
+    mask = (r.uniform(size=(5, 5)) > 0.3) | np.eye(5, dtype=bool)
+    return [
+        Sample((normal(r, 2, 5, 3), normal(r, 2, 7, 3), normal(r, 2, 7, 4)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 2, 6, 4), normal(r, 2, 2, 6, 4), normal(r, 2, 2, 6, 4)), {"causal": True}, diff=(0, 1, 2)),
+        Sample((normal(r, 3, 5, 4), normal(r, 3, 5, 4), normal(r, 3, 5, 4), mask), diff=(0, 1, 2)),
+        Sample((normal(r, 4, 3), normal(r, 5, 3), normal(r, 5, 2), normal(r, 4, 5)), diff=(0, 1, 2, 3)),
+    ]
+
+
+def _attention_errors() -> list[BadInput]:
+    return [
+        BadInput("rank-1 q", (F(4), F(4), F(4)), ShapeError),
+        BadInput("ranks differ", (F(2, 5, 4), F(5, 4), F(5, 4)), ShapeError),
+        BadInput("q and k widths", (F(5, 4), F(6, 3), F(6, 2)), ShapeError),
+        BadInput("k and v lengths", (F(5, 4), F(6, 4), F(7, 2)), ShapeError),
+        BadInput("leading axes differ", (F(2, 5, 4), F(3, 6, 4), F(3, 6, 2)), ShapeError),
+        BadInput("mask shape", (F(5, 4), F(6, 4), F(6, 2), A(np.ones((5, 5), bool))), ShapeError, ("(5, 5)",)),
+        BadInput("causal not a bool", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"causal": "yes"}),
+        BadInput("integer mask", (F(5, 4), F(5, 4), F(5, 2), A(np.ones((5, 5)), jnp.int32)), TypeError),
+        BadInput("scale a string", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"scale": "x"}),
+        BadInput("integer q", (N(5, 4), F(5, 4), F(5, 2)), TypeError),
+    ]
+
+
+@op(
+    records=(ScaledDotProductAttentionBackward,),
+    ref=ref_attention,
+    samples=_attention_samples,
+    errors=_attention_errors,
+    rtol32=1e-4,
+    atol32=1e-4,
+)
 def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False, scale: float | None = None
 ) -> Tensor:
@@ -120,14 +175,14 @@ def scaled_dot_product_attention(
             require_float(op, mv, "mask")
         if broadcast_shapes(op, shape_of(mv), scores_shape) != scores_shape:
             raise ShapeError(f"{op}: mask of shape {shape_of(mv)} does not broadcast to the scores {scores_shape}")
-        mv = jnp.broadcast_to(mv.reshape((1,) * (len(scores_shape) - mv.ndim) + mv.shape), scores_shape)
         mask_info = broadcast_info(mask if not isinstance(mask, Tensor) else mask.value, scores_shape)
     if scale is None:
         scale = 1.0 / math.sqrt(qv.shape[-1])
     if not is_real_scalar(scale):
         raise TypeError(f"{op}: scale must be a python float or None, got {scale!r}")
     scale = float(scale)
-    out, lse = kattn.attention_fwd(qv, kv, vv, mv, causal=causal, scale=scale)
+    full_mask = None if mv is None else _broadcast_mask(mv, scores_shape)
+    out, lse = kattn.attention_fwd(qv, kv, vv, full_mask, causal=causal, scale=scale)
     inputs = (q, k, v) if mask is None else (q, k, v, mask)
     tape = tape_for(*inputs)
     if tape is None:

@@ -14,6 +14,7 @@ from ..autograd.record import Record
 from ..recording import current_tape
 from ..tensor import Tensor
 from ._core import new_output, record, tape_for, value_of
+from ._declare import op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -31,6 +32,7 @@ class CastBackward(Record):
         return (g if g.dtype == self.input_dtype else g.astype(self.input_dtype),)
 
 
+@op(records=(CastBackward,), toplevel=False)  # rf.tensor(t, dtype=...) and t.astype: tests/test_tensor.py
 def cast_to(x: Any, dtype: Any) -> Tensor:
     """``x`` as a new tensor (new storage) of ``dtype``; recorded (CastBackward)
     when ``x`` is tracked, a tape records and ``dtype`` is floating."""

@@ -34,6 +34,7 @@ from ._core import (
     static_int,
     tape_for,
 )
+from ._declare import BadInput, F, Lazy, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -127,6 +128,33 @@ def _im2col_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Arra
     return shd.reshape(cols, (*lead, c * k * k, oh * ow))
 
 
+def ref_im2col(x: Any, k: int, stride: int = 1, padding: int = 0) -> Array:
+    """The jax.numpy/lax oracle of ``im2col`` (op table)."""
+    single = x.ndim == 3
+    xb = x[None] if single else x.reshape((-1,) + x.shape[-3:])
+    p = jax.lax.conv_general_dilated_patches(xb, (k, k), (stride, stride), [(padding, padding)] * 2)
+    out = p.reshape(p.shape[0], p.shape[1], -1)
+    return out[0] if single else out.reshape(x.shape[:-3] + out.shape[1:])
+
+
+@op(
+    records=(Im2ColBackward,),
+    ref=ref_im2col,
+    samples=lambda r: [
+        Sample((normal(r, 2, 5, 6), 3)),
+        Sample((normal(r, 2, 3, 7, 5), 3, 2, 1)),
+        Sample((normal(r, 1, 2, 6, 6), 2, 2)),
+        Sample((normal(r, 3, 5, 5), 3, 1, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-2 input", (F(5, 6), 3), ShapeError, ("(5, 6)",)),
+        BadInput("kernel larger than padded input", (F(2, 5, 6), 8, 1, 1), ValueError, ("8",)),
+        BadInput("kernel 0", (F(2, 5, 6), 0), ValueError),
+        BadInput("float kernel", (F(2, 5, 6), 2.0), TypeError, ("2.0",)),
+        BadInput("stride 0", (F(2, 5, 6), 3, 0), ValueError),
+        BadInput("negative padding", (F(2, 5, 6), 3, 1, -1), ValueError),
+    ],
+)
 def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tensor:
     """Patches of ``x:[..., C, H, W]`` as ``[..., C*K*K, OH*OW]``: row
     ``c*K*K + kh*K + kw``, column ``oh*OW + ow``, zero padding; works on one
@@ -247,6 +275,40 @@ def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> A
     return y
 
 
+def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0) -> Array:
+    """The lax oracle of ``conv2d`` (op table)."""
+    y = jax.lax.conv_general_dilated(x, w, (stride, stride), [(padding, padding)] * 2)
+    return y if b is None else y + b.reshape(1, -1, 1, 1)
+
+
+@op(
+    records=(Conv2dBackward,),
+    ref=ref_conv2d,
+    samples=lambda r: [
+        Sample((normal(r, 2, 3, 7, 6), normal(r, 4, 3, 3, 3), normal(r, 4)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 3, 7, 8), normal(r, 5, 3, 3, 3), None, 2, 1), diff=(0, 1)),
+        Sample((normal(r, 1, 2, 6, 5), normal(r, 3, 2, 2, 2), normal(r, 3), 3, 0), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 1, 5, 5), normal(r, 2, 1, 5, 5), None, 1, 2), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("channels differ", (F(2, 3, 6, 6), F(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),
+        BadInput("rank-3 input", (F(3, 6, 6), F(4, 3, 3, 3)), ShapeError),
+        BadInput("non-square kernel", (F(2, 3, 6, 6), F(4, 3, 3, 2)), ShapeError),
+        BadInput("bias size", (F(2, 3, 6, 6), F(4, 3, 3, 3), F(3)), ShapeError, ("bias",)),
+        BadInput("kernel larger than padded input", (F(1, 2, 4, 4), F(3, 2, 7, 7), None, 1, 1), ValueError),
+        BadInput("stride 0", (F(1, 2, 6, 6), F(3, 2, 3, 3), None, 0), ValueError),
+        BadInput("float padding", (F(1, 2, 6, 6), F(3, 2, 3, 3), None, 1, 1.5), TypeError),
+        BadInput("integer weight", (F(1, 2, 6, 6), N(3, 2, 3, 3)), TypeError),
+        BadInput(
+            "x and weight dtypes differ",
+            (F(1, 2, 6, 6), Lazy(lambda: Tensor._wrap(jnp.ones((3, 2, 3, 3), jnp.bfloat16)))),
+            TypeError,
+            ("float32", "bfloat16"),
+        ),
+    ],
+    rtol32=1e-4,
+    atol32=1e-4,
+)
 def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int = 0) -> Tensor:
     """2-D convolution (cross-correlation, as PyTorch) of ``x:[B, C, H, W]``
     with ``weight:[O, C, K, K]`` plus optional ``bias:[O]`` -> ``[B, O, OH, OW]``
@@ -305,8 +367,6 @@ class AddChannelBiasBackward(Record):
     """``y = x + b[:, None]`` for ``x:[..., C, L]``: ``dx = dy``, ``db`` sums
     ``dy`` over everything but the channel axis. Reads no data."""
 
-    channels: int
-    spatial: int
     input_dtype: Any
     bias_dtype: Any
 
@@ -319,6 +379,19 @@ class AddChannelBiasBackward(Record):
         return gx, gb
 
 
+@op(
+    records=(AddChannelBiasBackward,),
+    ref=lambda x, b: x + b.reshape((1,) * (x.ndim - 2) + (-1, 1)),
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 3)), diff=(0, 1)),
+        Sample((normal(r, 2, 4, 7), normal(r, 4)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("channels differ", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("rank-1 input", (F(5), F(5)), ShapeError),
+        BadInput("rank-2 bias", (F(3, 5), F(3, 1)), ShapeError),
+    ],
+)
 def add_channel_bias(x: Any, b: Any) -> Tensor:
     """``x:[..., C, L] + b:[C]`` broadcast over ``L`` (records AddChannelBiasBackward)."""
     op = "add_channel_bias"
@@ -330,7 +403,7 @@ def add_channel_bias(x: Any, b: Any) -> Tensor:
     tape = tape_for(x, b)
     if tape is None:
         return Tensor._wrap(out)
-    rec = AddChannelBiasBackward(xv.shape[-2], xv.shape[-1], xv.dtype, bv.dtype)
+    rec = AddChannelBiasBackward(xv.dtype, bv.dtype)
     return record(tape, rec, (x, b), new_output(out, tape))
 
 
@@ -346,8 +419,6 @@ class MaxPool2dBackward(Record):
     indices are private to the record: it snapshots nothing."""
 
     indices: Array
-    input_shape: tuple[int, ...]
-    channels: int
     h: int
     w: int
     out_h: int
@@ -392,6 +463,32 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
     return out, indices
 
 
+def ref_max_pool2d(x: Any, k: int, stride: int | None = None, padding: int = 0) -> Array:
+    """The lax oracle of ``max_pool2d`` (op table)."""
+    s = k if stride is None else stride
+    nd = x.ndim
+    pads = [(0, 0)] * (nd - 2) + [(padding, padding)] * 2
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1,) * (nd - 2) + (k, k), (1,) * (nd - 2) + (s, s), pads)
+
+
+@op(
+    records=(MaxPool2dBackward,),
+    ref=ref_max_pool2d,
+    samples=lambda r: [
+        Sample((normal(r, 2, 3, 6, 7), 2)),
+        Sample((normal(r, 2, 3, 7, 5), 3, 2)),  # overlapping windows
+        Sample((normal(r, 3, 5, 6), 3, 1, 1)),  # unbatched, padded
+        Sample((normal(r, 1, 2, 7, 7), 2, 3)),  # stride > kernel
+    ],
+    errors=lambda: [
+        BadInput("rank-2 input", (F(6, 6), 2), ShapeError),
+        BadInput("kernel larger than input", (F(1, 6, 6), 8), ValueError, ("8",)),
+        BadInput("padding above kernel // 2", (F(1, 6, 6), 2, 2, 2), ValueError),
+        BadInput("float kernel", (F(1, 6, 6), 1.5), TypeError),
+        BadInput("stride 0", (F(1, 6, 6), 2, 0), ValueError),
+        BadInput("integer input", (N(1, 6, 6), 2), TypeError),
+    ],
+)
 def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int = 0) -> Tensor:
     """Max over ``kernel_size`` windows of ``x:[..., C, H, W]``; stride defaults
     to the kernel size; overlapping windows allowed; implicit ``-inf`` padding
@@ -404,13 +501,13 @@ def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int
     k, s, p = _window_args(op, kernel_size, stride, padding)
     if p > k // 2:
         raise ValueError(f"{op}: padding {p} must be at most kernel_size // 2 = {k // 2}")
-    *lead, c, h, w = xv.shape
+    *_, h, w = xv.shape
     oh, ow = _out_size(op, h, k, s, p, "height"), _out_size(op, w, k, s, p, "width")
     out, indices = _max_pool_forward(xv, k, s, p, oh, ow)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
-    rec = MaxPool2dBackward(indices, tuple(xv.shape), c, h, w, oh, ow, k, s, p)
+    rec = MaxPool2dBackward(indices, h, w, oh, ow, k, s, p)
     return record(tape, rec, (x,), new_output(out, tape))
 
 
@@ -444,8 +541,6 @@ class AdaptiveAvgPool2dBackward(Record):
     """Each input pixel receives ``dy / count`` from every bin that covers it:
     ``dx = P_h^T dy P_w`` with the (static) bin-averaging matrices. Reads no data."""
 
-    batch: tuple[int, ...]
-    channels: int
     h_in: int
     w_in: int
     h_out: int
@@ -456,6 +551,38 @@ class AdaptiveAvgPool2dBackward(Record):
         return (_bin_pool(g, self.h_in, self.w_in, self.h_out, self.w_out, self.dtype, True),)
 
 
+def ref_adaptive_avg_pool2d(x: Any, out: Any) -> Array:
+    """The jax.numpy oracle of ``adaptive_avg_pool2d`` (op table)."""
+    oh, ow = (out, out) if isinstance(out, int) else out
+    h, w = x.shape[-2:]
+    rows = []
+    for i in range(oh):
+        h0, h1 = (i * h) // oh, -((-(i + 1) * h) // oh)
+        cols = []
+        for j in range(ow):
+            w0, w1 = (j * w) // ow, -((-(j + 1) * w) // ow)
+            cols.append(jnp.mean(x[..., h0:h1, w0:w1], axis=(-2, -1)))
+        rows.append(jnp.stack(cols, axis=-1))
+    return jnp.stack(rows, axis=-2)
+
+
+@op(
+    records=(AdaptiveAvgPool2dBackward,),
+    ref=ref_adaptive_avg_pool2d,
+    samples=lambda r: [
+        Sample((normal(r, 2, 3, 7, 5), 3)),
+        Sample((normal(r, 2, 3, 5, 6), (2, 4))),
+        Sample((normal(r, 3, 4, 4), 1)),
+        Sample((normal(r, 1, 2, 3, 5), (5, 7))),  # bins overlap when upsampling
+    ],
+    errors=lambda: [
+        BadInput("rank-2 input", (F(6, 6), 2), ShapeError),
+        BadInput("output size 0", (F(1, 6, 6), 0), ValueError),
+        BadInput("three output sizes", (F(1, 6, 6), (2, 3, 4)), ValueError),
+        BadInput("float output size", (F(1, 6, 6), 1.5), TypeError),
+        BadInput("negative output size", (F(1, 6, 6), (2, -1)), ValueError),
+    ],
+)
 def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
     """Average of ``x:[..., C, H, W]`` over ``output_size`` bins per spatial
     axis, bin ``i`` covering ``floor(i*H/OH)`` to ``ceil((i+1)*H/OH)`` (records
@@ -472,12 +599,12 @@ def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:
         ow = static_int(op, "output_size", output_size[1], 1)
     else:
         oh = ow = static_int(op, "output_size", output_size, 1)
-    *lead, c, h, w = xv.shape
+    *_, h, w = xv.shape
     if h == 0 or w == 0:
         raise ShapeError(f"{op}: input spatial size must be non-empty, got {xv.shape}")
     out = _bin_pool(xv, h, w, oh, ow, xv.dtype, False)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
-    rec = AdaptiveAvgPool2dBackward(tuple(lead), c, h, w, oh, ow, xv.dtype)
+    rec = AdaptiveAvgPool2dBackward(h, w, oh, ow, xv.dtype)
     return record(tape, rec, (x,), new_output(out, tape))

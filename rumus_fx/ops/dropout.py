@@ -7,11 +7,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..autograd.record import Record
 from ..sharding import sharding_of
 from ..tensor import Tensor
 from ._core import array_of, is_real_scalar, new_output, record, require_float, tape_for
+from ._declare import KEY, A, BadInput, F, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -29,6 +31,32 @@ class DropoutBackward(Record):
         return (jnp.where(self.mask, g * self.scale, 0),)
 
 
+def ref_dropout(x: Any, p: float, key: Any, training: bool = True) -> Array:
+    """The jax.numpy oracle of ``dropout`` (op table): the same mask bits."""
+    if not training:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
+    return jnp.where(keep, x / (1.0 - p), 0.0)
+
+
+@op(
+    records=(DropoutBackward,),
+    ref=ref_dropout,
+    samples=lambda r: [
+        Sample((normal(r, 6, 7), 0.3, jax.random.key(1))),
+        Sample((normal(r, 2, 3, 5), 0.5, jax.random.key(2))),
+    ],
+    errors=lambda: [
+        BadInput("p = 1", (F(3, 4), 1.0, KEY), ValueError, ("1.0",)),
+        BadInput("p < 0", (F(3, 4), -0.1, KEY), ValueError),
+        BadInput("p a string", (F(3, 4), "0.5", KEY), (TypeError, ValueError)),
+        BadInput("no key", (F(3, 4), 0.5, None), TypeError),
+        BadInput("an int key", (F(3, 4), 0.5, 1), TypeError),
+        BadInput("a float array key", (F(3, 4), 0.5, A(np.zeros(2), jnp.float32)), TypeError),
+        BadInput("training not a bool", (F(3, 4), 0.5, KEY), TypeError, kwargs={"training": "yes"}),
+        BadInput("integer input", (N(3, 4), 0.5, KEY), TypeError),
+    ],
+)
 def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
     """Zero each element with probability ``p`` and scale the rest by
     ``1 / (1 - p)``; ``key`` is a ``jax.random`` key, so the same key gives the

@@ -31,6 +31,7 @@ from ._core import (
     tape_for,
     value_of,
 )
+from ._declare import BadInput, F, Sample, normal, op, positive, ranked, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -41,36 +42,70 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 # ---------------------------------------------------------------------------
 
 
+# One formula per arithmetic op, shared by its equal-shape record and its
+# broadcasting record; the two differ only in how an output-shaped gradient is
+# taken back to an operand (``_to``: a cast, or a sum over the broadcast axes).
+
+
+class _AddFormula(Record):
+    """``c = a + b``: ``da = dc``, ``db = dc``."""
+
+    def _to(self, k: int, g: Array) -> Array:
+        raise NotImplementedError
+
+    def backward(self, g, needs):
+        return (self._to(0, g) if needs[0] else None, self._to(1, g) if needs[1] else None)
+
+
+class _SubFormula(_AddFormula):
+    """``c = a - b``: ``da = dc``, ``db = -dc``."""
+
+    def backward(self, g, needs):
+        return (self._to(0, g) if needs[0] else None, self._to(1, -g) if needs[1] else None)
+
+
+class _MulFormula(_AddFormula):
+    """``c = a * b``: ``da = dc * b``, ``db = dc * a`` (saved: ``b`` only when
+    ``a`` needs a gradient, ``a`` only when ``b`` does)."""
+
+    def backward(self, g, needs):
+        nd = g.ndim
+        return (
+            self._to(0, g * align_rank(self.rhs, nd)) if needs[0] else None,
+            self._to(1, g * align_rank(self.lhs, nd)) if needs[1] else None,
+        )
+
+
+class _Broadcasting(_AddFormula):
+    """Gradients summed over the axes each operand was broadcast along."""
+
+    def _to(self, k, g):
+        return sum_to(g, self.rhs_broadcast if k else self.lhs_broadcast)
+
+
 @frozen
-class AddBackward(Record):
+class AddBackward(_AddFormula):
     """``c = a + b`` (equal shapes): ``da = dc``, ``db = dc``. Reads no data."""
 
     lhs: Aval | None
     rhs: Aval | None
 
-    def backward(self, g, needs):
-        return (
-            cast(g, self.lhs.dtype) if needs[0] else None,
-            cast(g, self.rhs.dtype) if needs[1] else None,
-        )
+    def _to(self, k, g):
+        return cast(g, (self.rhs if k else self.lhs).dtype)
 
 
 @frozen
-class SubBackward(Record):
+class SubBackward(_SubFormula):
     """``c = a - b`` (equal shapes): ``da = dc``, ``db = -dc``. Reads no data."""
 
     lhs: Aval | None
     rhs: Aval | None
 
-    def backward(self, g, needs):
-        return (
-            cast(g, self.lhs.dtype) if needs[0] else None,
-            cast(-g, self.rhs.dtype) if needs[1] else None,
-        )
+    _to = AddBackward._to
 
 
 @frozen
-class MulBackward(Record):
+class MulBackward(_MulFormula):
     """``c = a * b`` (equal shapes): ``da = dc * b``, ``db = dc * a``.
 
     Saves ``b`` only when ``a`` needs a gradient and ``a`` only when ``b`` does.
@@ -83,45 +118,28 @@ class MulBackward(Record):
     lhs_aval: Aval | None
     rhs_aval: Aval | None
 
-    def backward(self, g, needs):
-        return (
-            cast(g * self.rhs, self.lhs_aval.dtype) if needs[0] else None,
-            cast(g * self.lhs, self.rhs_aval.dtype) if needs[1] else None,
-        )
+    def _to(self, k, g):
+        return cast(g, (self.rhs_aval if k else self.lhs_aval).dtype)
 
 
 @frozen
-class BroadcastAddBackward(Record):
+class BroadcastAddBackward(_Broadcasting):
     """``c = a + b`` with broadcasting: gradients summed over broadcast axes."""
 
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
-
-    def backward(self, g, needs):
-        return (
-            sum_to(g, self.lhs_broadcast) if needs[0] else None,
-            sum_to(g, self.rhs_broadcast) if needs[1] else None,
-        )
 
 
 @frozen
-class BroadcastSubBackward(Record):
+class BroadcastSubBackward(_Broadcasting, _SubFormula):
     """``c = a - b`` with broadcasting."""
 
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
-
-    def backward(self, g, needs):
-        return (
-            sum_to(g, self.lhs_broadcast) if needs[0] else None,
-            sum_to(-g, self.rhs_broadcast) if needs[1] else None,
-        )
 
 
 @frozen
-class BroadcastMulBackward(Record):
+class BroadcastMulBackward(_Broadcasting, _MulFormula):
     """``c = a * b`` with broadcasting."""
 
     lhs: Array | float | None
@@ -130,14 +148,6 @@ class BroadcastMulBackward(Record):
     rhs_version: VersionSnapshot | None
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
-
-    def backward(self, g, needs):
-        nd = g.ndim
-        return (
-            sum_to(g * align_rank(self.rhs, nd), self.lhs_broadcast) if needs[0] else None,
-            sum_to(g * align_rank(self.lhs, nd), self.rhs_broadcast) if needs[1] else None,
-        )
 
 
 @frozen
@@ -150,7 +160,6 @@ class DivBackward(Record):
     rhs_version: VersionSnapshot | None
     lhs_broadcast: BroadcastInfo | None
     rhs_broadcast: BroadcastInfo | None
-    output_shape: tuple[int, ...]
 
     def backward(self, g, needs):
         nd = g.ndim
@@ -196,10 +205,8 @@ class LogBackward(Record):
 @frozen
 class AddBiasBackward(Record):
     """``y = m + b`` with ``m:[..., n]``, ``b:[n]``: ``dm = dy``,
-    ``db = dy`` summed over the ``m`` leading rows. Reads no data."""
+    ``db = dy`` summed over the leading rows. Reads no data."""
 
-    m: int
-    n: int
     input_dtype: Any
     bias_dtype: Any
 
@@ -238,7 +245,7 @@ def binary_record(
             cls = AddBackward if kind == "add" else SubBackward
             return cls(aval_of(av), aval_of(bv))
         cls = BroadcastAddBackward if kind == "add" else BroadcastSubBackward
-        return cls(broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape)
+        return cls(broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
     # mul / div read data: save what the needed gradients read
     lhs_needed = need_b
     rhs_needed = need_a or (kind == "div" and need_b)
@@ -247,10 +254,8 @@ def binary_record(
     if kind == "mul":
         if same:
             return MulBackward(lhs, lhs_v, rhs, rhs_v, aval_of(av), aval_of(bv))
-        return BroadcastMulBackward(
-            lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape
-        )
-    return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape), out_shape)
+        return BroadcastMulBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
+    return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
 
 
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
@@ -276,26 +281,68 @@ def _binary(kind: str, a: Any, b: Any) -> Tensor:
     return record(tape, binary_record(kind, a, b, av, bv, out_shape), (a, b), res)
 
 
+def _binary_samples(positive_rhs: bool = False):
+    rhs = positive if positive_rhs else normal
+    pairs = [((3, 5), (3, 5)), ((2, 3, 7), (3, 7)), ((4, 1, 3), (5, 1)), ((3,), (2, 3)), ((), (3, 2))]
+    return lambda rng: [Sample((normal(rng, *a), rhs(rng, *b)), diff=(0, 1)) for a, b in pairs]
+
+
+_UNARY_SHAPES = [(3, 5), (2, 3, 7)]
+
+
+@op(
+    records=(AddBackward, BroadcastAddBackward),
+    ref=ranked(jnp.add),
+    samples=_binary_samples(),
+    errors=lambda: [
+        BadInput("shapes that do not broadcast", (F(3, 4), F(5)), ShapeError, ("(3, 4)", "(5,)")),
+        BadInput("swapped axes", (F(2, 3), F(3, 2)), ShapeError),
+    ],
+)
 def add(a: Any, b: Any) -> Tensor:
     """``a + b`` with NumPy broadcasting (records AddBackward or BroadcastAddBackward)."""
     return _binary("add", a, b)
 
 
+@op(
+    records=(SubBackward, BroadcastSubBackward),
+    ref=ranked(jnp.subtract),
+    samples=_binary_samples(),
+    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 3, 4), F(3, 2)), ShapeError, ("(3, 2)",))],
+)
 def sub(a: Any, b: Any) -> Tensor:
     """``a - b`` with NumPy broadcasting (records SubBackward or BroadcastSubBackward)."""
     return _binary("sub", a, b)
 
 
+@op(
+    records=(MulBackward, BroadcastMulBackward),
+    ref=ranked(jnp.multiply),
+    samples=_binary_samples(),
+    errors=lambda: [BadInput("shapes that do not broadcast", (F(4), F(3)), ShapeError, ("(4,)", "(3,)"))],
+)
 def mul(a: Any, b: Any) -> Tensor:
     """``a * b`` with NumPy broadcasting (records MulBackward or BroadcastMulBackward)."""
     return _binary("mul", a, b)
 
 
+@op(
+    records=(DivBackward,),
+    ref=ranked(jnp.divide),
+    samples=_binary_samples(positive_rhs=True),
+    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 5), F(2, 4)), ShapeError)],
+)
 def div(a: Any, b: Any) -> Tensor:
     """``a / b`` with NumPy broadcasting (records DivBackward)."""
     return _binary("div", a, b)
 
 
+@op(
+    records=(NegBackward,),
+    ref=jnp.negative,
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("a python list", ([1.0, 2.0],), TypeError, ("list",))],
+)
 def neg(x: Any) -> Tensor:
     """``-x`` (records NegBackward)."""
     xv = array_of(x, "neg")
@@ -306,6 +353,12 @@ def neg(x: Any) -> Tensor:
     return record(tape, NegBackward(), (x,), new_output(out, tape))
 
 
+@op(
+    records=(ExpBackward,),
+    ref=jnp.exp,
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("None", (None,), TypeError, ("NoneType",))],
+)
 def exp(x: Any) -> Tensor:
     """``exp(x)`` (records ExpBackward, which saves the output)."""
     xv = array_of(x, "exp")
@@ -317,6 +370,12 @@ def exp(x: Any) -> Tensor:
     return record(tape, ExpBackward(out, snapshot(res)), (x,), res)
 
 
+@op(
+    records=(LogBackward,),
+    ref=jnp.log,
+    samples=unary_samples(_UNARY_SHAPES, positive),
+    errors=lambda: [BadInput("a string", ("1.0",), TypeError, ("str",))],
+)
 def log(x: Any) -> Tensor:
     """Natural logarithm (records LogBackward, which saves the input)."""
     xv = array_of(x, "log")
@@ -328,6 +387,23 @@ def log(x: Any) -> Tensor:
     return record(tape, LogBackward(saved, version), (x,), new_output(out, tape))
 
 
+def _ref_add_bias(m: Any, b: Any) -> Any:
+    return m + b[None, :] if m.ndim == 2 else m + b.reshape((1,) * (m.ndim - 1) + b.shape)
+
+
+@op(
+    records=(AddBiasBackward,),
+    ref=_ref_add_bias,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 5)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 5), normal(r, 5)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-2 bias", (F(3, 5), F(2, 5)), ShapeError, ("(2, 5)",)),
+        BadInput("bias size", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("scalar input", (F(), F(1)), ShapeError),
+    ],
+)
 def add_bias(m: Any, b: Any) -> Tensor:
     """``m + b`` for ``m:[M, N]`` (or ``[..., N]``) and ``b:[N]`` (records AddBiasBackward)."""
     mv = value_of(m, "add_bias", "input")
@@ -339,9 +415,5 @@ def add_bias(m: Any, b: Any) -> Tensor:
     tape = tape_for(m, b)
     if tape is None:
         return Tensor._wrap(out)
-    n = bs[0]
-    rows = 1
-    for s in ms[:-1]:
-        rows *= s
-    rec = AddBiasBackward(rows, n, getattr(mv, "dtype", None), getattr(bv, "dtype", None))
+    rec = AddBiasBackward(getattr(mv, "dtype", None), getattr(bv, "dtype", None))
     return record(tape, rec, (m, b), new_output(out, tape))

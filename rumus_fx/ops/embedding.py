@@ -16,6 +16,7 @@ from ..kernels import embedding as kemb
 from ..kernels.precision import upcast
 from ..tensor import Tensor
 from ._core import array_of, check_index_range, new_output, record, require_float, snapshot, tape_for
+from ._declare import A, BadInput, F, I, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -63,6 +64,22 @@ def _lookup(wv: Array, iv: Array) -> Array:
     return wv.at[iv].get(out_sharding=shd.with_spec(like, out_spec))
 
 
+@op(
+    records=(EmbeddingBackward,),
+    ref=lambda idx, w: jnp.take(w, idx, axis=0),
+    samples=lambda r: [
+        Sample((r.integers(0, 7, (5,)), normal(r, 7, 3)), diff=(1,)),
+        Sample((r.integers(0, 5, (2, 6)), normal(r, 5, 4)), diff=(1,)),
+        Sample((np.array([[1, 1], [1, 3]]), normal(r, 4, 3)), diff=(1,)),  # repeated rows accumulate
+    ],
+    errors=lambda: [
+        BadInput("float indices", (A(np.zeros(3), jnp.float32), F(7, 3)), TypeError, ("float32",)),
+        BadInput("index == V", (A([0, 7]), F(7, 3)), IndexError, ("7",)),
+        BadInput("negative index", (A([[0, -1]]), F(7, 3)), IndexError, ("-1",)),
+        BadInput("rank-1 weight", (I(3), F(7)), ShapeError),
+        BadInput("integer weight", (I(3), N(7, 3)), TypeError),
+    ],
+)
 def embedding(indices: Any, weight: Any) -> Tensor:
     """Rows of ``weight:[V, D]`` picked by integer ``indices`` of any shape ->
     ``indices.shape + [D]``. Concrete out-of-range indices raise IndexError;

@@ -32,6 +32,7 @@ from ._core import (
     sum_to,
     value_of,
 )
+from ._declare import op as declare_op
 from .elementwise import _FORWARD, binary_record
 
 Array = jax.Array
@@ -154,6 +155,7 @@ def binary_(self: Tensor, other: Any, kind: str) -> Tensor:
     return _write(self, new, tape, rec, other)
 
 
+@declare_op(records=(FillBackward,), export=False)  # the methods zero_/fill_: tests/test_tensor.py
 def fill_(self: Tensor, value: Any, op: str) -> Tensor:
     vv = value_of(value, op, "value")
     if shape_of(vv) != ():
@@ -164,6 +166,7 @@ def fill_(self: Tensor, value: Any, op: str) -> Tensor:
     return _write(self, new, tape, rec, value)
 
 
+@declare_op(records=(CopyBackward,), export=False)  # the method copy_
 def copy_(self: Tensor, src: Any) -> Tensor:
     op = "copy_"
     sv = value_of(src, op, "src")

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from ._core import (
     tape_for,
     value_of,
 )
+from ._declare import BadInput, F, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -50,50 +50,43 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None)
 
 
 @frozen
-class MatmulBackward(Record):
-    """``C = A @ B``: ``dA = dC @ B^T``, ``dB = A^T @ dC`` (A may have leading
-    axes; they are contracted for dB). Saves B only if A needs a gradient, A only
-    if B does."""
+class _ProductRecord(Record):
+    """``C = A @ B``: ``dA = dC @ B^T``, ``dB = A^T @ dC``. Saves B only if A
+    needs a gradient, A only if B does. One body for both records: they differ
+    in how ``dB`` treats A's leading axes (``batched``)."""
+
+    batched: ClassVar[bool] = False
 
     lhs: Array | None
     lhs_version: VersionSnapshot | None
     rhs: Array | None
     rhs_version: VersionSnapshot | None
-    m: int
-    k: int
-    n: int
     lhs_dtype: Any
     rhs_dtype: Any
     lhs_sharding: Any = None  # set for operands sharded over Explicit mesh axes
     rhs_sharding: Any = None
 
     def backward(self, g, needs):
-        ga = kmm.matmul(g, self.rhs.T, self.lhs_dtype, self.lhs_sharding) if needs[0] else None
-        gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding) if needs[1] else None
+        ga = kmm.matmul(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype, self.lhs_sharding) if needs[0] else None
+        gb = None
+        if needs[1] and self.batched:  # per batch
+            gb = kmm.matmul(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype, self.rhs_sharding)
+        elif needs[1]:  # A's leading axes are contracted too
+            gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding)
         return ga, gb
 
 
 @frozen
-class BmmBackward(Record):
+class MatmulBackward(_ProductRecord):
+    """``C = A @ B`` for ``A:[..., M, K]``, ``B:[K, N]``: ``dA = dC @ B^T``,
+    ``dB = A^T @ dC`` with A's leading axes contracted."""
+
+
+@frozen
+class BmmBackward(_ProductRecord):
     """``C = A @ B`` batched: ``dA = dC @ B^T``, ``dB = A^T @ dC`` per batch."""
 
-    lhs: Array | None
-    lhs_version: VersionSnapshot | None
-    rhs: Array | None
-    rhs_version: VersionSnapshot | None
-    batch: int
-    m: int
-    k: int
-    n: int
-    lhs_dtype: Any
-    rhs_dtype: Any
-    lhs_sharding: Any = None  # set for operands sharded over Explicit mesh axes
-    rhs_sharding: Any = None
-
-    def backward(self, g, needs):
-        ga = kmm.bmm(g, jnp.swapaxes(self.rhs, -1, -2), self.lhs_dtype, self.lhs_sharding) if needs[0] else None
-        gb = kmm.bmm(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype, self.rhs_sharding) if needs[1] else None
-        return ga, gb
+    batched: ClassVar[bool] = True
 
 
 def _product_sharding(op: str, av: Array, bv: Array) -> Any:
@@ -128,7 +121,7 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     require_float(op, av, "lhs")
     require_float(op, bv, "rhs")
     out_sharding = _product_sharding(op, av, bv)
-    out = kmm.matmul(av, bv, None, out_sharding) if op == "matmul" else kmm.bmm(av, bv, None, out_sharding)
+    out = kmm.matmul(av, bv, None, out_sharding)
     tape = tape_for(a, b)
     if tape is None:
         return Tensor._wrap(out)
@@ -137,24 +130,53 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     saved = (lhs, lhs_v, rhs, rhs_v)
     shardings = (shd.sharding_of(av), shd.sharding_of(bv))
     dtypes = (av.dtype, bv.dtype)
-    if op == "matmul":
-        rec: Record = MatmulBackward(*saved, math.prod(sa[:-1]), sa[-1], sb[1], *dtypes, *shardings)
-    else:
-        rec = BmmBackward(*saved, math.prod(sa[:-2]), sa[-2], sa[-1], sb[-1], *dtypes, *shardings)
+    cls = MatmulBackward if op == "matmul" else BmmBackward
+    rec = cls(*saved, *dtypes, *shardings)
     return record(tape, rec, (a, b), new_output(out, tape))
 
 
+@op(
+    records=(MatmulBackward,),
+    ref=jnp.matmul,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 5, 7)), diff=(0, 1)),
+        Sample((normal(r, 1, 4), normal(r, 4, 1)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 5), normal(r, 5, 6)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-1 lhs", (F(3), F(3, 4)), ShapeError, ("(3,)",)),
+        BadInput("inner sizes differ", (F(2, 3), F(4, 5)), ShapeError, ("(2, 3)", "(4, 5)")),
+        BadInput("rank-3 rhs", (F(2, 3), F(2, 3, 4)), ShapeError),
+        BadInput("integer lhs", (N(2, 3), F(3, 4)), TypeError, ("int32",)),
+    ],
+)
 def matmul(a: Any, b: Any) -> Tensor:
     """``a @ b`` for ``a:[M, K]`` (or ``[..., M, K]``) and ``b:[K, N]`` (records MatmulBackward)."""
     return _product("matmul", a, b)
 
 
+@op(
+    records=(BmmBackward,),
+    ref=jnp.matmul,
+    samples=lambda r: [
+        Sample((normal(r, 3, 4, 5), normal(r, 3, 5, 2)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 4, 5), normal(r, 2, 3, 5, 7)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("rank-2 operands", (F(3, 4), F(4, 5)), ShapeError, ("(3, 4)",)),
+        BadInput("batch sizes differ", (F(2, 3, 4), F(3, 4, 5)), ShapeError),
+        BadInput("inner sizes differ", (F(2, 3, 4), F(2, 5, 5)), ShapeError),
+        BadInput("ranks differ", (F(2, 2, 3, 4), F(2, 4, 5)), ShapeError),
+        BadInput("integer operand", (N(2, 3, 4), F(2, 4, 5)), TypeError),
+    ],
+)
 def bmm(a: Any, b: Any) -> Tensor:
     """Batched ``a @ b``: ``[B, M, K] @ [B, K, N]``; any equal leading batch axes
     (records BmmBackward)."""
     return _product("bmm", a, b)
 
 
+@op(records=(MatmulBackward, BmmBackward), toplevel=False)  # the @ operator: no table entry of its own
 def matmul_any(a: Any, b: Any) -> Tensor:
     """The ``@`` operator: ``matmul`` when ``b`` is 2-D, ``bmm`` when both have
     the same rank >= 3."""

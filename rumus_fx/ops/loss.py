@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
@@ -26,6 +27,7 @@ from ._core import (
     shape_of,
     tape_for,
 )
+from ._declare import A, BadInput, F, I, N, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -54,6 +56,18 @@ class MseLossBackward(Record):
         )
 
 
+@op(
+    records=(MseLossBackward,),
+    ref=lambda p, t: jnp.mean((p - t) ** 2),
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 3, 5)), diff=(0, 1)),
+        Sample((normal(r, 7), normal(r, 7)), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("different shapes", (F(3, 4), F(4, 3)), ShapeError, ("(3, 4)", "(4, 3)")),
+        BadInput("broadcastable but not equal", (F(3, 4), F(3, 1)), ShapeError),
+    ],
+)
 def mse_loss(pred: Any, target: Any) -> Tensor:
     """Mean squared error over all elements; both inputs get gradients (records MseLossBackward)."""
     pv = array_of(pred, "mse_loss", "pred")
@@ -91,6 +105,36 @@ class CrossEntropyBackward(Record):
         return (self.grad * g.astype(self.grad.dtype), None)
 
 
+def ref_cross_entropy(logits: Any, targets: Any, ignore_index: int | None = None) -> Array:
+    """The jax.numpy oracle of ``cross_entropy`` (op table)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    valid = jnp.ones(targets.shape, bool) if ignore_index is None else targets != ignore_index
+    safe = jnp.where(valid, targets, 0)
+    picked = jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    return -jnp.sum(jnp.where(valid, picked, 0)) / jnp.sum(valid).astype(picked.dtype)
+
+
+@op(
+    records=(CrossEntropyBackward,),
+    ref=ref_cross_entropy,
+    samples=lambda r: [
+        Sample((normal(r, 6, 5), r.integers(0, 5, (6,))), diff=(0,)),
+        Sample((normal(r, 2, 3, 7), r.integers(0, 7, (2, 3))), diff=(0,)),
+        Sample((normal(r, 7, 4), np.array([0, 3, -100, 1, 2, -100, 3])), {"ignore_index": -100}, diff=(0,)),
+    ],
+    errors=lambda: [
+        BadInput("float targets", (F(6, 5), A(np.zeros(6), jnp.float32)), TypeError, ("float32",)),
+        BadInput("targets shape", (F(6, 5), I(5)), ShapeError, ("(6, 5)", "(5,)")),
+        BadInput("target == C", (F(3, 5), A([0, 5, 1])), IndexError, ("5",)),
+        BadInput("negative target", (F(3, 5), A([0, -1, 1])), IndexError, ("-1",)),
+        BadInput(
+            "out of range beside ignore_index", (F(3, 5), A([-100, 7, 1])), IndexError, ("7",), {"ignore_index": -100}
+        ),
+        BadInput("float ignore_index", (F(3, 5), I(3)), TypeError, ("1.5",), {"ignore_index": 1.5}),
+        BadInput("integer logits", (N(3, 5), I(3)), TypeError),
+        BadInput("scalar logits", (F(), A(0)), ShapeError),
+    ],
+)
 def cross_entropy(logits: Any, targets: Any, *, ignore_index: int | None = None) -> Tensor:
     """Mean cross-entropy over all positions of ``logits[..., C]`` with integer
     class ``targets[...]``; positions whose target equals ``ignore_index`` are

@@ -16,6 +16,7 @@ from ..kernels import layer_norm as kln
 from ..kernels.precision import upcast
 from ..tensor import Tensor
 from ._core import array_of, is_real_scalar, is_tracked, new_output, reads, record, require_float, shape_of, tape_for
+from ._declare import BadInput, F, N, Sample, normal, op, positive
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -44,7 +45,6 @@ class LayerNormBackward(Record):
     weight: Array | None
     weight_version: VersionSnapshot | None
     save: tuple[Array, Array]  # (mean, rstd), each of shape input.shape[:-1]
-    num_instances: int
     norm_size: int
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
@@ -103,6 +103,38 @@ def _as_bias(db: Any, dtype: Any) -> Any:
     return db if db is None or dtype is None or db.dtype == dtype else db.astype(dtype)
 
 
+def ref_layer_norm(x: Any, w: Any = None, b: Any = None, eps: float = 1e-5) -> Array:
+    """The jax.numpy oracle of ``layer_norm`` (op table)."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    y = (x - mean) / jnp.sqrt(var + eps)
+    lead = (1,) * (x.ndim - 1)
+    if w is not None:
+        y = y * w.reshape(lead + w.shape)
+    if b is not None:
+        y = y + b.reshape(lead + b.shape)
+    return y
+
+
+@op(
+    records=(LayerNormBackward,),
+    ref=ref_layer_norm,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), positive(r, 5), normal(r, 5)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 3, 7), positive(r, 7), normal(r, 7)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 2, 3, 6),), diff=(0,)),
+        Sample((normal(r, 4, 6), positive(r, 6), None, 1e-3), diff=(0, 1)),
+    ],
+    errors=lambda: [
+        BadInput("weight size", (F(3, 5), F(4)), ShapeError, ("(5,)", "(4,)")),
+        BadInput("rank-2 bias", (F(3, 5), F(5), F(5, 1)), ShapeError),
+        BadInput("negative eps", (F(3, 5),), ValueError, ("-1.0",), {"eps": -1.0}),
+        BadInput("scalar", (F(),), ShapeError),
+        BadInput("integer input", (N(3, 5),), TypeError),
+    ],
+    rtol32=1e-4,
+    atol32=1e-4,
+)
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Tensor:
     """Layer norm over the last axis of ``x`` (any rank), biased variance;
     ``weight``/``bias`` of shape ``[D]`` are optional (records LayerNormBackward)."""
@@ -131,7 +163,6 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
         saved_w,
         w_v,
         (mean, rstd),
-        xv.size // max(d, 1),
         d,
         bias is not None,
         getattr(bv, "dtype", None),
@@ -163,10 +194,7 @@ class BatchNorm2dBackward(Record):
     stats_dtype: Any
     weight_dtype: Any
     training: bool
-    batch: int
     channels: int
-    height: int
-    width: int
     has_bias: bool
     bias_dtype: Any = None  # the bias gradient's dtype (the kernels return g's)
     derived_fields = ("save",)
@@ -217,6 +245,59 @@ class BatchNorm2dBackward(Record):
         return dx, dw, db, d_mean, d_var
 
 
+def ref_batch_norm(
+    x: Any, w: Any, b: Any, rm: Any, rv: Any, *, training: bool, momentum: float = 0.1, eps: float = 1e-5
+) -> tuple[Array, Array, Array]:
+    """The jax.numpy oracle of ``batch_norm_2d`` (op table)."""
+    c = lambda v: v.reshape(1, -1, 1, 1)  # noqa: E731
+    if training:
+        mean = jnp.mean(x, axis=(0, 2, 3))
+        var = jnp.var(x, axis=(0, 2, 3))
+    else:
+        mean, var = rm, rv
+    y = (x - c(mean)) / jnp.sqrt(c(var) + eps) * c(w) + c(b)
+    if training:
+        return y, (1 - momentum) * rm + momentum * mean, (1 - momentum) * rv + momentum * var
+    return y, rm, rv
+
+
+def _bn_samples(training: bool) -> Any:
+    def gen(r: Any) -> list[Sample]:
+        out = []
+        for shape in [(3, 4, 5, 3), (2, 3, 1, 7)]:
+            c = shape[1]
+            out.append(
+                Sample(
+                    (normal(r, *shape), positive(r, c), normal(r, c), normal(r, c) * 0.1, positive(r, c)),
+                    {"training": training},
+                    diff=(0, 1, 2) if training else (0, 1, 2, 3, 4),
+                )
+            )
+        return out
+
+    return gen
+
+
+def _bn_errors() -> list[BadInput]:
+    x = F(2, 4, 3, 3)
+    return [
+        BadInput("rank-3 input", (F(3, 4, 5), F(3), F(3), F(3), F(3)), ShapeError, ("(3, 4, 5)",), _TRAIN),
+        BadInput("weight size", (x, F(3), F(4), F(4), F(4)), ShapeError, ("weight",), _TRAIN),
+        BadInput("running stats size", (x, F(4), F(4), F(5), F(4)), ShapeError, ("running_mean",), _EVAL),
+        BadInput("momentum above 1", (x, None, None, F(4), F(4)), ValueError, ("1.5",), {**_TRAIN, "momentum": 1.5}),
+        BadInput("training not a bool", (x, None, None, F(4), F(4)), TypeError, kwargs={"training": "yes"}),
+        BadInput("negative eps", (x, None, None, F(4), F(4)), ValueError, kwargs={**_TRAIN, "eps": -1e-5}),
+        BadInput("one value per channel in training", (F(1, 4, 1, 1), None, None, F(4), F(4)), ValueError, (), _TRAIN),
+        BadInput("integer input", (N(2, 4, 3, 3), None, None, F(4), F(4)), TypeError, (), _TRAIN),
+    ]
+
+
+_TRAIN, _EVAL = {"training": True}, {"training": False}
+_BN_TABLE = dict(records=(BatchNorm2dBackward,), ref=ref_batch_norm, output=lambda out: out[0], rtol32=1e-4, atol32=1e-4)
+
+
+@op(name="batch_norm_2d_eval", samples=_bn_samples(False), **_BN_TABLE)
+@op(name="batch_norm_2d_train", samples=_bn_samples(True), errors=_bn_errors, **_BN_TABLE)
 def batch_norm_2d(
     x: Any,
     weight: Any,
@@ -301,10 +382,7 @@ def batch_norm_2d(
         rv.dtype,
         getattr(wv, "dtype", None),
         training,
-        b,
         c,
-        h,
-        w,
         bias is not None,
         getattr(bv, "dtype", None),
     )

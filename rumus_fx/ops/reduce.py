@@ -11,8 +11,10 @@ import numpy as np
 
 from .. import sharding as shd
 from ..autograd.record import Record
+from ..errors import ShapeError
 from ..tensor import Tensor
 from ._core import acc_sum, array_of, cast, is_low_precision, new_output, normalize_axis, record, shape_of, tape_for
+from ._declare import BadInput, F, Sample, normal, op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -91,11 +93,40 @@ def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
     return record(tape, rec, (x,), new_output(out, tape))
 
 
+@op(
+    records=(SumBackward,),
+    ref=jnp.sum,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5),)),
+        Sample((normal(r, 2, 3, 7),), {"axis": 1}),
+        Sample((normal(r, 2, 3, 7),), {"axis": (0, 2), "keepdims": True}),
+        Sample((normal(r, 4, 6),), {"axis": -1}),
+    ],
+    errors=lambda: [
+        BadInput("axis out of range", (F(3, 4),), ShapeError, ("axis 2",), {"axis": 2}),
+        BadInput("axis out of range in a tuple", (F(3, 4),), ShapeError, kwargs={"axis": (0, -3)}),
+        BadInput("float axis", (F(3, 4),), TypeError, kwargs={"axis": 1.0}),
+        BadInput("repeated axis", (F(3, 4),), ValueError, kwargs={"axis": (1, -1)}),
+    ],
+)
 def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """Sum over ``axis`` (int, tuple or None for all) (records SumBackward)."""
     return _reduce("sum", x, axis, keepdims)
 
 
+@op(
+    records=(MeanBackward,),
+    ref=jnp.mean,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5),)),
+        Sample((normal(r, 2, 3, 7),), {"axis": 1}),
+        Sample((normal(r, 2, 3, 7),), {"axis": (0, 2), "keepdims": True}),
+    ],
+    errors=lambda: [
+        BadInput("axis out of range", (F(3),), ShapeError, kwargs={"axis": 1}),
+        BadInput("string axis", (F(3),), TypeError, kwargs={"axis": "0"}),
+    ],
+)
 def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Mean over ``axis`` (int, tuple or None for all) (records MeanBackward)."""
     return _reduce("mean", x, axis, keepdims)

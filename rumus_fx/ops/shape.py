@@ -17,15 +17,17 @@ from .. import sharding as shd
 from ..autograd.record import Record
 from ..errors import ShapeError
 from ..tensor import Tensor, next_grad_id
-from ._core import array_of, new_output, normalize_axis, record, shape_of, tape_for, value_of
+from ._core import array_of, check_index_range, new_output, normalize_axis, record, shape_of, tape_for, value_of
+from ._declare import A, BadInput, F, Sample, normal, op, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 
 @frozen
-class ReshapeBackward(Record):
-    """``y = reshape(x)``: ``dx = reshape(dy, original_shape)``. Reads no data."""
+class _ReshapeRecord(Record):
+    """``dx = reshape(dy, original_shape)``. Reads no data. (The body of
+    ReshapeBackward and FlattenBackward.)"""
 
     original_shape: tuple[int, ...]
     sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
@@ -35,14 +37,13 @@ class ReshapeBackward(Record):
 
 
 @frozen
-class FlattenBackward(Record):
+class ReshapeBackward(_ReshapeRecord):
+    """``y = reshape(x)``: ``dx = reshape(dy, original_shape)``. Reads no data."""
+
+
+@frozen
+class FlattenBackward(_ReshapeRecord):
     """``y = flatten(x)`` (``[B, ...] -> [B, rest]``): ``dx = reshape(dy)``."""
-
-    original_shape: tuple[int, ...]
-    sharding: Any = None
-
-    def backward(self, g, needs):
-        return (shd.reshape(g, self.original_shape, self.sharding),)
 
 
 @frozen
@@ -102,6 +103,24 @@ def _reshape_to(x: Any, shape: tuple[int, ...], rec: Record) -> Tensor:
     return record(tape, rec, (x,), out)
 
 
+@op(
+    records=(ReshapeBackward,),
+    call=lambda x, shape: reshape(x, shape),
+    ref=lambda x, shape: jnp.reshape(x, shape),
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), (5, 3))),
+        Sample((normal(r, 2, 3, 7), (6, -1))),
+        Sample((normal(r, 6, 5), (2, 3, 5))),
+    ],
+    errors=lambda: [
+        BadInput("wrong size", (F(3, 5), (4, 4)), ShapeError, ("(3, 5)", "(4, 4)")),
+        BadInput("two -1", (F(3, 4), (2, -1, -1)), ShapeError),
+        BadInput("negative size", (F(3, 4), (-2, -6)), ShapeError),
+        BadInput("float sizes", (F(3, 4), (3.0, 4)), TypeError, ("3.0",)),
+        BadInput("a string shape", (F(3, 4), "12"), TypeError),
+        BadInput("a shape of strings", (F(3, 4), ("a", "b")), TypeError),
+    ],
+)
 def reshape(x: Any, shape: Any) -> Tensor:
     """``x`` with a new shape (one -1 allowed): a view of the same storage when
     the layout allows, a contiguous copy otherwise (records ReshapeBackward)."""
@@ -110,6 +129,12 @@ def reshape(x: Any, shape: Any) -> Tensor:
     return _reshape_to(x, new, ReshapeBackward(old, _sharding_if_tracked(x)))
 
 
+@op(
+    records=(FlattenBackward,),
+    ref=lambda x: jnp.reshape(x, (x.shape[0], -1)),
+    samples=unary_samples([(3, 5), (2, 3, 7), (2, 3, 2, 5)]),
+    errors=lambda: [BadInput("scalar", (F(),), ShapeError)],
+)
 def flatten(x: Any) -> Tensor:
     """``[B, d1, d2, ...] -> [B, d1*d2*...]`` keeping axis 0 (records FlattenBackward)."""
     old = shape_of(x) if isinstance(x, Tensor) else shape_of(value_of(x, "flatten"))
@@ -119,6 +144,19 @@ def flatten(x: Any) -> Tensor:
     return _reshape_to(x, new, FlattenBackward(old, _sharding_if_tracked(x)))
 
 
+@op(
+    records=(TransposeBackward,),
+    ref=jnp.swapaxes,
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), 0, 1)),
+        Sample((normal(r, 2, 3, 7), 0, 2)),
+        Sample((normal(r, 2, 3, 7), -1, 1)),
+    ],
+    errors=lambda: [
+        BadInput("dim out of range", (F(3, 4), 0, 2), ShapeError, ("axis 2",)),
+        BadInput("float dim", (F(3, 4), 0.0, 1), TypeError),
+    ],
+)
 def transpose(x: Any, dim0: int, dim1: int) -> Tensor:
     """Swap two axes; a view of the same storage (records TransposeBackward)."""
     nd = len(shape_of(x)) if isinstance(x, Tensor) else len(shape_of(value_of(x, "transpose")))
@@ -141,7 +179,6 @@ class StackBackward(Record):
     ``axis``. Reads no data."""
 
     count: int
-    each_shape: tuple[int, ...]
     axis: int
     dtypes: tuple[Any, ...]
 
@@ -156,6 +193,21 @@ class StackBackward(Record):
         return tuple(out)
 
 
+@op(
+    records=(StackBackward,),
+    call=lambda a, b, c, axis=0: stack([a, b, c], axis=axis),
+    ref=lambda a, b, c, axis=0: jnp.stack([a, b, c], axis=axis),
+    samples=lambda r: [
+        Sample((normal(r, 3, 5), normal(r, 3, 5), normal(r, 3, 5)), diff=(0, 1, 2)),
+        Sample((normal(r, 2, 3), normal(r, 2, 3), normal(r, 2, 3)), {"axis": -1}, diff=(0, 2)),
+    ],
+    errors=lambda: [
+        BadInput("shapes differ", ([F(3, 4), F(3, 5)],), ShapeError, ("(3, 4)", "(3, 5)")),
+        BadInput("empty list", ([],), ValueError),
+        BadInput("a tensor, not a list", (F(3, 4),), TypeError),
+        BadInput("axis out of range", ([F(3), F(3)],), ShapeError, kwargs={"axis": 3}),
+    ],
+)
 def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     """Stack equally shaped tensors along a new ``axis`` (records StackBackward)."""
     op = "stack"
@@ -175,7 +227,7 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     tape = tape_for(*tensors)
     if tape is None:
         return Tensor._wrap(out)
-    rec = StackBackward(len(values), shape, ax, tuple(v.dtype for v in values))
+    rec = StackBackward(len(values), ax, tuple(v.dtype for v in values))
     return record(tape, rec, tuple(tensors), new_output(out, tape))
 
 
@@ -188,15 +240,21 @@ class SliceBatchBackward(Record):
     sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
-        n = self.original_shape[0]
-        if self.sharding is not None:  # a select per shard instead of a pad of a sharded axis
-            spread = shd.broadcast_to(g[None], self.original_shape, self.sharding)
-            rows = lax.broadcasted_iota(jnp.int32, self.original_shape, 0, out_sharding=self.sharding)
-            return (jnp.where(rows == self.index, spread, jnp.zeros((), g.dtype)),)
-        pads = [(self.index, n - 1 - self.index, 0)] + [(0, 0, 0)] * g.ndim
-        return (lax.pad(g[None], np.zeros((), g.dtype), pads),)
+        return (index_grad(g, self.original_shape, g.dtype, (("int", self.index),), (), self.sharding),)
 
 
+@op(
+    records=(SliceBatchBackward,),
+    ref=lambda x, i: x[i],
+    samples=lambda r: [Sample((normal(r, 4, 3, 5), 2)), Sample((normal(r, 3, 5), -1)), Sample((normal(r, 5, 2), 0))],
+    errors=lambda: [
+        BadInput("index == size", (F(4, 3), 4), IndexError, ("4",)),
+        BadInput("index below -size", (F(4, 3), -5), IndexError, ("-5",)),
+        BadInput("float index", (F(4, 3), 1.0), TypeError),
+        BadInput("array index", (F(4, 3), A(1)), TypeError),
+        BadInput("scalar input", (F(), 0), ShapeError),
+    ],
+)
 def slice_batch(x: Any, index: int) -> Tensor:
     """``x[index]`` along axis 0 (a static int; negative counts from the end); a
     new tensor, not a view (records SliceBatchBackward)."""
@@ -207,8 +265,7 @@ def slice_batch(x: Any, index: int) -> Tensor:
     if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
         raise TypeError(f"{op}: index must be a python int, got {index!r}")
     n = xv.shape[0]
-    if not -n <= index < n:
-        raise IndexError(f"{op}: index {index} is out of range for axis 0 of size {n}")
+    check_index_range(op, index, n, axis=0)
     index = int(index) % n
     spec = shd.spec_of(xv)
     if spec is not None and spec[0] is not None:
@@ -283,13 +340,45 @@ class IndexBackward(Record):
     sharding: Any = None  # the input's explicit sharding (rumus_fx/sharding.py)
 
     def backward(self, g, needs):
-        key = _index_key(self.template, self.arrays)
-        zeros = shd.zeros(self.input_shape, self.dtype, self.sharding)
-        if self.sharding is None:
-            return (zeros.at[key].add(g.astype(self.dtype)),)
-        return (zeros.at[key].add(g.astype(self.dtype), out_sharding=self.sharding),)
+        return (index_grad(g, self.input_shape, self.dtype, self.template, self.arrays, self.sharding),)
 
 
+def index_grad(g: Array, shape: tuple[int, ...], dtype: Any, template: tuple, arrays: tuple, sharding: Any) -> Array:
+    """The gradient of ``x[key]`` (x of ``shape``/``dtype``): zeros with ``g``
+    added at ``key`` (repeated indices accumulate). One body for IndexBackward
+    and SliceBatchBackward. A single integer on an explicitly sharded axis 0 is
+    a select per shard (JAX slices a sharded axis only into whole shards)."""
+    g = g.astype(dtype)
+    if sharding is not None and len(template) == 1 and template[0][0] == "int":
+        spread = shd.broadcast_to(g[None], shape, sharding)
+        rows = lax.broadcasted_iota(jnp.int32, shape, 0, out_sharding=sharding)
+        return jnp.where(rows == template[0][1] % shape[0], spread, jnp.zeros((), dtype))
+    key = _index_key(template, arrays)
+    zeros = shd.zeros(shape, dtype, sharding)
+    if sharding is None:
+        return zeros.at[key].add(g)
+    return zeros.at[key].add(g, out_sharding=sharding)
+
+
+@op(
+    records=(IndexBackward,),
+    ref=lambda x, key: x[key],
+    samples=lambda r: [
+        Sample((normal(r, 4, 5), (slice(1, None), 2))),
+        Sample((normal(r, 3, 4, 5), (Ellipsis, np.array([0, 2, 2, 4])))),  # repeats accumulate
+        Sample((normal(r, 6, 3), (np.array([[5, 0], [0, 1]]), None, slice(None, None, 2)))),
+        Sample((normal(r, 3, 5), -1)),
+    ],
+    errors=lambda: [
+        BadInput("int out of range", (F(4, 3), 4), IndexError, ("4",)),
+        BadInput("array index out of range", (F(4, 3), np.array([0, 7])), IndexError, ("7",)),
+        BadInput("negative array index below -size", (F(4, 3), (np.array([-5]),)), IndexError),
+        BadInput("array index after an ellipsis", (F(4, 3), (Ellipsis, np.array([3]))), IndexError),
+        BadInput("too many indices", (F(4, 3), (0, 0, 0)), IndexError, ("(4, 3)",)),
+        BadInput("float index array", (F(4, 3), np.array([0.5])), TypeError, ("float",)),
+        BadInput("boolean mask", (F(4, 3), np.array([True, False, True, True])), TypeError, ("bool",)),
+    ],
+)
 def index(x: Any, key: Any) -> Tensor:
     """``x[key]`` with NumPy basic and integer-array indexing (``t[key]`` calls
     it). The result is a new tensor, not a view: unlike PyTorch, writing into it
@@ -301,15 +390,13 @@ def index(x: Any, key: Any) -> Tensor:
     for t in template:
         if t[0] == "int":
             axis = _int_axis(template, t)
-            if axis is not None and axis < xv.ndim and not -xv.shape[axis] <= t[1] < xv.shape[axis]:
-                raise IndexError(f"{op}: index {t[1]} is out of range for axis {axis} of size {xv.shape[axis]}")
+            if axis is not None and axis < xv.ndim:
+                check_index_range(op, t[1], xv.shape[axis], axis=axis)
     for t in template:  # concrete index arrays: numpy's bounds, not jnp's silent clamping
-        if t[0] == "array" and not isinstance(arrays[t[1]], jax.core.Tracer):
+        if t[0] == "array":
             axis = _array_axis(template, t, xv.ndim)
-            a = np.asarray(arrays[t[1]])
-            if axis is not None and a.size and ((a < -xv.shape[axis]) | (a >= xv.shape[axis])).any():
-                first = int(a[(a < -xv.shape[axis]) | (a >= xv.shape[axis])].reshape(-1)[0])
-                raise IndexError(f"{op}: index {first} is out of range for axis {axis} of size {xv.shape[axis]}")
+            if axis is not None:
+                check_index_range(op, arrays[t[1]], xv.shape[axis], axis=axis)
     try:
         out = xv[_index_key(template, arrays)]
     except IndexError as e:
@@ -355,6 +442,7 @@ class ReshardBackward(Record):
         return (shd.conform(g, self.sharding),)
 
 
+@op(records=(ReshardBackward,))  # sharding: tested in tests/test_sharding.py
 def reshard(x: Any, sharding: Any) -> Tensor:
     """``x`` with another sharding (a ``NamedSharding``, or a ``PartitionSpec`` on
     ``x``'s mesh): ``jax.sharding.reshard`` for arrays sharded over Explicit mesh

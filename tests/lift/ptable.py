@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rumus_fx.autograd.registry import declarations
+
 from . import ptable_conv, ptable_indexing, ptable_linalg
 from .ptable_base import PInfo, PSample, away, binary, distinct, normal, positive, u, unary, unit
 
@@ -22,10 +24,7 @@ CORE: list[PInfo] = [
     # -- elementwise unary ------------------------------------------------------
     u("neg", lambda x: -x, vmap=True),
     u("exp", jnp.exp, vmap=True),
-    u("exp2", jnp.exp2),
     u("log", jnp.log, positive),
-    u("log1p", jnp.log1p, positive),
-    u("expm1", jnp.expm1),
     u("tanh", jnp.tanh, vmap=True),
     u("logistic", jax.nn.sigmoid, prims=("logistic",)),
     u("sin", jnp.sin, vmap=True),
@@ -41,9 +40,7 @@ CORE: list[PInfo] = [
     u("atanh", jnp.arctanh, unit),
     u("sqrt", jnp.sqrt, positive),
     u("rsqrt", lax.rsqrt, positive),
-    u("cbrt", jnp.cbrt, positive),
     u("abs", jnp.abs, away),
-    u("square", jnp.square),
     u("integer_pow", lambda x: x**3 + x**2 - 1 / x**2, away),
     u("erf", jax.scipy.special.erf),
     u("erfc", jax.scipy.special.erfc),
@@ -230,4 +227,17 @@ CONTROL: list[PInfo] = [
     ),
 ]
 
-ENTRIES: list[PInfo] = CORE + CONTROL + ptable_conv.ENTRIES + ptable_indexing.ENTRIES + ptable_linalg.ENTRIES
+def declared() -> list[PInfo]:
+    """The entries declared with the rules themselves (``defrule(..., table=...)``,
+    Note [Declaring an op] in rumus_fx/autograd/registry.py)."""
+    out = []
+    for d in declarations("primitive"):
+        for e in d.extra.get("table", ()):
+            prims = e.prims or (d.name,)
+            out.append(PInfo(e.name, e.fun, e.samples, prims, e.rtol32, e.atol32, e.fd_tol, e.vmap, e.fd))
+    return out
+
+
+ENTRIES: list[PInfo] = (
+    CORE + CONTROL + ptable_conv.ENTRIES + ptable_indexing.ENTRIES + ptable_linalg.ENTRIES + declared()
+)

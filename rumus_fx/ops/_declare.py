@@ -1,0 +1,154 @@
+"""What an op module needs to declare its ops (Note [Declaring an op] in
+``autograd/registry.py``): the ``@op`` decorator, sample generators for the op
+table and placeholders for malformed inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..autograd.registry import BadInput as BadInput
+from ..autograd.registry import OpDecl, declare
+from ..autograd.registry import Sample as Sample
+from ..tensor import Tensor
+
+F_ = TypeVar("F_", bound=Callable[..., Any])
+
+
+def op(
+    *,
+    records: tuple[type, ...],
+    name: str | None = None,
+    export: str | bool = True,
+    toplevel: bool = True,
+    call: Callable | None = None,
+    ref: Callable | None = None,
+    samples: Callable[[np.random.Generator], list[Sample]] | None = None,
+    errors: Callable[[], list[BadInput]] | None = None,
+    output: Callable[[Any], Any] | None = None,
+    rtol32: float = 2e-5,
+    atol32: float = 2e-5,
+    fd_tol: float = 1e-6,
+) -> Callable[[F_], F_]:
+    """Declare the decorated forward as a fused op (see Note [Declaring an op]).
+
+    ``name`` (default: the function's name) names the op-table entry;
+    ``export`` the public name (``True``: the function's name, ``False``: not
+    exported; ``toplevel=False``: only as ``rumus_fx.ops.<name>``). Decorators may be stacked to give one op several table entries
+    (``batch_norm_2d_train``/``_eval``). Returns the function unchanged."""
+
+    def deco(fn: F_) -> F_:
+        exp = fn.__name__ if export is True else (export or None)
+        declare(
+            OpDecl(
+                name=name or fn.__name__,
+                kind="op",
+                records=tuple(records),
+                fn=fn,
+                export=exp,
+                toplevel=toplevel,
+                call=call,
+                ref=ref,
+                samples=samples,
+                errors=errors,
+                output=output,
+                rtol32=rtol32,
+                atol32=atol32,
+                fd_tol=fd_tol,
+                module=fn.__module__,
+            )
+        )
+        return fn
+
+    return deco
+
+
+# -- sample generators (numpy, float64; the table casts) ----------------------
+
+
+def normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+def positive(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.uniform(0.5, 2.0, shape)
+
+
+def away_from_zero(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    x = rng.standard_normal(shape)
+    return np.where(np.abs(x) < 0.1, 0.5, x)
+
+
+def unary_samples(shapes: Any, gen: Callable = normal) -> Callable[[np.random.Generator], list[Sample]]:
+    return lambda rng: [Sample((gen(rng, *s),)) for s in shapes]
+
+
+def ranked(f: Callable) -> Callable:
+    """A jnp binary oracle with explicit rank alignment (the test suite runs
+    with ``jax_numpy_rank_promotion='raise'``)."""
+
+    def g(a: Any, b: Any) -> Any:
+        nd = max(jnp.ndim(a), jnp.ndim(b))
+        a = jnp.reshape(a, (1,) * (nd - jnp.ndim(a)) + jnp.shape(a))
+        b = jnp.reshape(b, (1,) * (nd - jnp.ndim(b)) + jnp.shape(b))
+        return f(a, b)
+
+    return g
+
+
+# -- malformed-input placeholders (built when the case runs) -----------------
+
+
+class Lazy:
+    """An argument of a ``BadInput`` built when the case runs."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+    def __repr__(self) -> str:
+        return "Lazy(...)"
+
+
+def F(*shape: int) -> Lazy:
+    """A tracked float32 tensor of ``shape`` (seeded by the shape)."""
+
+    def make() -> Tensor:
+        data = np.random.default_rng(sum(shape) + len(shape)).standard_normal(shape).astype(np.float32)
+        return Tensor(data, requires_grad=True)
+
+    return Lazy(make)
+
+
+def I(*shape: int, high: int = 3) -> Lazy:  # noqa: E743
+    """An int32 array of ``shape`` with values in ``[0, high)``."""
+    return Lazy(lambda: jnp.asarray(np.random.default_rng(0).integers(0, high, shape), jnp.int32))
+
+
+def N(*shape: int) -> Lazy:
+    """An integer array (ones) where a float one is needed."""
+    return Lazy(lambda: jnp.ones(shape, jnp.int32))
+
+
+def A(value: Any, dtype: Any = None) -> Lazy:
+    """``jnp.asarray(value, dtype)``."""
+    return Lazy(lambda: jnp.asarray(value, dtype))
+
+
+KEY = Lazy(lambda: jax.random.key(0))
+
+
+def materialise(x: Any) -> Any:
+    """Build the placeholders inside ``x`` (lists and tuples are walked)."""
+    if isinstance(x, Lazy):
+        return x.make()
+    if isinstance(x, list):
+        return [materialise(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(materialise(v) for v in x)
+    if isinstance(x, dict):
+        return {k: materialise(v) for k, v in x.items()}
+    return x
