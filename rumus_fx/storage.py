@@ -31,8 +31,10 @@ from .errors import AutogradError
 from .sharding import reshape as sharded_reshape
 
 try:  # the trace a storage was created in; used to refuse tracer leaks
-    from jax._src.core import OpaqueTraceState as _OpaqueTraceState
-    from jax._src.core import get_opaque_trace_state as _get_opaque_trace_state
+    from jax.extend.core import get_opaque_trace_state as _get_opaque_trace_state
+
+    # the token's class, to make one for a tracer's own trace (public API only)
+    _OpaqueTraceState = type(_get_opaque_trace_state(convention="rumus_fx"))
 except ImportError:  # pragma: no cover - older/newer jax without the helper
     _get_opaque_trace_state = None
     _OpaqueTraceState = None
