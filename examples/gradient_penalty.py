@@ -84,7 +84,7 @@ def sample_real(key: jax.Array, n: int) -> jax.Array:
     """A ring of eight Gaussians of radius 2 and standard deviation 0.05."""
     k1, k2 = jax.random.split(key)
     centers = jnp.asarray(MODES, jnp.float32)[jax.random.randint(k1, (n,), 0, 8)]
-    return centers + 0.05 * jax.random.normal(k2, (n, 2))
+    return centers + 0.05 * jax.random.normal(k2, (n, 2), jnp.float32)
 
 
 def critic_loss(
