@@ -39,7 +39,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4, help="max abs difference accepted as identical")
     p.add_argument("--auto", action="store_true", help="Auto mesh axes instead of jax.make_mesh's Explicit default")
-    p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() first, in every process (the cluster is read "
+        "from the environment: SLURM, Open MPI, Cloud TPU, ...; or give the three flags below)",
+    )
+    p.add_argument("--coordinator", default=None, help="with --distributed: HOST:PORT of process 0")
+    p.add_argument("--num-processes", type=int, default=None, help="with --distributed: how many processes")
+    p.add_argument("--process-id", type=int, default=None, help="with --distributed: this process's index")
     return p.parse_args(argv)
 
 
@@ -53,7 +61,7 @@ def force_host_devices(n: int) -> None:
 
 if __name__ == "__main__":
     ARGS = parse_args()
-    force_host_devices(ARGS.devices)  # MUST happen before the first `import jax`
+    force_host_devices(ARGS.devices // (ARGS.num_processes or 1))  # MUST happen before the first `import jax`
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/digits_cnn.py
 
@@ -61,21 +69,29 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from digits_cnn import DigitsCNN, load_digits_split  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rumus_fx as rf  # noqa: E402
 
 
+def fetch(x) -> np.ndarray:
+    """``x`` on the host; an array spread over several processes is gathered first."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def max_diff(a, b) -> float:
     """Largest elementwise difference of two pytrees (fetched to the host: they live on different devices)."""
     pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
+    return max(float(np.max(np.abs(fetch(x) - fetch(y)))) for x, y in pairs)
 
 
 def main(args: argparse.Namespace) -> float:
     if args.distributed:  # one process per host; the cluster is read from the environment
-        jax.distributed.initialize()
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     n = args.devices
     devices = jax.devices()
     if len(devices) < n:  # e.g. one GPU: fall back to the (forced) virtual CPU devices
@@ -119,7 +135,8 @@ def main(args: argparse.Namespace) -> float:
     rng = np.random.default_rng(args.seed)
     batches = [rng.choice(len(x_train), args.batch_size, replace=False) for _ in range(args.steps)]
 
-    one_dev = jax.devices()[0] if n == 1 else devices[0]
+    # the one-device reference run: on each process, one of its own devices
+    one_dev = next(d for d in devices if d.process_index == jax.process_index())
     single = [jax.device_put(t, one_dev) for t in (params, opt_state, state)]
     multi = [jax.device_put(t, replicated) for t in (params, opt_state, state)]
 

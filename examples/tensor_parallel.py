@@ -48,7 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4, help="max abs difference accepted as identical")
-    p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() first, in every process (the cluster is read "
+        "from the environment: SLURM, Open MPI, Cloud TPU, ...; or give the three flags below)",
+    )
+    p.add_argument("--coordinator", default=None, help="with --distributed: HOST:PORT of process 0")
+    p.add_argument("--num-processes", type=int, default=None, help="with --distributed: how many processes")
+    p.add_argument("--process-id", type=int, default=None, help="with --distributed: this process's index")
     return p.parse_args(argv)
 
 
@@ -62,11 +70,12 @@ def force_host_devices(n: int) -> None:
 
 if __name__ == "__main__":
     ARGS = parse_args()
-    force_host_devices(ARGS.devices)  # MUST happen before the first `import jax`
+    force_host_devices(ARGS.devices // (ARGS.num_processes or 1))  # MUST happen before the first `import jax`
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -112,14 +121,21 @@ def megatron_spec(path: str, leaf: jax.Array) -> P:
     return P()
 
 
+def fetch(x) -> np.ndarray:
+    """``x`` on the host; an array spread over several processes is gathered first."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def max_diff(a, b) -> float:
     pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
+    return max(float(np.max(np.abs(fetch(x) - fetch(y)))) for x, y in pairs)
 
 
 def main(args: argparse.Namespace) -> float:
-    if args.distributed:
-        jax.distributed.initialize()
+    if args.distributed:  # one process per host; the cluster is read from the environment
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     n, m = args.devices, args.model
     if n % m or args.batch_size % (n // m):
         raise SystemExit(f"--model {m} must divide --devices {n}, and devices // model must divide --batch-size")
@@ -147,7 +163,8 @@ def main(args: argparse.Namespace) -> float:
     data = rng.integers(0, args.vocab, (args.steps, args.batch_size, args.seq + 1)).astype(np.int32)
     batch = NamedSharding(mesh, P("data"))
 
-    single_params = jax.device_put(params, devices[0])
+    one_dev = next(d for d in devices if d.process_index == jax.process_index())  # this process's own
+    single_params = jax.device_put(params, one_dev)
     single = (single_params, opt.init(single_params))
     multi_params = jax.device_put(params, shardings)
     multi = (multi_params, opt.init(multi_params))
@@ -164,7 +181,7 @@ def main(args: argparse.Namespace) -> float:
     worst = 0.0
     for i in range(args.steps):
         tok, tgt = data[i, :, :-1], data[i, :, 1:]
-        *single, loss_1, grads_1 = step(*single, jax.device_put(tok, devices[0]), jax.device_put(tgt, devices[0]))
+        *single, loss_1, grads_1 = step(*single, jax.device_put(tok, one_dev), jax.device_put(tgt, one_dev))
         *multi, loss_n, grads_n = step(*multi, jax.device_put(tok, batch), jax.device_put(tgt, batch))
         d_loss, d_grad = abs(float(loss_1) - float(loss_n)), max_diff(grads_1, grads_n)
         worst = max(worst, d_loss, d_grad)

@@ -20,6 +20,12 @@ engine checks each returned gradient with :func:`conform`, which reshards a
 gradient whose sharding differs from its input's (and reports it through
 ``RESHARD_HOOK``, so tests can assert that no rule relies on that).
 
+``rf.lift`` follows the same invariant per primitive: a lifted function is
+traced with its inputs' sharded types, each primitive record carries its
+operands' shardings (``in_sharding(k)``/``out_sharding(k)``, see
+``lift/rules.py``), and the interpreter conforms every gradient a rule returns
+(reporting through ``RESHARD_HOOK`` as the engine does).
+
 With Auto mesh axes (or no mesh) every helper here is the identity: XLA's
 partitioner propagates shardings through the program.
 """
@@ -55,6 +61,12 @@ def sharding_of(x: Any) -> NamedSharding | None:
         sharding = jax.typeof(value).sharding
     except (AttributeError, TypeError):
         return None
+    return explicit(sharding)
+
+
+def explicit(sharding: Any) -> NamedSharding | None:
+    """``sharding`` (an aval's, say a jaxpr variable's ``aval.sharding``) when it
+    is a ``NamedSharding`` over a mesh with Explicit axes, else None."""
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or getattr(mesh, "empty", True) or not isinstance(sharding, NamedSharding):
         return None

@@ -13,7 +13,10 @@ every gradient has its argument's sharding. Groups: ``ops`` (data parallel, batc
 "data"), ``ops_tp`` (tensor parallel on a 2x4 ("data", "model") mesh), ``kernels``
 (the same with the Pallas kernels in interpret mode), ``models_dp``
 (MLP, CNN, TransformerBlock, TinyGPT data parallel), ``models_tp`` (the same
-tensor parallel, and FSDP) and ``errors`` (``rf.ShardingError``).
+tensor parallel, and FSDP), ``lift`` / ``lift_tp`` (the primitive rules of ``rf.lift``:
+``rf.grad(rf.lift(f))`` of plain jnp/lax code, compared with ``jax.grad(f)``; one case
+mixing the families by default, one case per family with ``lift_slow``) and
+``errors`` (``rf.ShardingError``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ if __name__ == "__main__":
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rumus_fx as rf
+import rumus_fx.numpy as rnp
 from tests.ops.optable import (
     ref_adaptive_avg_pool2d,
     ref_attention,
@@ -498,6 +503,194 @@ def tp_cases() -> list[Case]:
     ]
 
 
+# ---------------------------------------------------------------------------
+# lifted programs: the primitive rules of rf.lift on plain jnp / lax code
+# ---------------------------------------------------------------------------
+#
+# Each function is plain jax code: rf sees it only through rf.lift, the oracle is
+# jax.grad of the same function. Explicit axes: only code that plain JAX accepts
+# on these shardings (a cumsum/sort along the sharded batch axis, an integer
+# index into it, are refused by JAX itself; error_group checks rf's error then).
+
+
+def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]]:
+    """name -> (jnp loss, args, specs, argnums): one per primitive family, data parallel."""
+    x, y, b = f32(B, 6), pos(B, 6), f32(6)
+    x3 = f32(B, 3, 5)
+    img, cw = f32(B, 3, 6, 6), f32(4, 3, 3, 3, scale=0.3)
+    idx = np.array([0, 2, 2, 5])
+    tidx = ints(6, B, 3)
+    ws = f32(3, 6, 6, scale=0.3)
+
+    def elementwise(a, c):  # broadcasts of a replicated operand against the batch
+        return (
+            jnp.sum(jnp.tanh(a + c) * a)
+            + jnp.sum(jnp.exp(-a) * c)
+            + jnp.sum(jnp.where(a > 0, a, 0.1 * a) * c)
+            + jnp.sum(jnp.maximum(a, c) ** 2)
+            + jnp.sum(jnp.clip(a, -0.5, c))
+            + 2.0 * jnp.sum(a)
+        )
+
+    def reductions(a):  # over the sharded batch axis and over the others
+        return (
+            jnp.sum(jnp.mean(a, axis=0) ** 2)
+            + jnp.sum(jnp.max(a, axis=1) ** 2)
+            + jnp.sum(jnp.max(a, axis=0))
+            + jnp.sum(jax.nn.logsumexp(a, axis=-1))
+            + jnp.var(a)
+            + jnp.sum(jnp.prod(a[..., :3], axis=-1))
+            + jnp.mean(a * a)
+        )
+
+    def dot(a, w):  # batch sharded, weight replicated; a batched contraction
+        return jnp.sum(jnp.tanh(a @ w)) + jnp.sum(jnp.einsum("bij,bkj->bik", a, a * 0.5) * a[:, :, :3])
+
+    def shapes(a):
+        h = jnp.reshape(a, (B, 15)) * jnp.swapaxes(a, 1, 2).reshape(B, 15)
+        c = jnp.concatenate([a, a * 2], axis=1)
+        c2 = jnp.concatenate([a, a[:, :1]], axis=1)
+        return (
+            jnp.sum(jnp.tanh(h))
+            + jnp.sum(c**2)
+            + jnp.sum(jnp.transpose(c2, (2, 0, 1))[0] ** 3)
+            + jnp.sum(jnp.squeeze(a[:, :1, :], 1) ** 2)
+            + jnp.sum(jnp.pad(a, ((0, 0), (1, 2), (0, 1))) * 0.5)
+        )
+
+    def indexing(a, u):  # gather, scatter-add, take_along_axis, .at[].set
+        return (
+            jnp.sum(a[:, idx] ** 2)
+            + jnp.sum(jnp.tanh(a.at[:, idx].add(u[:, :4])))
+            + jnp.sum(jnp.take_along_axis(a, tidx, axis=1) ** 2)
+            + jnp.sum(a[:, 3] ** 2)
+            + jnp.sum(a.at[:, 1].set(0.0) ** 2)
+        )
+
+    def conv_pool(a, k):
+        h = lax.conv_general_dilated(a, k, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        p = lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+        s = lax.reduce_window(jnp.tanh(h), 0.0, lax.add, (1, 1, 3, 3), (1, 1, 1, 1), "SAME")
+        return jnp.sum(p**2) + jnp.sum(s * 0.1)
+
+    def cumulative(a):
+        return (
+            jnp.sum(jnp.cumsum(a, axis=1) ** 2)
+            + jnp.sum(lax.cumprod(a[:, :3], axis=1))
+            + jnp.sum(lax.cummax(a, axis=1))
+        )
+
+    def sort(a):
+        return jnp.sum(jnp.sort(a, axis=1) * jnp.arange(6.0)) + jnp.sum(jnp.argsort(a, axis=1) * a)
+
+    def scan(a, w):  # lax.scan over stacked layer weights
+        def layer(h, wk):
+            return jnp.tanh(h @ wk), jnp.sum(h)
+
+        h, ys = lax.scan(layer, a, w)
+        return jnp.sum(h**2) + jnp.sum(ys)
+
+    def cond(a, c):
+        r = lax.cond(jnp.sum(c) > 0, lambda v: jnp.tanh(v) * c, lambda v: v * v, a)
+        return jnp.sum(r) + jnp.sum(lax.cond(jnp.sum(c) < 0, jnp.sin, lambda v: v * 2.0, a))
+
+    return {
+        "elementwise": (elementwise, (x, b), (D, R), (0, 1)),
+        "elementwise_sharded": (elementwise, (x, y), (D, D), (0, 1)),
+        "reductions": (reductions, (x3,), (D,), (0,)),
+        "dot_general": (dot, (x3, f32(5, 4)), (D, R), (0, 1)),
+        "reshape_transpose_concatenate": (shapes, (x3,), (D,), (0,)),
+        "gather_scatter": (indexing, (x, y), (D, D), (0, 1)),
+        "conv_reduce_window": (conv_pool, (img, cw), (D, R), (0, 1)),
+        "cumsum": (cumulative, (x,), (D,), (0,)),
+        "sort": (sort, (x,), (D,), (0,)),
+        "scan": (scan, (x, ws), (D, R), (0, 1)),
+        "cond": (cond, (x, b), (D, R), (0, 1)),
+    }
+
+
+def _sum_of(parts: list[tuple[Callable[..., Any], tuple[int, ...]]]) -> Callable[..., Any]:
+    """The sum of losses, each reading some of the arguments."""
+    return lambda *a: sum(f(*(a[i] for i in ix)) for f, ix in parts)
+
+
+def lift_cases(slow: bool = False) -> list[Case]:
+    """Data parallel: by default two cases that together hold every family (one
+    compiled program each, to keep CI time down); ``slow``: one case per family."""
+    fam = _lift_families()
+    if slow:
+        return [
+            Case(f"lift_{n}", rf.lift(f), f, args, specs, argnums, 2e-5) for n, (f, args, specs, argnums) in fam.items()
+        ]
+    cases = []
+    groups = {
+        "lift_mixed": [n for n in fam if n not in ("conv_reduce_window", "scan", "elementwise_sharded")],
+        "lift_conv_scan": ["conv_reduce_window", "scan"],
+    }
+    for name, members in groups.items():
+        args, specs, parts = [], [], []
+        for n in members:
+            f, a, sp, _ = fam[n]
+            parts.append((f, tuple(range(len(args), len(args) + len(a)))))
+            args += a
+            specs += sp
+        f = _sum_of(parts)
+        cases.append(Case(name, rf.lift(f), f, tuple(args), tuple(specs), tuple(range(len(args))), 2e-5))
+    # rumus_fx.numpy: each call is its own lifted program, mixed with rf ops
+    xr = f32(B, 6)
+    cases[0] = dataclasses.replace(
+        cases[0],
+        rf_loss=lambda *a, f=cases[0].rf_loss: f(*a[:-1]) + rnp.sum(rnp.cumsum(rf.tanh(a[-1]), axis=1) ** 2),
+        ref_loss=lambda *a, f=cases[0].ref_loss: f(*a[:-1]) + jnp.sum(jnp.cumsum(jnp.tanh(a[-1]), axis=1) ** 2),
+        args=cases[0].args + (xr,),
+        specs=cases[0].specs + (D,),
+        argnums=cases[0].argnums + (len(cases[0].args),),
+    )
+    return cases
+
+
+def _row_parallel(h: Any, w: Any) -> Any:
+    """``h @ w`` contracting a "model"-sharded axis: on Explicit axes plain JAX
+    needs the output's sharding (batch on "data", the rest replicated)."""
+    s = rf.sharding.sharding_of(h)
+    out = None if s is None else rf.sharding.with_spec(s, (s.spec[0],) + (None,) * (h.ndim - 1))
+    return jnp.matmul(h, w, out_sharding=out)
+
+
+def lift_tp_cases(slow: bool = False) -> list[Case]:
+    """Tensor parallel on 2x4 ("data", "model"): a Megatron MLP (column then row
+    parallel, biases, log_softmax and the label gather); ``slow`` adds the two
+    products alone and attention over "model"-sharded heads."""
+    x = f32(8, 6)
+    w1, b1, w2 = f32(6, 8, scale=0.5), f32(8), f32(8, 4, scale=0.5)
+    labels = ints(4, 8)
+
+    def mlp(w1, b1, w2, xx):
+        h = jax.nn.gelu(xx @ w1 + b1)
+        logp = jax.nn.log_softmax(_row_parallel(h, w2))
+        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+    def column(a, w):
+        return jnp.sum(jnp.tanh(a @ w))
+
+    def row(a, w):
+        return jnp.sum(jnp.tanh(_row_parallel(a, w)))
+
+    def heads(q):  # [B, H, S, Dh] with the heads on "model"
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, q * 0.5) / 2.0
+        s = jnp.where(jnp.tril(jnp.ones((5, 5), bool)), s, -1e9)
+        return jnp.sum(jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), q) ** 2)
+
+    cases = [Case("lift_mlp_tp", rf.lift(mlp), mlp, (w1, b1, w2, x), (P(None, "model"), M, M, D), (0, 1, 2, 3))]
+    if slow:
+        cases += [
+            Case("lift_column_tp", rf.lift(column), column, (f32(8, 3, 6), w1), (D, P(None, "model")), (0, 1)),
+            Case("lift_row_tp", rf.lift(row), row, (f32(8, 3, 8), w2), (P("data", None, "model"), M), (0, 1)),
+            Case("lift_heads_tp", rf.lift(heads), heads, (f32(8, 4, 5, 3),), (DM,), (0,), 2e-5),
+        ]
+    return cases
+
+
 def _bn_rf(x, w, b, bn, training):
     y, rm, rv = rf.batch_norm_2d(x, w, b, *bn[2:], training=training)
     return rf.sum(y * y) * 0.01 + rf.sum(rf.tanh(y))
@@ -717,7 +910,31 @@ def model_group(which: str) -> list[str]:
     dp, tp, fs = model_cases()
     if which == "dp":
         return run_group("models_dp", dp, (8,), ("data",))
-    return run_group("models_tp", tp, (2, 4), ("data", "model")) + run_group("models_fsdp", fs, (8,), ("data",))
+    fails = run_group("models_tp", tp, (2, 4), ("data", "model")) + run_group("models_fsdp", fs, (8,), ("data",))
+    return fails + _block_tp_collectives(next(c for c in tp if c.name == "block_tp"))
+
+
+def _block_tp_collectives(case: Case) -> list[str]:
+    """The tensor-parallel TransformerBlock step (fused qkv column parallel,
+    proj/fc2 row parallel, Explicit axes) gathers no activation: every
+    all-gather in its compiled program is parameter-sized (the qkv weight and
+    bias reordered into whole heads, and their gradients), checked as
+    benchmarks/sharded.py checks it."""
+    from benchmarks.sharded import check_gathers
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), case.specs, is_leaf=_is_spec)
+    args = jax.device_put(case.args, shardings)
+    try:
+        hlo = jax.jit(rf.value_and_grad(case.rf_loss)).lower(*args).compile().as_text()
+        shapes = check_gathers("block_tp", hlo, args[0], jax.tree.leaves(shardings[0]))
+        if len(shapes) != 4:  # weight and bias of qkv, forward; their gradients, backward
+            raise AssertionError(f"expected 4 all-gathers (qkv weight, bias and their gradients), got {shapes}")
+    except Exception as e:
+        print("FAIL models_tp/block_tp collectives", flush=True)
+        return [f"models_tp/block_tp collectives: {type(e).__name__}: {e}"]
+    print("ok models_tp/block_tp collectives", flush=True)
+    return []
 
 
 KERNEL_CASES = {
@@ -772,7 +989,43 @@ def error_group() -> list[str]:
                 fails.append(f"errors: {type(e).__name__}: {e}")
             else:
                 fails.append("errors: no error raised")
+    fails += _lift_errors(mesh)
     print("ok errors" if not fails else "FAIL errors", flush=True)
+    return fails
+
+
+def _lift_errors(mesh: Any) -> list[str]:
+    """A lifted function JAX itself refuses on these shardings (a cumsum along the
+    sharded batch axis) raises rf.ShardingError naming the function, the
+    primitive, the operand's sharded type and the fix; the fix (reshard inside
+    the function) works, and the gradient has the argument's sharding."""
+    fails = []
+    x = jax.device_put(f32(16, 6), NamedSharding(mesh, D))
+
+    def bad(a):
+        return jnp.sum(jnp.tanh(jnp.cumsum(a, axis=0)))
+
+    def fixed(a):
+        gathered = jax.sharding.reshard(a, NamedSharding(jax.typeof(a).sharding.mesh, R))
+        return jnp.sum(jnp.tanh(jnp.cumsum(gathered, axis=0)))
+
+    want = jax.grad(bad)(jax.device_put(np.asarray(x), jax.devices()[0]))
+    for under_mesh in (False, True):
+        with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
+            try:
+                jax.jit(rf.grad(rf.lift(bad)))(x)
+            except rf.ShardingError as e:
+                for part in ("rf.lift(bad)", "'cumsum'", "float32[16@data,6]", "rf.reshard", "AxisType.Auto"):
+                    if part not in str(e):
+                        fails.append(f"errors/lift: {part!r} missing from: {e}")
+            except Exception as e:
+                fails.append(f"errors/lift: {type(e).__name__}: {e}")
+            else:
+                fails.append("errors/lift: no error raised")
+            g = jax.jit(rf.grad(rf.lift(fixed)))(x)
+            close(g, want, 1e-5, "errors/lift: the fix")
+            if not g.sharding.is_equivalent_to(x.sharding, 2):
+                fails.append(f"errors/lift: reshard gradient sharding {g.sharding}")
     return fails
 
 
@@ -781,6 +1034,12 @@ GROUPS: dict[str, Callable[[], list[str]]] = {
     "kernels": kernel_group,
     "models_dp": lambda: model_group("dp"),
     "models_tp": lambda: model_group("tp"),
+    "lift": lambda: run_group("lift", lift_cases(), (8,), ("data",)),
+    "lift_tp": lambda: run_group("lift_tp", lift_tp_cases(), (2, 4), ("data", "model")),
+    "lift_slow": lambda: (
+        run_group("lift", lift_cases(slow=True), (8,), ("data",))
+        + run_group("lift_tp", lift_tp_cases(slow=True), (2, 4), ("data", "model"))
+    ),
     "ops": lambda: run_group("ops", op_cases(), (8,), ("data",)),
     "ops_tp": lambda: run_group("ops_tp", tp_cases(), (2, 4), ("data", "model")),
 }

@@ -194,6 +194,46 @@ def test_tensor_parallel_2x4_mesh_matches_one_device():
     assert "OK: tensor-parallel training matches 1 device" in out
 
 
+def test_tensor_parallel_two_processes():
+    """The multi-host path of the README: the same script in two processes (4 CPU
+    devices each, jax.distributed over localhost), one 2x4 mesh across them."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    args = ("--devices", "8", "--model", "4", "--steps", "1", "--layers", "1", "--distributed")
+    args += ("--coordinator", f"localhost:{port}", "--num-processes", "2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "tensor_parallel.py"), *args, "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=600)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for i, (proc, out) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 0, f"process {i} failed (exit {proc.returncode}):\n{out[-4000:]}"
+        assert "every gradient has its parameter's sharding: True" in out
+        assert "OK: tensor-parallel training matches 1 device" in out
+    # one all-gather each of the qkv weight, its bias and their gradients; no activation gathered
+    assert "'all-gather': 4," in outs[0], outs[0][-2000:]
+
+
 def test_inspect_tape():
     out = run_example("inspect_tape.py", "--batch-size", "2")
     for record in (

@@ -1,6 +1,7 @@
-"""Sharding (docs/SPEC.md section 10): every op family, the Pallas kernels and the
-models, inside ``jax.jit`` on 8 host CPU devices, on meshes with Explicit axes
-(``jax.make_mesh``'s default) and Auto axes, with and without ``jax.set_mesh``;
+"""Sharding (docs/SPEC.md section 10): every op family, the primitive rules of
+``rf.lift``, the Pallas kernels and the models, inside ``jax.jit`` on 8 host CPU
+devices, on meshes with Explicit axes (``jax.make_mesh``'s default) and Auto
+axes, with and without ``jax.set_mesh``;
 data parallel, tensor parallel (2x4 ("data", "model")) and FSDP. Gradients equal
 the one-device ones and carry their arguments' shardings; no backward rule
 leaves a gradient for the engine to reshard. The checks live in
@@ -21,8 +22,21 @@ import rumus_fx as rf
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("groups", [("ops", "ops_tp", "errors"), ("kernels",), ("models_dp",), ("models_tp",)])
+@pytest.mark.parametrize(
+    "groups",
+    [
+        ("ops", "ops_tp", "lift", "lift_tp", "errors"),
+        ("kernels",),
+        ("models_dp",),
+        ("models_tp",),
+        pytest.param(("lift_slow",), marks=pytest.mark.slow, id="lift_slow"),
+    ],
+)
 def test_sharded(groups):
+    _run(groups)
+
+
+def _run(groups: tuple[str, ...]) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("XLA_FLAGS", None)

@@ -220,3 +220,26 @@ def sharded_call(impl: Callable[..., tuple], cfg: Any, rule: str, *arrays: Any, 
     ``replicated`` (space-separated) the factors the kernel must see whole."""
     operands, results = _parse(rule, arrays)
     return _dispatch(impl, cfg, operands, results, frozenset(replicated.split()), tuple(arrays))
+
+
+def carries(rule: str, wanted: tuple[Any, ...], *arrays: Any, replicated: str = "") -> bool:
+    """Whether :func:`sharded_call` with this ``rule`` on these explicitly
+    sharded ``arrays`` needs no input resharded (every ``replicated`` factor is
+    already whole and no factor is sharded two ways, so nothing is gathered) and
+    returns results with the shardings ``wanted`` (one ``NamedSharding`` per
+    result, None where any will do). Backward rules use it to run a kernel
+    per shard where that gives their gradient's sharding, and XLA's op with
+    ``out_sharding`` otherwise."""
+    operands, results = _parse(rule, arrays)
+    specs = [_explicit_spec(a) for a in arrays]
+    in_specs, _, _ = _plan(specs, operands, results, frozenset(replicated.split()))
+    if not all(_same(a, s) for a, s in zip(arrays, in_specs)):
+        return False
+    natural = _factor_axes(specs, operands, frozenset())
+    for fs, w in zip(results, wanted):
+        if w is None:
+            continue
+        want = tuple(w.spec) + (None,) * (len(fs) - len(w.spec))
+        if tuple(natural.get(f) for f in fs) != want:
+            return False
+    return True

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from . import blocks
 from ._pallas import Config, dot, ds, iota, pad_to, pallas_call
-from ._sharding import sharded_call
+from ._sharding import carries, sharded_call
 from .dispatch import call
 from .precision import upcast
 
@@ -152,7 +152,10 @@ def _embedding_bwd_local(key: tuple, indices: jax.Array, g: jax.Array) -> tuple[
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _embedding_bwd(key: tuple, indices: jax.Array, g: jax.Array) -> jax.Array:
     # lookups sharded across devices: each shard scatters its own, then psum
-    return sharded_call(_embedding_bwd_local, key, "n, n d -> v d", indices, g)[0]
+    return sharded_call(_embedding_bwd_local, key, _RULE, indices, g)[0]
+
+
+_RULE = "n, n d -> v d"
 
 
 @_embedding_bwd.defjvp
@@ -163,26 +166,45 @@ def _embedding_bwd_jvp(key, primals, tangents):
     return out, embedding_bwd_reference(indices, dg, vocab_size=key[1], dtype=key[2])
 
 
-def embedding_bwd_pallas(indices: jax.Array, g: jax.Array, *, vocab_size: int, dtype: Any, cfg: Config) -> jax.Array:
-    """The sorted one-hot scatter-add kernel (see the module docstring)."""
+def embedding_bwd_pallas(
+    indices: jax.Array, g: jax.Array, *, vocab_size: int, dtype: Any, cfg: Config, out_sharding: Any = None
+) -> jax.Array:
+    """The sorted one-hot scatter-add kernel (see the module docstring); run per
+    shard it gives ``out_sharding`` by itself (``embedding_bwd`` checks that)."""
     return _embedding_bwd((cfg, int(vocab_size), jnp.dtype(dtype)), indices, g)
 
 
 # ---------------------------------------------------------------- reference
 
 
-def embedding_bwd_reference(indices: jax.Array, g: jax.Array, *, vocab_size: int, dtype: Any) -> jax.Array:
+def embedding_bwd_reference(
+    indices: jax.Array, g: jax.Array, *, vocab_size: int, dtype: Any, out_sharding: Any = None
+) -> jax.Array:
     """``indices:[N]`` ints, ``g:[N, D]`` -> ``dW:[vocab_size, D]``; out-of-range
-    indices contribute nothing."""
-    dw = jax.ops.segment_sum(upcast(g), indices, num_segments=vocab_size)
+    indices contribute nothing. ``out_sharding``: the table's explicit sharding."""
+    dw = jax.ops.segment_sum(upcast(g), indices, num_segments=vocab_size, out_sharding=out_sharding)
     return dw.astype(dtype)
 
 
 # ---------------------------------------------------------------- entry point
 
 
-def embedding_bwd(indices: jax.Array, g: jax.Array, vocab_size: int, dtype: Any = None) -> jax.Array:
-    """Scatter-add of the rows of ``g`` into a ``[vocab_size, D]`` table gradient."""
-    return call(
-        embedding_bwd_reference, embedding_bwd_pallas, indices, g, vocab_size=vocab_size, dtype=dtype or g.dtype
-    )
+def embedding_bwd(
+    indices: jax.Array, g: jax.Array, vocab_size: int, dtype: Any = None, out_sharding: Any = None
+) -> jax.Array:
+    """Scatter-add of the rows of ``g`` into a ``[vocab_size, D]`` table gradient.
+
+    ``out_sharding``: the table's sharding, for lookups sharded over Explicit
+    mesh axes. The kernel runs per shard of the lookups and sums the shards'
+    tables (an all-reduce), so its result is whole along the vocabulary and
+    sharded like ``g`` along D: where that is the table's sharding (a replicated
+    table, or one sharded along D) the kernel runs. A table sharded along the
+    vocabulary (FSDP, a vocabulary-parallel head's tied table) takes XLA's
+    scatter-add (``segment_sum``) with ``out_sharding`` instead: XLA
+    reduce-scatters the contributions into the vocabulary shards, where the
+    kernel would all-reduce the whole table and then drop all but a slice."""
+    dtype = dtype or g.dtype
+    static = dict(vocab_size=vocab_size, dtype=dtype, out_sharding=out_sharding)
+    if out_sharding is not None and not carries(_RULE, (out_sharding,), indices, g):
+        return embedding_bwd_reference(indices, g, **static)
+    return call(embedding_bwd_reference, embedding_bwd_pallas, indices, g, **static)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from . import blocks
 from ._pallas import Config, chunk_loop, dot, ds, pad_to, pallas_call, vmem
-from ._sharding import sharded_call
+from ._sharding import carries, sharded_call
 from .dispatch import call
 from .precision import is_low_precision
 
@@ -115,9 +115,11 @@ def _matmul_local(key: tuple, a: jax.Array, b: jax.Array) -> tuple[jax.Array]:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _matmul(key: tuple, a: jax.Array, b: jax.Array) -> jax.Array:
-    batched = key[2]
-    rule = "... m k, ... k n -> ... m n" if batched else "... m k, k n -> ... m n"
-    return sharded_call(_matmul_local, key, rule, a, b, replicated="k")[0]
+    return sharded_call(_matmul_local, key, _rule(key[2]), a, b, replicated="k")[0]
+
+
+def _rule(batched: bool) -> str:
+    return "... m k, ... k n -> ... m n" if batched else "... m k, k n -> ... m n"
 
 
 @_matmul.defjvp
@@ -138,12 +140,13 @@ def _pallas_form(a: jax.Array, b: jax.Array) -> bool | None:
     return None
 
 
-def matmul_pallas(a: jax.Array, b: jax.Array, *, out_dtype: Any, cfg: Config) -> jax.Array:
-    """The tiled kernel for ``[..., M, K] @ [K, N]`` and equal-batch products."""
+def matmul_pallas(a: jax.Array, b: jax.Array, *, out_dtype: Any, cfg: Config, out_sharding: Any = None) -> jax.Array:
+    """The tiled kernel for ``[..., M, K] @ [K, N]`` and equal-batch products;
+    run per shard it gives ``out_sharding`` by itself (``matmul`` checks that)."""
     out_dtype = np.dtype(out_dtype or jnp.result_type(a, b))
     form = _pallas_form(a, b)
     if form is None:  # other broadcasting patterns (1-D operands, broadcast batches)
-        return matmul_reference(a, b, out_dtype=out_dtype)
+        return matmul_reference(a, b, out_dtype=out_dtype, out_sharding=out_sharding)
     return _matmul((cfg, out_dtype, form), a, b)
 
 
@@ -161,15 +164,33 @@ def matmul_reference(a: jax.Array, b: jax.Array, *, out_dtype: Any = None, out_s
 # ---------------------------------------------------------------- entry points
 
 
+def kernel_carries(a: jax.Array, b: jax.Array, out_sharding: Any) -> bool:
+    """Whether the kernel, run per shard (``sharded_call``), gives
+    ``out_sharding`` with nothing gathered: the contracted K whole on both
+    operands and the result's sharding (``a``'s batch/M axes, ``b``'s N axis)
+    equal to ``out_sharding``."""
+    form = _pallas_form(a, b)
+    return form is not None and carries(_rule(form), (out_sharding,), a, b, replicated="k")
+
+
 def matmul(a: jax.Array, b: jax.Array, out_dtype: Any = None, out_sharding: Any = None) -> jax.Array:
     """``a @ b`` for ``[..., M, K] @ [K, N]`` and the batched ``[..., M, K] @
     [..., K, N]`` (the kernel reads the form from the shapes, ``_pallas_form``).
 
-    ``out_sharding`` (for operands sharded over Explicit mesh axes) takes the
-    reference path, which passes it to XLA's dot."""
-    if out_sharding is not None:
+    ``out_sharding``: the result's sharding, for operands sharded over Explicit
+    mesh axes (a backward rule's gradient must have its operand's). Where the
+    kernel gives it by itself (:func:`kernel_carries`: each device multiplies
+    its own rows, K whole) the kernel runs per shard; where it cannot, the
+    product takes XLA's dot with ``out_sharding``. That is the case of a
+    contraction over a sharded axis (the weight gradient ``x^T dy`` over a
+    batch sharded on "data"; ``dy W^T`` of a column-parallel layer, over N on
+    "model"): the kernel needs K whole, so running it would all-gather those
+    activations (or the weight) first, where XLA multiplies the local shards and
+    sums the partial products (all-reduce, or reduce-scatter into a sharded
+    result)."""
+    if out_sharding is not None and not kernel_carries(a, b, out_sharding):
         return matmul_reference(a, b, out_dtype=out_dtype, out_sharding=out_sharding)
-    return call(matmul_reference, matmul_pallas, a, b, out_dtype=out_dtype)
+    return call(matmul_reference, matmul_pallas, a, b, out_dtype=out_dtype, out_sharding=out_sharding)
 
 
 bmm = matmul  # the batched product: the same entry point (one body)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,11 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from .. import sharding as shd
 from .. import tensor as tensor_mod
 from ..autograd.record import Aval, Record, VersionSnapshot
 from ..autograd.registry import OpDecl, declare
 from ..autograd.tape import current_tape, suspend_recording
-from ..errors import AutogradError, ShapeError, ShapeTypeError
+from ..errors import SHARDING_HINT, AutogradError, ShapeError, ShapeTypeError, ShardingError
 from ..kernels.dispatch import use as kernel_mode
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
@@ -72,6 +74,8 @@ class Step:
     outs: tuple[int, ...]
     in_avals: tuple[Aval, ...]
     out_avals: tuple[Aval, ...]
+    in_shardings: tuple[Any, ...] = ()  # explicit shardings (None: not explicitly sharded)
+    out_shardings: tuple[Any, ...] = ()
     rule: Rule | None = None
     needs: tuple[bool, ...] = ()
     saved_in: tuple[int, ...] = ()
@@ -87,6 +91,14 @@ def _aval(v: Any) -> Aval:
     return Aval(tuple(a.shape), dtype)
 
 
+def _sharding(v: Any) -> Any:
+    """A jaxpr variable's sharding when it is over Explicit mesh axes (the
+    program was traced with its inputs' sharded types), else None."""
+    if isinstance(v, jcore.Literal):
+        return None
+    return shd.explicit(getattr(v.aval, "sharding", None))
+
+
 class Program:
     """A jaxpr flattened into steps, with which slots are tracked."""
 
@@ -97,6 +109,7 @@ class Program:
         jaxpr = closed.jaxpr
         self.in_slots = [self._new() for _ in jaxpr.invars]
         self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
+        self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
         env: dict[Any, Any] = {}
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
@@ -105,6 +118,7 @@ class Program:
         self._flatten(jaxpr, env)
         self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
         self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
+        self.out_shardings = tuple(_sharding(v) for v in jaxpr.outvars)
         self._mark(tracked_in)
         self._jit_forward: Callable | None = None
 
@@ -153,6 +167,8 @@ class Program:
                     tuple(outs),
                     tuple(_aval(v) for v in eqn.invars),
                     tuple(_aval(v) for v in eqn.outvars),
+                    tuple(_sharding(v) for v in eqn.invars),
+                    tuple(_sharding(v) for v in eqn.outvars),
                 )
             )
 
@@ -242,7 +258,9 @@ class Program:
                 e += 1
             ins = tuple(self._saved(values, st.ins[k]) if k in st.saved_in else None for k in range(len(st.ins)))
             outs = tuple(self._saved(values, st.outs[k]) if k in st.saved_out else None for k in range(len(st.outs)))
-            rec = st.rule.record(st.params, st.in_avals, st.out_avals, st.needs, ins, outs, extra)
+            rec = st.rule.record(
+                st.params, st.in_avals, st.out_avals, st.needs, ins, outs, extra, st.in_shardings, st.out_shardings
+            )
             object.__setattr__(rec, "_step", st)
             out.append(rec)
         return out
@@ -255,8 +273,9 @@ class Program:
     def backward(self, residuals: Any, out_grads: Sequence[Any]) -> list[Any]:
         """Gradients of the inputs (None where none) from the outputs' gradients."""
         grads: dict[int, Any] = {}
-        for r, g in zip(self.out_refs, out_grads):
+        for r, g, sh in zip(self.out_refs, out_grads, self.out_shardings):
             if g is not None and isinstance(r, int) and self.tracked[r]:
+                g = _conform(g, sh, f"{self.name} output")
                 grads[r] = g if r not in grads else grads[r] + g
         recs = self.records(residuals)
         for rec in reversed(recs):
@@ -265,16 +284,49 @@ class Program:
             if all(g is None for g in gs):
                 continue
             if st.rule.multiple_results or st.prim.multiple_results:
-                gs = tuple(jnp.zeros(a.shape, a.dtype) if g is None else g for g, a in zip(gs, st.out_avals))
-                in_grads = rec.backward(gs, st.needs)
+                gs = tuple(
+                    shd.zeros(a.shape, a.dtype, sh) if g is None else g
+                    for g, a, sh in zip(gs, st.out_avals, st.out_shardings)
+                )
+                in_grads = _run_rule(rec, gs, st.needs)
             else:
-                in_grads = rec.backward(gs[0], st.needs)
-            for x, need, g, aval in zip(st.ins, st.needs, in_grads, st.in_avals):
+                in_grads = _run_rule(rec, gs[0], st.needs)
+            for k, (x, need, g, aval) in enumerate(zip(st.ins, st.needs, in_grads, st.in_avals)):
                 if not need or g is None:
                     continue
                 g = _fit(g, self_aval=aval, name=rec.name)
+                g = _conform(g, st.in_shardings[k], rec.name, k)
                 grads[x] = g if x not in grads else grads[x] + g
         return [grads.get(s) for s in self.in_slots]
+
+
+def _run_rule(rec: PrimitiveRecord, g: Any, needs: tuple[bool, ...]) -> Any:
+    """The record's rule; JAX refusing a sharding in it becomes an
+    ``rf.ShardingError`` naming the primitive and the shardings."""
+    try:
+        return rec.backward(g, needs)
+    except Exception as e:
+        if not shd.is_sharding_failure(e):
+            raise
+        shown = ", ".join(
+            f"{np.dtype(a.dtype).name}{list(a.shape)}" + (f" sharded {s.spec}" if s is not None else "")
+            for a, s in zip(rec.in_avals, rec.in_shardings)
+        )
+        raise ShardingError(
+            f"{rec.name} (rf.lift's rule for '{rec._step.prim.name}', operands {shown}): its backward "
+            f"cannot give its inputs their shardings: {shd._first_line(e)}. This is a gap in rumus_fx's "
+            f"sharding support; until it is closed: {SHARDING_HINT}"
+        ) from e
+
+
+def _conform(g: Any, sharding: Any, name: str, k: int = 0) -> Any:
+    """``g`` with the explicit sharding of the slot it is the gradient of (Note
+    [Gradients keep their operand's sharding]); a rule that left it otherwise is
+    reported through ``RESHARD_HOOK``."""
+    out = shd.conform(g, sharding)
+    if out is not g and shd.RESHARD_HOOK is not None:
+        shd.RESHARD_HOOK(name, k, jax.typeof(g).sharding, sharding)
+    return out
 
 
 def _fit(g: Any, self_aval: Aval, name: str) -> Any:
@@ -403,14 +455,16 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
         # are called on the tape directly)
         with suspend_recording(), kernel_mode("reference"):
             closed = jax.make_jaxpr(flat)(*avals)
-    except (TypeError, ValueError) as e:
-        _raise_shape_error(e, name, avals)
+    except Exception as e:
+        _raise_sharding_error(e, name, avals)
+        if isinstance(e, (TypeError, ValueError)):
+            _raise_shape_error(e, name, avals)
         raise
     finally:
         tensor_mod.CAPTURE = prev
     if cap.found:  # pass 2: the captured tensors become inputs
         captured = list(cap.found.values())
-        cap_avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in captured]
+        cap_avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shd.sharding_of(t.value)) for t in captured]
 
         def flat2(*xs):
             subst = {id(t): b for t, b in zip(captured, xs[len(avals) :])}
@@ -426,6 +480,48 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
             closed = jax.make_jaxpr(flat2)(*avals, *cap_avals)
         return closed, out_info, captured, list(cap.constants.values())
     return closed, out_info, [], list(cap.constants.values())
+
+
+def _raise_sharding_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
+    """JAX refusing a sharding while tracing the function (plain JAX refuses the
+    same code on these operands) as rf.ShardingError naming the function, the
+    line of it that failed, the operands' sharded types and the fix."""
+    if not shd.is_sharding_failure(e):
+        return
+    where = prim = called = ""
+    user = False
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        f = frame.f_code.co_filename
+        if f"{os.sep}jax{os.sep}" in f:
+            name_ = frame.f_code.co_name
+            if user and not name_.startswith("_") and name_ != "op":  # the jax function the user's code called
+                called = f" in {name_}"
+            p = frame.f_locals.get("self") if frame.f_code.co_name in ("bind", "_true_bind") else None
+            if isinstance(p, jcore.Primitive):
+                prim = f" in '{p.name}'"  # the primitive being bound
+            user = False
+        elif f"{os.sep}rumus_fx{os.sep}" not in f and f"{os.sep}contextlib" not in f:
+            # the innermost frame of the user's code
+            where = f" at {os.path.basename(f)}:{tb.tb_lineno} (in {frame.f_code.co_name})"
+            user = True
+        tb = tb.tb_next
+    prim = prim or called
+    shown = ", ".join(_describe_aval(a) for a in avals)
+    raise ShardingError(
+        f"rf.lift({name}): JAX cannot run the function on operands {shown}{where}{prim}: {shd._first_line(e)}. "
+        f"Plain JAX refuses the same code on these shardings. {SHARDING_HINT}"
+    ) from e
+
+
+def _describe_aval(a: Any) -> str:
+    s = getattr(a, "sharding", None)
+    dims = [
+        f"{d}@{e if isinstance(e, str) else ','.join(e)}" if e else str(d)
+        for d, e in zip(a.shape, (tuple(s.spec) + (None,) * len(a.shape)) if s is not None else (None,) * len(a.shape))
+    ]
+    return f"{np.dtype(a.dtype).name}[{','.join(dims)}]"
 
 
 def _raise_shape_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
@@ -480,9 +576,13 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
     statics = tuple(getattr(x, "__wrapped_lift__", x) for x, a in zip(leaves, is_arr) if not a)
     values = [_leaf_value(x) for x in arrays]
     tracked_in = tuple(isinstance(x, Tensor) and x.grad_id is not None for x in arrays)
-    avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v)) for v in values]
+    # on Explicit mesh axes the sharding is part of the type: trace with it
+    avals = [
+        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in values
+    ]
     try:
-        key = (fun, treedef, statics, is_arr, tuple((a.shape, a.dtype, a.weak_type) for a in avals), tracked_in)
+        signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
+        key = (fun, treedef, statics, is_arr, signature, tracked_in)
         hash(key)
     except TypeError:
         key = None

@@ -91,10 +91,22 @@ class PrimitiveRecord(Record):
     ins: tuple[Array | None, ...]
     outs: tuple[Array | None, ...]
     extra: tuple[Array, ...] = ()
+    in_shardings: tuple[Any, ...] = ()  # per input: its explicit sharding or None
+    out_shardings: tuple[Any, ...] = ()
 
     @property
     def p(self) -> Params:
         return self.params
+
+    def in_sharding(self, k: int = 0) -> Any:
+        """Input ``k``'s sharding when it is over Explicit mesh axes, else None
+        (see Note [Gradients keep their operand's sharding]: the gradient a rule
+        returns for input ``k`` must have it)."""
+        return self.in_shardings[k] if self.in_shardings else None
+
+    def out_sharding(self, k: int = 0) -> Any:
+        """Output ``k``'s explicit sharding (that of the gradient the rule gets), else None."""
+        return self.out_shardings[k] if self.out_shardings else None
 
     def backward(self, g, needs):
         return self.rule.vjp(self, g)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from .. import sharding as shd
 from ..errors import AutogradError
 from .interpreter import Program
 from .rules import defrule, is_float
@@ -33,12 +34,18 @@ def _program(closed, tracked, name):
     return Program(closed, tracked, name)
 
 
-def _zeros_like_aval(a):
-    return jnp.zeros(a.shape, a.dtype)
+def _zeros_like_aval(a, sharding=None):
+    return shd.zeros(a.shape, a.dtype, sharding)
 
 
-def _or_zeros(gs, avals):
-    return [(_zeros_like_aval(a) if g is None else g) for g, a in zip(gs, avals)]
+def _or_zeros(gs, avals, shardings=None):
+    shardings = shardings or (None,) * len(avals)
+    return [(_zeros_like_aval(a, s) if g is None else g) for g, a, s in zip(gs, avals, shardings)]
+
+
+def _unstacked(s):
+    """The sharding of one slice of a scanned-over operand (its leading axis dropped)."""
+    return None if s is None else shd.with_spec(s, tuple(s.spec)[1:])
 
 
 def _float_or_none(gs, avals):
@@ -90,19 +97,22 @@ def _scan_vjp(r, g):
     const_avals = avals[:nc]
     carry_avals = avals[nc : nc + nk]
     x_avals = avals[nc + nk :]
+    shs = r.in_shardings or (None,) * len(avals)
+    const_sh, carry_sh = shs[:nc], shs[nc : nc + nk]
+    x_sh = [_unstacked(s) for s in shs[nc + nk :]]
 
     def body(acc, inp):
         ct_c, ct_consts = acc
         res, ct_y = inp
         grads = prog.backward(res, [*ct_c, *ct_y])
         g_consts = grads[:nc]
-        g_carry = _or_zeros(grads[nc : nc + nk], carry_avals)
-        g_xs = _or_zeros(grads[nc + nk :], x_avals_unstacked)
+        g_carry = _or_zeros(grads[nc : nc + nk], carry_avals, carry_sh)
+        g_xs = _or_zeros(grads[nc + nk :], x_avals_unstacked, x_sh)
         ct_consts = [a + b if b is not None else a for a, b in zip(ct_consts, g_consts)]
         return (g_carry, ct_consts), g_xs
 
     x_avals_unstacked = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in x_avals]
-    init = (_or_zeros(ct_carry, carry_avals), [_zeros_like_aval(a) for a in const_avals])
+    init = (_or_zeros(ct_carry, carry_avals, carry_sh), [_zeros_like_aval(a, s) for a, s in zip(const_avals, const_sh)])
     (g_init, g_consts), g_xs = lax.scan(body, init, (r.extra, ct_ys), length=p["length"], reverse=not p["reverse"])
     out = [*g_consts, *g_init, *g_xs]
     return tuple(g if n else None for g, n in zip(_float_or_none(out, avals), r.needs))
@@ -128,14 +138,16 @@ def _branch_residual_avals(step, vals_avals):
 def _cond_forward(step, vals):
     index, ops = vals[0], vals[1:]
     progs = step.sub
-    op_avals = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in ops]
+    op_avals = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o), sharding=shd.sharding_of(o)) for o in ops]
     res_avals = _branch_residual_avals(step, op_avals)
 
     def branch(k):
         def run(*o):
             outs, res = progs[k].run(list(o))
             all_res = [
-                res if j == k else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), res_avals[j])
+                res
+                if j == k
+                else jax.tree.map(lambda a: shd.zeros(a.shape, a.dtype, shd.explicit(a.sharding)), res_avals[j])
                 for j in range(len(progs))
             ]
             return outs, all_res
@@ -150,11 +162,12 @@ def _cond_vjp(r, g):
     index, res = r.extra
     progs = r._step.sub
     op_avals = r.in_avals[1:]
+    op_sh = (r.in_shardings or (None,) * len(r.in_avals))[1:]
 
     def branch(k):
         def run(res_all, gs):
             grads = progs[k].backward(res_all[k], list(gs))
-            return _or_zeros(grads, op_avals)
+            return _or_zeros(grads, op_avals, op_sh)
 
         return run
 

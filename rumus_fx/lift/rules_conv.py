@@ -71,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .. import sharding as shd
 from ..errors import AutogradError
 from .rules import defrule, in_
 
@@ -79,8 +80,8 @@ def _dilated(n: int, d: int) -> int:
     return 0 if n == 0 else 1 + d * (n - 1)
 
 
-def _zeros(aval):
-    return jnp.zeros(aval.shape, aval.dtype)
+def _zeros(aval, sharding=None):
+    return shd.zeros(aval.shape, aval.dtype, sharding)
 
 
 # -- conv_general_dilated ------------------------------------------------------------
@@ -117,7 +118,7 @@ def _dilate(x, spec, dilation):
     return lax.pad(x, jnp.zeros((), x.dtype), cfg)
 
 
-def _conv_lhs_grad(g, rhs, lhs_aval, p):
+def _conv_lhs_grad(g, rhs, lhs_aval, p, sharding=None):
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     fgc, bgc = p["feature_group_count"], p["batch_group_count"]
     strides, lhs_dil, rhs_dil = p["window_strides"], p["lhs_dilation"], p["rhs_dilation"]
@@ -146,6 +147,7 @@ def _conv_lhs_grad(g, rhs, lhs_aval, p):
         feature_group_count=groups,
         precision=p["precision"],
         preferred_element_type=p["preferred_element_type"],
+        out_sharding=sharding if bgc == 1 else None,
     )
     if out.dtype != lhs_aval.dtype:
         out = out.astype(lhs_aval.dtype)
@@ -154,7 +156,7 @@ def _conv_lhs_grad(g, rhs, lhs_aval, p):
     return out
 
 
-def _conv_rhs_grad(g, lhs, rhs_aval, p):
+def _conv_rhs_grad(g, lhs, rhs_aval, p, sharding=None):
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     fgc, bgc = p["feature_group_count"], p["batch_group_count"]
     strides, lhs_dil, rhs_dil = p["window_strides"], p["lhs_dilation"], p["rhs_dilation"]
@@ -177,6 +179,7 @@ def _conv_rhs_grad(g, lhs, rhs_aval, p):
         batch_group_count=fgc,
         precision=p["precision"],
         preferred_element_type=p["preferred_element_type"],
+        out_sharding=sharding,
     )
     if out.dtype != rhs_aval.dtype:
         out = out.astype(rhs_aval.dtype)
@@ -189,9 +192,11 @@ def _conv_vjp(r, g):
     empty = g.size == 0
     gl = gr = None
     if r.needs[0]:
-        gl = _zeros(a_lhs) if empty or rhs.size == 0 else _conv_lhs_grad(g, rhs, a_lhs, r.p)
+        sh = r.in_sharding(0)
+        gl = _zeros(a_lhs, sh) if empty or rhs.size == 0 else _conv_lhs_grad(g, rhs, a_lhs, r.p, sh)
     if r.needs[1]:
-        gr = _zeros(a_rhs) if empty or lhs.size == 0 else _conv_rhs_grad(g, lhs, a_rhs, r.p)
+        sh = r.in_sharding(1)
+        gr = _zeros(a_rhs, sh) if empty or lhs.size == 0 else _conv_rhs_grad(g, lhs, a_rhs, r.p, sh)
     return gl, gr
 
 
@@ -262,13 +267,14 @@ def _window_chooser_grad(g, x, window, is_max, init=None):
         places.append([(s, n - lim, st - 1) for s, lim, n, st in zip(starts, limits, padded.shape, strides)])
     pick = lax.max if is_max else lax.min
     best = functools.reduce(pick, views)
+    g_sh = shd.sharding_of(g)
     if init is None:
-        taken = jnp.zeros(out_shape, bool)
+        taken = shd.zeros(out_shape, bool, g_sh)
     else:
-        best = pick(best, jnp.broadcast_to(fill, out_shape))
-        taken = jnp.broadcast_to(fill == best, out_shape)
+        best = pick(best, shd.broadcast_to(fill, out_shape, g_sh))
+        taken = shd.broadcast_to(fill == best, out_shape, g_sh)
     zeros = jnp.zeros_like(g)
-    gp = jnp.zeros(padded.shape, g.dtype)
+    gp = jnp.zeros_like(padded, dtype=g.dtype)
     for v, place in zip(views, places):
         hit = (v == best) & ~taken
         taken = taken | hit
@@ -279,7 +285,7 @@ def _window_chooser_grad(g, x, window, is_max, init=None):
 def _reduce_window_sum_vjp(r, g):
     aval = r.in_avals[0]
     if g.size == 0 or 0 in aval.shape:
-        return (_zeros(aval),)
+        return (_zeros(aval, r.in_sharding(0)),)
     return (_window_sum_grad(g, tuple(aval.shape), _window(r.p)).astype(aval.dtype),)
 
 
@@ -290,7 +296,7 @@ def _chooser_vjp(is_max):
     def vjp(r, g):
         aval = r.in_avals[0]
         if g.size == 0 or 0 in aval.shape:
-            return (_zeros(aval),)
+            return (_zeros(aval, r.in_sharding(0)),)
         return (_window_chooser_grad(g, r.ins[0], _window(r.p), is_max),)
 
     vjp.__name__ = f"_reduce_window_{'max' if is_max else 'min'}_vjp"
@@ -342,7 +348,7 @@ def _reduce_window_vjp(r, g):
     kind = _generic_body(r)
     aval = r.in_avals[0]
     if g.size == 0 or 0 in aval.shape:
-        return _zeros(aval), None
+        return _zeros(aval, r.in_sharding(0)), None
     window = _window(r.p)
     if kind == "sum":
         return _window_sum_grad(g, tuple(aval.shape), window).astype(aval.dtype), None

@@ -13,13 +13,17 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from .. import sharding as shd
 from ..autograd.registry import TableEntry
 from ..ops._declare import normal, positive, unary_samples
 from .rules import defrule, in_, out_
 
 
-def unbroadcast(g, aval):
-    """Sum ``g`` down to ``aval``'s shape (rank-0 or size-1 operands) and cast."""
+def unbroadcast(g, aval, sharding=None):
+    """Sum ``g`` down to ``aval``'s shape (rank-0 or size-1 operands) and cast;
+    with an explicit ``sharding`` (the operand's) the result has it, as in JAX's
+    own transpose rules (a gradient of an operand that was replicated against a
+    sharded one is summed, or resharded, to the operand's type)."""
     shape = tuple(aval.shape)
     if tuple(g.shape) != shape:
         if not shape:
@@ -29,7 +33,8 @@ def unbroadcast(g, aval):
             axes = tuple(range(lead)) + tuple(
                 lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1
             )
-            g = jnp.sum(g, axis=axes).reshape(shape)
+            g = shd.reshape(jnp.sum(g, axis=axes), shape, out_sharding=sharding)
+    g = shd.conform(g, sharding)
     if g.dtype != aval.dtype:
         g = g.astype(aval.dtype)
     return g
@@ -123,8 +128,8 @@ def _binary(name, lhs, rhs, saves, doc=None):
     def vjp(r, g):
         a, b = r.in_avals
         return (
-            unbroadcast(lhs(r, g), a) if r.needs[0] else None,
-            unbroadcast(rhs(r, g), b) if r.needs[1] else None,
+            unbroadcast(lhs(r, g), a, r.in_sharding(0)) if r.needs[0] else None,
+            unbroadcast(rhs(r, g), b, r.in_sharding(1)) if r.needs[1] else None,
         )
 
     vjp.__name__ = f"{name}_vjp"
@@ -141,8 +146,10 @@ def _div_saves(needs):
 
 
 def _bcast(g, x):
-    """``x`` broadcast against the output gradient ``g``."""
-    return x if jnp.ndim(x) == g.ndim else jnp.broadcast_to(x, g.shape)
+    """``x`` broadcast against the output gradient ``g`` (with ``g``'s sharding)."""
+    if jnp.ndim(x) == g.ndim and tuple(jnp.shape(x)) == tuple(g.shape):
+        return x
+    return shd.broadcast_to(x, g.shape, shd.sharding_of(g))
 
 
 _binary("add", lambda r, g: g, lambda r, g: g, ((), ()))
@@ -219,7 +226,7 @@ def _select_n_vjp(r, g):
             continue
         cases = [zeros] * n
         cases[k] = g
-        out.append(unbroadcast(lax.select_n(which, *cases), r.in_avals[k + 1]))
+        out.append(unbroadcast(lax.select_n(which, *cases), r.in_avals[k + 1], r.in_sharding(k + 1)))
     return tuple(out)
 
 
@@ -231,9 +238,9 @@ def _clamp_vjp(r, g):
     zeros = jnp.zeros_like(g)
     a_lo, a_x, a_hi = r.in_avals
     return (
-        unbroadcast(jnp.where((lo > x) & (lo < hi), g, zeros), a_lo) if r.needs[0] else None,
-        unbroadcast(jnp.where((x > lo) & (x < hi), g, zeros), a_x) if r.needs[1] else None,
-        unbroadcast(jnp.where(hi < x, g, zeros), a_hi) if r.needs[2] else None,
+        unbroadcast(jnp.where((lo > x) & (lo < hi), g, zeros), a_lo, r.in_sharding(0)) if r.needs[0] else None,
+        unbroadcast(jnp.where((x > lo) & (x < hi), g, zeros), a_x, r.in_sharding(1)) if r.needs[1] else None,
+        unbroadcast(jnp.where(hi < x, g, zeros), a_hi, r.in_sharding(2)) if r.needs[2] else None,
     )
 
 

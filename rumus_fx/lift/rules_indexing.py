@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .. import sharding as shd
 from ..errors import AutogradError
 from .rules import defrule, in_, is_float, out_
 
@@ -106,7 +107,7 @@ def _no_combiner(step):
 
 def _gather_vjp(r, g):
     aval = r.in_avals[0]
-    zeros = jnp.zeros(aval.shape, g.dtype)
+    zeros = shd.zeros(aval.shape, g.dtype, r.in_sharding(0))
     out = lax.scatter_add(
         zeros,
         r.ins[1],
@@ -189,8 +190,8 @@ def _scatter_extremal_vjp(r, g):
     target = _read_back(r, out)
     won = y == target
     kept = initial == target
-    zeros = jnp.zeros(x.shape, x.dtype)
-    ones = jnp.ones(y.shape, y.dtype)
+    zeros = shd.zeros(x.shape, x.dtype, r.in_sharding(0))
+    ones = jnp.ones_like(y)
     n_won = _read_back(r, lax.scatter_add(zeros, idx, lax.select(won, ones, jnp.zeros_like(y)), dn))
     n_refs = _read_back(r, lax.scatter_add(zeros, idx, ones, dn))
     up_norm = lax.select(kept, 1.0 / (n_won + 1), 1.0 / n_won)
@@ -200,7 +201,7 @@ def _scatter_extremal_vjp(r, g):
     u = _read_back(r, g, mode=r.p["mode"], fill_value=0)
     g_op = g_up = None
     if r.needs[0]:
-        g_op = g + lax.scatter_add(jnp.zeros(g.shape, g.dtype), idx, u * op_coef, dn)
+        g_op = g + lax.scatter_add(jnp.zeros_like(g), idx, u * op_coef, dn)
     if r.needs[2]:
         g_up = u * up_coef
     return g_op, None, g_up
@@ -220,7 +221,7 @@ def _scatter_vjp(r, g):
     g_op = g_up = None
     if r.p["unique_indices"]:
         if r.needs[0]:
-            g_op = lax.scatter(g, idx, jnp.zeros(up_shape, g.dtype), **_scatter_kw(r))
+            g_op = lax.scatter(g, idx, shd.zeros(up_shape, g.dtype, r.in_sharding(2)), **_scatter_kw(r))
         if r.needs[2]:
             g_up = _read_back(r, g, mode=r.p["mode"], fill_value=0)
         return g_op, None, g_up
@@ -229,8 +230,8 @@ def _scatter_vjp(r, g):
     n_ids = math.prod(ids_shape)
     id_dtype = np.uint64 if n_ids > _UINT32_MAX else np.uint32
     ids = lax.iota(id_dtype, n_ids).reshape(ids_shape) + jnp.ones((), id_dtype)
-    ids = lax.broadcast_in_dim(ids, up_shape, tuple(range(len(up_shape))))
-    landed = lax.scatter(jnp.zeros(r.in_avals[0].shape, id_dtype), idx, ids, **_scatter_kw(r))
+    ids = lax.broadcast_in_dim(ids, up_shape, tuple(range(len(up_shape))), out_sharding=r.in_sharding(2))
+    landed = lax.scatter(shd.zeros(r.in_avals[0].shape, id_dtype, r.in_sharding(0)), idx, ids, **_scatter_kw(r))
     if r.needs[0]:
         g_op = lax.select(landed == 0, g, jnp.zeros_like(g))
     if r.needs[2]:
@@ -253,7 +254,9 @@ def _sort_vjp(r, g):
     nk = r.p["num_keys"]
     shape = tuple(r.in_avals[0].shape)
     keys = r.ins[:nk]
-    iota = lax.broadcasted_iota(np.int32 if shape[dim] < 2**31 - 1 else np.int64, shape, dim)
+    iota = lax.broadcasted_iota(
+        np.int32 if shape[dim] < 2**31 - 1 else np.int64, shape, dim, out_sharding=r.in_sharding(0)
+    )
     perm = lax.sort((*keys, iota), dimension=dim, is_stable=r.p["is_stable"], num_keys=nk)[-1]
     want = [k for k, (a, n) in enumerate(zip(r.in_avals, r.needs)) if n and is_float(a)]
     if not want:
@@ -290,8 +293,8 @@ def _top_k_vjp(r, g):
         operand_batching_dims=others,
         scatter_indices_batching_dims=others,
     )
-    zeros = jnp.zeros(aval.shape, g[0].dtype)
-    return (lax.scatter_add(zeros, idx.reshape((*idx.shape, 1)), g[0], dn),)
+    zeros = shd.zeros(aval.shape, g[0].dtype, r.in_sharding(0))
+    return (lax.scatter_add(zeros, shd.reshape(idx, (*idx.shape, 1)), g[0], dn),)
 
 
 defrule("top_k", _top_k_vjp, out_(1), multiple_results=True)

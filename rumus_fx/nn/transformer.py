@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import ops
+from .. import sharding as shd
 from ..tensor import Tensor
 from .layers import Dropout, LayerNorm, Linear, Module, Params, _check_float, _check_int, _param, _shape
 
@@ -25,6 +26,10 @@ class MultiheadAttention(Module):
     projection is split into ``heads`` heads of size ``dim // heads`` by views
     (reshape/transpose), attended with ``rf.scaled_dot_product_attention``
     (scale ``1/sqrt(dim // heads)``) and projected back.
+
+    Tensor parallel: with the ``qkv`` weight sharded on its output axis over
+    Explicit mesh axes (``P(None, "model")``, column parallel) the heads stay
+    sharded end to end; see Note [Head-parallel fused qkv].
 
     Call: ``mha(params, x, *, causal=False, mask=None)``; ``mask`` broadcasts to
     ``[..., heads, S, S]`` (boolean, True = attend, or an additive float mask).
@@ -64,9 +69,15 @@ class MultiheadAttention(Module):
             raise ValueError(f"MultiheadAttention: expects x of shape [..., S, {self.dim}], got {shape}")
         *lead, s, d = shape
         h, dh = self.heads, self.dim // self.heads
-        qkv = self._qkv(_param(params, "qkv", "MultiheadAttention"), x)  # [..., S, 3D]
+        p_qkv = _param(params, "qkv", "MultiheadAttention")
+        head_major = self._head_major(p_qkv)
+        if head_major is not None:
+            qkv = self._qkv(head_major, x)  # [..., S, 3D], columns ordered (H, 3, Dh)
+            qkv = ops.transpose(ops.reshape(qkv, (-1, s, h, 3, dh)), 2, 3)  # [N, S, 3, H, Dh]
+        else:
+            qkv = self._qkv(p_qkv, x)  # [..., S, 3D]
+            qkv = ops.reshape(qkv, (-1, s, 3, h, dh))
         # [N, S, 3, H, Dh] -> [3, N, H, S, Dh] by three axis swaps (views)
-        qkv = ops.reshape(qkv, (-1, s, 3, h, dh))
         qkv = ops.transpose(qkv, 0, 2)  # [3, S, N, H, Dh]
         qkv = ops.transpose(qkv, 1, 2)  # [3, N, S, H, Dh]
         qkv = ops.transpose(qkv, 2, 3)  # [3, N, H, S, Dh]
@@ -77,6 +88,47 @@ class MultiheadAttention(Module):
         o = ops.transpose(o, n, n + 1)  # [..., S, H, Dh]
         o = ops.reshape(o, (*lead, s, d))
         return self._proj(_param(params, "proj", "MultiheadAttention"), o)
+
+    # Note [Head-parallel fused qkv]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The fused weight is PyTorch's ``[D, 3D]`` with columns ordered (3, H, Dh):
+    # q's heads, then k's, then v's. Sharded contiguously on its output axis
+    # (column parallel), a shard holds a run of columns that cuts across q/k/v,
+    # so splitting the projected activations into heads would all-gather them
+    # over the model axis (``[N, S, 3D]`` per layer, forward and backward). Here
+    # the *weight* is reordered instead, once per step: ``[D, 3D]`` ->
+    # ``[D, 3, H@model, Dh]`` -> ``[D, H@model, 3, Dh]`` -> ``[D, 3D@model]`` with
+    # columns ordered (H, 3, Dh), so each shard holds whole heads of q, k and v.
+    # The projection then leaves the activations head-sharded, attention runs
+    # per head shard and the row-parallel ``proj`` sums its partial products:
+    # no activation is gathered. The reorder costs one all-gather of the weight
+    # (and of its bias) in the forward and one of their gradients in the
+    # backward: ``3D^2`` numbers instead of ``N*S*3D`` per layer.
+
+    def _head_major(self, p: Any) -> dict[str, Any] | None:
+        """The ``qkv`` params with columns ordered (H, 3, Dh) and whole heads on
+        each shard, when the weight is sharded on its output axis over Explicit
+        mesh axes into a number of shards that divides ``heads``; else None."""
+        w = p.get("weight") if hasattr(p, "get") else None
+        spec = shd.spec_of(w) if w is not None and len(_shape(w)) == 2 else None
+        if spec is None or spec[1] is None:
+            return None
+        sharding = shd.sharding_of(w)
+        model = spec[1]
+        names = model if isinstance(model, tuple) else (model,)
+        if self.heads % math.prod(sharding.mesh.shape[n] for n in names):
+            return None
+        d, h, dh = self.dim, self.heads, self.dim // self.heads
+        b = p.get("bias")
+        if b is not None and shd.spec_of(b) not in ((model,), None):
+            return None
+        P = jax.sharding.PartitionSpec
+        w = ops.reshard(ops.reshape(w, (d, 3, h, dh)), P(spec[0], None, model, None))
+        out = {"weight": ops.reshape(ops.transpose(w, 1, 2), (d, 3 * d))}
+        if b is not None:
+            b = ops.reshard(ops.reshape(b, (3, h, dh)), P(None, model, None))
+            out["bias"] = ops.reshape(ops.transpose(b, 0, 1), (3 * d,))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
 from ..kernels import embedding as kemb
-from ..kernels.precision import upcast
 from ..tensor import Tensor
 from ._core import array_of, check_index_range, new_output, record, require_float, snapshot, tape_for
 from ._declare import A, BadInput, F, I, N, Sample, normal, op
@@ -39,15 +38,9 @@ class EmbeddingBackward(Record):
     def backward(self, g, needs):
         flat_g = shd.reshape(g, (self.total_lookups, self.embed_dim))
         flat_i = shd.reshape(self.indices, (-1,))
-        if self.weight_sharding is not None:
-            # explicitly sharded lookups: the scatter-add produces the table's own
-            # sharding (XLA sums the shards' contributions: an all-reduce, or a
-            # reduce-scatter for a sharded table)
-            dw = jax.ops.segment_sum(
-                upcast(flat_g), flat_i, num_segments=self.vocab_size, out_sharding=self.weight_sharding
-            )
-            return (None, dw.astype(self.dtype))
-        return (None, kemb.embedding_bwd(flat_i, flat_g, self.vocab_size, self.dtype))
+        # explicitly sharded: the gradient has the table's own sharding (the kernel
+        # per shard of the lookups where that gives it, see kernels.embedding.embedding_bwd)
+        return (None, kemb.embedding_bwd(flat_i, flat_g, self.vocab_size, self.dtype, self.weight_sharding))
 
 
 def _lookup(wv: Array, iv: Array) -> Array:

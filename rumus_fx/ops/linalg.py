@@ -34,7 +34,19 @@ frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None) -> Array:
     """``a[..., K]^T g[..., N]`` summed over all leading rows -> ``[K, N]`` (the
-    weight gradient of ``x @ W`` for any number of leading axes)."""
+    weight gradient of ``x @ W`` for any number of leading axes).
+
+    ``out_sharding`` (the weight's, on Explicit mesh axes): the rows are the
+    contraction here, and with data parallelism they are sharded, so the kernel
+    (which needs its contraction whole) would all-gather ``a`` and ``g``; XLA's
+    dot_general with ``out_sharding`` multiplies each device's rows and sums
+    the partial products instead (an all-reduce, or a reduce-scatter into an
+    FSDP-sharded weight). Only with whole rows does the kernel run per shard."""
+    if out_sharding is not None:
+        k, n = a.shape[-1], g.shape[-1]
+        a2, g2 = shd.reshape(a, (-1, k)), shd.reshape(g, (-1, n))
+        if kmm.kernel_carries(a2.T, g2, out_sharding):
+            return kmm.matmul(a2.T, g2, out_dtype=out_dtype)
     # sharded rows, or the jnp reference anyway: one dot_general over the leading
     # axes (no reshape that merges a sharded axis; XLA's partitioner then keeps
     # the weight gradient sharded like the weight on Auto mesh axes too; no
@@ -53,7 +65,11 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None)
 class _ProductRecord(Record):
     """``C = A @ B``: ``dA = dC @ B^T``, ``dB = A^T @ dC``. Saves B only if A
     needs a gradient, A only if B does. One body for both records: they differ
-    in how ``dB`` treats A's leading axes (``batched``)."""
+    in how ``dB`` treats A's leading axes (``batched``). On Explicit mesh axes
+    each gradient gets its operand's sharding: the Pallas kernel runs per shard
+    where that gives it, XLA's dot with ``out_sharding`` where the product
+    contracts a sharded axis (dB under data parallelism; see
+    ``kernels.matmul.matmul`` for why)."""
 
     batched: ClassVar[bool] = False
 

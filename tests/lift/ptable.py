@@ -14,11 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rumus_fx.autograd.registry import declarations
 
 from . import ptable_conv, ptable_indexing, ptable_linalg
 from .ptable_base import PInfo, PSample, away, binary, distinct, normal, positive, u, unary, unit
+
+_MESH1 = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+_MESH1_AUTO = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
 
 CORE: list[PInfo] = [
     # -- elementwise unary ------------------------------------------------------
@@ -77,6 +82,12 @@ CORE: list[PInfo] = [
         ("clamp",),
     ),
     u("optimization_barrier", lambda x: lax.optimization_barrier((x, x * 2))[1] * x),
+    # -- sharding annotations (one-device meshes here; tests/_sharded_cases.py runs them on 8)
+    u("reshard", lambda x: jnp.sin(jax.sharding.reshard(x, NamedSharding(_MESH1, P()))) * x),
+    u(
+        "sharding_constraint",
+        lambda x: jnp.sin(lax.with_sharding_constraint(x, NamedSharding(_MESH1_AUTO, P()))) * x,
+    ),
     # -- reductions -------------------------------------------------------------------
     PInfo(
         "reduce_sum",
