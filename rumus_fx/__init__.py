@@ -20,6 +20,7 @@ from .autograd.tape import no_grad as no_grad
 from .autograd.transforms import grad as grad
 from .autograd.transforms import value_and_grad as value_and_grad
 from .autograd.transforms import vjp as vjp
+from .compiler import CPU_COMPILER_OPTIONS as CPU_COMPILER_OPTIONS
 from .lift import checkpoint as checkpoint
 from .lift import lift as lift
 from .ops import adaptive_avg_pool2d as adaptive_avg_pool2d
