@@ -384,10 +384,15 @@ def _unflatten_tensor(_: None, children: Any) -> Tensor:
 jax.tree_util.register_pytree_node(Tensor, _flatten_tensor, _unflatten_tensor)
 
 
-def _ops() -> Any:
-    from . import ops
+_OPS: list[Any] = []
 
-    return ops
+
+def _ops() -> Any:
+    if not _OPS:
+        from . import ops
+
+        _OPS.append(ops)
+    return _OPS[0]
 
 
 def _inplace() -> Any:

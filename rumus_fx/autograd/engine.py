@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sharding
+from . import sharding, whole_tape
 from .errors import AutogradError
 from .record import run_backward_rule as _run_rule
 from .tape import TapeEntry
@@ -43,6 +43,20 @@ def run_backward(
     keep: set[int] | None = None,
     foreign: Callable[[int], None] | None = None,
 ) -> dict[int, jax.Array]:
+    """The reverse walk (``walk``); eagerly, a tape whose signature repeats runs
+    as one compiled program (Note [Whole-tape backward] in autograd/whole_tape.py)."""
+    if ANOMALY.get() or sharding.RESHARD_HOOK is not None:
+        return walk(entries, seeds, keep, foreign)
+    return whole_tape.run(entries, seeds, keep, foreign, walk)
+
+
+def walk(
+    entries: Sequence[TapeEntry],
+    seeds: dict[int, jax.Array],
+    keep: set[int] | None = None,
+    foreign: Callable[[int], None] | None = None,
+    live: list[int] | None = None,
+) -> dict[int, jax.Array]:
     """Walk ``entries`` in reverse from the seed gradients; gradients by grad id.
 
     With ``keep``, only those ids' gradients are returned and every other
@@ -54,7 +68,8 @@ def run_backward(
     ``foreign(grad_id)`` is called, after the walk, for every id outside
     ``keep`` that received a gradient although no entry here produced it and it
     is no seed: a leaf, or a tensor whose history lies on another tape (see
-    ``check_history``)."""
+    ``check_history``). ``live``, when given, collects the indices of the
+    entries whose rule ran."""
     grads: dict[int, jax.Array] = dict(seeds)
     produced: set[int] = set()
     anomaly = ANOMALY.get()
@@ -72,6 +87,8 @@ def run_backward(
             if grad_out is None:
                 continue  # dead branch: nothing downstream needs this op
         op.check_versions()
+        if live is not None:
+            live.append(index)
         needs = tuple(i is not None for i in entry.inputs)
         in_grads = run_backward_rule(op, grad_out, needs)
         if keep is not None:

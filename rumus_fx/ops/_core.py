@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -20,6 +19,7 @@ from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array
 _SCALARS = (int, float)
+_ArrayImpl = type(jnp.zeros(()))
 
 
 # ---------------------------------------------------------------------------
@@ -29,6 +29,8 @@ _SCALARS = (int, float)
 
 def value_of(x: Any, op: str, what: str = "input") -> Any:
     """The array (or python scalar) behind an operand."""
+    if type(x) is _ArrayImpl:
+        return x
     if isinstance(x, Tensor):
         return x.value
     if isinstance(x, jax.Array):
@@ -54,9 +56,12 @@ def aval_of(x: Any) -> Aval | None:
     return Aval(tuple(shape), x.dtype)
 
 
+_FLOATS = frozenset(np.dtype(d) for d in ("float16", "float32", "float64", jnp.bfloat16))
+
+
 def require_float(op: str, x: Any, what: str = "input") -> None:
     dtype = getattr(x, "dtype", None)
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is not None and dtype not in _FLOATS and not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{op}: {what} must have a floating dtype, got {np.dtype(dtype).name}")
 
 
@@ -81,6 +86,24 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
     return int(axis) % ndim if ndim else 0
 
 
+def eager_jit(fun: Any) -> Any:
+    """``fun`` as one cached compiled call when called eagerly (its array
+    arguments concrete), so an op's forward pays one dispatch instead of the
+    ``jax.numpy`` wrapper's promotion and per-primitive dispatch; under a trace
+    ``fun`` is traced inline, leaving the program as it was."""
+    jitted = jax.jit(fun)
+    tracer = jax.core.Tracer
+
+    def call(*args: Any) -> Any:
+        for a in args:
+            if isinstance(a, tracer):
+                return fun(*args)
+        return jitted(*args)
+
+    call.__wrapped__ = fun  # type: ignore[attr-defined]
+    return call
+
+
 # ---------------------------------------------------------------------------
 # recording
 # ---------------------------------------------------------------------------
@@ -92,13 +115,13 @@ def tape_for(*xs: Any) -> Tape | None:
     if tape is None:
         return None
     for x in xs:
-        if isinstance(x, Tensor) and x.grad_id is not None:
+        if isinstance(x, Tensor) and x._gid is not None:
             return tape
     return None
 
 
 def is_tracked(x: Any) -> bool:
-    return isinstance(x, Tensor) and x.grad_id is not None
+    return isinstance(x, Tensor) and x._gid is not None
 
 
 def new_output(value: Array, tape: Tape | None) -> Tensor:
@@ -110,27 +133,28 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
     ids = []
     avals = []
-    shardings = []
-    for x in inputs:
+    sharded = None
+    for k, x in enumerate(inputs):
         if isinstance(x, Tensor):
-            ids.append(x.grad_id)
+            gid = x._gid
+            ids.append(gid)
             avals.append(Aval(x.shape, x.dtype))
-            shardings.append(sharding_of(x.value) if x.grad_id is not None else None)
+            if gid is not None and sharding_of(x.value) is not None:
+                sharded = k
         else:
             ids.append(None)
             avals.append(aval_of(x))
-            shardings.append(None)
-    entry = TapeEntry(op, tuple(ids), (out.grad_id,), tuple(avals), (Aval(out.shape, out.dtype),))
-    if any(s is not None for s in shardings):
-        entry = dataclasses.replace(entry, input_shardings=tuple(shardings))
-    tape._entries.append(entry)
+    shardings = ()
+    if sharded is not None:
+        shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
+    tape._entries.append(TapeEntry(op, tuple(ids), (out._gid,), tuple(avals), (Aval(out.shape, out.dtype),), shardings))
     return out
 
 
 def snapshot(x: Any) -> VersionSnapshot | None:
     """Snapshot of the storage behind ``x`` (None for arrays and scalars)."""
     if isinstance(x, Tensor):
-        return VersionSnapshot.of(x.grad_id, x._storage)
+        return VersionSnapshot.of(x._gid, x._storage)
     return None
 
 
@@ -140,7 +164,7 @@ def reads(x: Any, needed: bool) -> tuple[Any, VersionSnapshot | None]:
     if not needed:
         return None, None
     if isinstance(x, Tensor):
-        return x.value, VersionSnapshot.of(x.grad_id, x._storage)
+        return x.value, VersionSnapshot.of(x._gid, x._storage)
     return value_of(x, "save"), None
 
 
@@ -159,6 +183,12 @@ class BroadcastInfo(NamedTuple):
 
 
 def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shapes) == 2:  # the common cases first: equal shapes, or a scalar operand
+        a, b = shapes
+        if a == b or not b:
+            return a
+        if not a:
+            return b
     first = shapes[0]
     if all(s == first for s in shapes):
         return first

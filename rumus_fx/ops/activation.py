@@ -16,6 +16,7 @@ from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
 from ._core import (
     array_of,
+    eager_jit,
     is_real_scalar,
     new_output,
     normalize_axis,
@@ -41,10 +42,18 @@ class ReluBackward(Record):
         return (jnp.where(self.input > 0, g, 0),)
 
 
+@eager_jit
+def _relu(x: Array) -> Array:
+    return jnp.maximum(x, 0)
+
+
+_sigmoid, _tanh = eager_jit(jax.nn.sigmoid), eager_jit(jnp.tanh)
+
+
 def relu(x: Any) -> Tensor:
     """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
     xv = array_of(x, "relu")
-    out = jnp.maximum(xv, 0)
+    out = _relu(xv)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -158,14 +167,14 @@ def sigmoid(x: Any) -> Tensor:
     """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
     xv = array_of(x, "sigmoid")
     require_float("sigmoid", xv)
-    return _saves_output(x, jax.nn.sigmoid(xv), SigmoidBackward)
+    return _saves_output(x, _sigmoid(xv), SigmoidBackward)
 
 
 def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent (records TanhBackward, which saves the output)."""
     xv = array_of(x, "tanh")
     require_float("tanh", xv)
-    return _saves_output(x, jnp.tanh(xv), TanhBackward)
+    return _saves_output(x, _tanh(xv), TanhBackward)
 
 
 def gelu(x: Any, approximate: bool = True) -> Tensor:
