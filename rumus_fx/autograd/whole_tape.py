@@ -22,6 +22,14 @@ same tape every step, so here the whole walk is compiled once and replayed:
   traced inline), and every later step with that signature is one call. The
   live records' version snapshots are checked before the call, and the noted
   foreign ids are handed to the hook after it, as the rule-by-rule walk does.
+* Fusing is not always faster: XLA:CPU can fuse a cheap producer into several
+  expensive consumers and recompute it in each (the CNN benchmark's backward ran
+  1.5-2x slower as one program than rule by rule). So the second and third
+  sightings walk rule by rule again (their rules compiled by the first), timed,
+  the fourth compiles the walk, the fifth and sixth run it timed (each timed
+  call waits for its results), and a signature whose compiled walk (the faster
+  of its two calls) took more than ``KEEP_IF_FASTER`` times the rule-by-rule walk
+  (the faster of two) goes back to rule by rule for good.
 
 Tapes that need the rule-by-rule walk take it: anomaly mode (per-record finite
 checks), explicit shardings (the reshard hook), records whose static fields do
@@ -32,6 +40,7 @@ inline anyway). Nothing here calls JAX's autodiff.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +53,8 @@ Walk = Callable[..., dict[int, jax.Array]]
 # signature -> _Seen (first sighting) or _Compiled; least recently used dropped first
 _CACHE: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 CACHE_SIZE = 64
+TIMED = 2  # timed walks of each kind before choosing
+KEEP_IF_FASTER = 1.0  # keep the compiled walk when it took at most this fraction of the rule-by-rule time
 _ENABLED = [True]
 
 
@@ -60,23 +71,29 @@ def clear_cache() -> None:
 
 
 class _Seen:
-    """A signature seen once: which entries were live, which local ids went foreign."""
+    """A signature seen once: which entries were live, which local ids went
+    foreign, and how long the rule-by-rule walk took (seconds); ``rules``: the
+    compiled walk lost, walk rule by rule from now on."""
 
-    __slots__ = ("foreign", "live")
+    __slots__ = ("foreign", "live", "rules", "seconds")
 
-    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...]):
+    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...], seconds: list[float]):
         self.live = live
         self.foreign = foreign
+        self.seconds = seconds
+        self.rules = False
 
 
 class _Compiled(_Seen):
-    """A signature seen twice or more: the walk as one jitted program."""
+    """A signature seen twice or more: the walk as one jitted program (``timed``
+    once its first call after the compile was compared with the rules)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "timed")
 
     def __init__(self, seen: _Seen, fn: Callable):
-        super().__init__(seen.live, seen.foreign)
+        super().__init__(seen.live, seen.foreign, seen.seconds)
         self.fn = fn
+        self.timed: list[float] = []
 
 
 class _Renumber(dict):
@@ -137,11 +154,26 @@ def run(
     if hit is None:
         return _first_sighting(sig, entries, seeds, keep, foreign, walk, local)
     _CACHE.move_to_end(sig)
+    if hit.rules:
+        return walk(entries, seeds, keep, foreign)
+    if len(hit.seconds) < TIMED:  # second and third sightings: time the (now compiled) rules
+        t0 = time.perf_counter()
+        grads = jax.block_until_ready(walk(entries, seeds, keep, foreign))
+        hit.seconds.append(time.perf_counter() - t0)
+        return grads
     for i in hit.live:
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):
         hit = _CACHE[sig] = _compile(sig, hit, walk)
-    out = hit.fn(leaves_of, list(seeds.values()))
+        out = hit.fn(leaves_of, list(seeds.values()))
+    elif len(hit.timed) < TIMED:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(hit.fn(leaves_of, list(seeds.values())))
+        hit.timed.append(time.perf_counter() - t0)
+        if len(hit.timed) == TIMED:
+            hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)
+    else:
+        out = hit.fn(leaves_of, list(seeds.values()))
     back = {v: k for k, v in local.items()}
     if foreign is not None:
         for lid in hit.foreign:
@@ -160,7 +192,7 @@ def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int
             foreign(gid)
 
     grads = walk(entries, seeds, keep, note_foreign, live=live)
-    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign))
+    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign), [])
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return grads

@@ -464,14 +464,18 @@ class MaxPool2dBackward(Record):
     def backward(self, g, needs):
         k, s, p = self.kernel_size, self.stride, self.padding
         idx = self.indices
-        if s == k and p == 0:  # tiling windows: one reshape instead of k*k pads
+        if s == k and p == 0:  # tiling windows: broadcasts and one reshape, no transpose
             lead = tuple(g.shape[:-2])
             oh, ow = self.out_h, self.out_w
-            onehot = idx[..., None] == jnp.arange(k * k, dtype=idx.dtype).reshape((1,) * idx.ndim + (k * k,))
-            d = jnp.where(onehot, g[..., None], 0)  # [..., OH, OW, K*K]
-            d = shd.reshape(d, (*lead, oh, ow, k, k))
             nd = len(lead)
-            d = shd.reshape(jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)), (*lead, oh * k, ow * k))
+            # [..., OH, K, OW, K]: window offset kh*K + kw at [.., i, kh, j, kw]
+            oshape = (1,) * (nd + 1) + (k, 1, k)
+            offset = lax.broadcasted_iota(idx.dtype, oshape, nd + 1) * np.array(k, idx.dtype) + lax.broadcasted_iota(
+                idx.dtype, oshape, nd + 3
+            )
+            hit = jnp.expand_dims(idx, (nd + 1, nd + 3)) == offset
+            d = jnp.where(hit, jnp.expand_dims(g, (nd + 1, nd + 3)), np.zeros((), g.dtype))
+            d = shd.reshape(d, (*lead, oh * k, ow * k))
             return (lax.pad(d, np.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
         return (_col2im(lambda j: jnp.where(idx == j, g, 0), k, s, p, self.h, self.w),)
 
