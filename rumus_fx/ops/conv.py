@@ -216,15 +216,24 @@ def _cols(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
 
 
 def conv_dot_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
-    """``conv2d(x, w)`` as im2col + one dot (the "dot" formulation)."""
-    b, _, h, w = xv.shape
-    o, c, k, _ = wv.shape
+    """``conv2d(x, w)`` as im2col + one dot (the "dot" formulation), laid out as
+    one plain matrix product: channels-last patches ``[B*OH*OW, K*K*C]`` (the K*K
+    strided slices of the NHWC input side by side) times ``[K*K*C, O]``."""
+    b, c, h, w = xv.shape
+    o, _, k, _ = wv.shape
     oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
-    cols = _cols(xv, k, s, p, oh, ow)
-    y = lax.dot_general(
-        cols, wv.reshape(o, c * k * k), (((1,), (1,)), ((), ())), preferred_element_type=_pref(out_dtype)
-    )  # [B, OH*OW, O]
-    return jnp.transpose(y, (0, 2, 1)).reshape(b, o, oh, ow).astype(out_dtype)
+    xn = xv.reshape(b, h, w, 1) if c == 1 else jnp.transpose(xv, (0, 2, 3, 1))
+    if p:
+        xn = jnp.pad(xn, [(0, 0), (p, p), (p, p), (0, 0)])
+    pieces = [
+        lax.slice(xn, (0, kh, kw, 0), (b, kh + s * (oh - 1) + 1, kw + s * (ow - 1) + 1, c), (1, s, s, 1))
+        for kh in range(k)
+        for kw in range(k)
+    ]
+    cols = (pieces[0] if k == 1 else jnp.concatenate(pieces, axis=-1)).reshape(b * oh * ow, k * k * c)
+    w2 = jnp.transpose(wv, (2, 3, 1, 0)).reshape(k * k * c, o)
+    y = lax.dot_general(cols, w2, (((1,), (0,)), ((), ())), preferred_element_type=_pref(out_dtype))
+    return jnp.transpose(y.reshape(b, oh, ow, o), (0, 3, 1, 2)).astype(out_dtype)
 
 
 def conv_dot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
