@@ -32,8 +32,11 @@ import jax
 import numpy as np
 
 import rumus_fx as rf
+from rumus_fx.autograd import whole_tape
 
 from .models import CHAIN_OPS, MODELS, Model, chain_rf, chain_torch
+
+EAGER_WARMUP = 2 + 2 * whole_tape.TIMED  # eager calls before timing: the whole-tape choice is made by then
 
 
 def torch_available() -> bool:
@@ -111,7 +114,7 @@ def chain_per_op(repeats: int = 20, n: int = CHAIN_OPS, with_torch: bool | None 
         with rf.Tape():
             return chain_rf(rf.tensor(x0, requires_grad=True), n).value
 
-    t_fwd, t_fb = _interleaved([fwd, lambda: vg(x0)], repeats, warmup=2)
+    t_fwd, t_fb = _interleaved([fwd, lambda: vg(x0)], repeats, warmup=EAGER_WARMUP)
     out = {"n": n, "rf_fwd": 1e6 * t_fwd / n, "rf_fwd_bwd": 1e6 * t_fb / n}
     if with_torch is None:
         with_torch = torch_available()
@@ -147,7 +150,10 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5, with_torch:
         jit_opt = jax.jit(vg_rf).lower(*args).compile(compiler_options=rf.CPU_COMPILER_OPTIONS)
         fns.append(lambda: jit_opt(*args))
     t_jit_rf, t_jit_j, *t_opt = _interleaved(fns, repeats)
-    t_eager_rf, t_eager_j = _interleaved([lambda: vg_rf(*args), lambda: vg_j(*args)], eager_repeats, warmup=1)
+    # warm up past the whole-tape choice (rules, two timed rule walks, compile, two timed compiled walks)
+    t_eager_rf, t_eager_j = _interleaved(
+        [lambda: vg_rf(*args), lambda: vg_j(*args)], eager_repeats, warmup=EAGER_WARMUP
+    )
 
     row = {
         "model": model.name,
@@ -202,8 +208,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_speed_table(rows: list[dict[str, Any]], gflops: float) -> str:
-    """Steps against the machine's matmul rate and against PyTorch eager (ms per step)."""
+def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str = "n/a (torch not installed)") -> str:
+    """Steps against the machine's matmul rate and against PyTorch eager (ms per
+    step); ``no_torch`` fills the PyTorch cells of rows measured without it."""
     head = (
         "| model | GFLOP/step | bound ms | rf jit ms (bound fraction) | rf jit + CPU_COMPILER_OPTIONS "
         "| jax.grad jit | PyTorch eager | rf jit / PyTorch | rf eager ms | rf eager / PyTorch |"
@@ -215,7 +222,7 @@ def format_speed_table(rows: list[dict[str, Any]], gflops: float) -> str:
         frac = "" if bound is None else f" ({bound / r['jit_rf_ms']:.2f})"
         opt = "n/a" if r.get("jit_opt_ms") is None else f"{r['jit_opt_ms']:.2f}"
         if r.get("torch_ms") is None:
-            t_ms = t_jit = t_eager = "n/a (torch not installed)"
+            t_ms = t_jit = t_eager = no_torch
         else:
             t_ms = f"{r['torch_ms']:.2f}"
             t_jit = f"{r['torch_jit_ratio']:.2f}"
@@ -277,7 +284,7 @@ def main(
     print(format_table(rows))
     print()
     print(f"ms per step against the machine (bound = FLOPs at {gflops:.0f} GFLOP/s) and PyTorch eager")
-    print(format_speed_table(rows, gflops))
+    print(format_speed_table(rows, gflops, "n/a (no PyTorch step)" if with_torch else "n/a (torch not installed)"))
     if chain:
         print()
         print(format_chain(chain_per_op(with_torch=with_torch)))
