@@ -6,14 +6,22 @@ For each model it first asserts that both implementations give the same loss and
 gradients, then reports ratios rf / jax.grad (below 1.00 means rumus_fx is
 faster or smaller): the jit-compiled step (median of interleaved runs), trace +
 compile time, the eager (un-jitted) step, and the compiled program's temporary
-memory (``compiled.memory_analysis()``). With torch installed, a PyTorch eager
-forward+backward step is shown as an extra column (ratio rf eager / torch).
+memory (``compiled.memory_analysis()``). A second table puts each step against
+the machine: FLOPs per step from XLA's cost analysis of rf's compiled program, the
+matmul rate this machine reaches (a 2048^3 float32 matmul), the resulting bound
+and the fraction of it rf's jit step achieves, rf's jit step compiled with
+``rf.CPU_COMPILER_OPTIONS``, and -- with torch installed (the ``bench`` extra) --
+the PyTorch eager step and the ratios rf / PyTorch. Last, the per-op cost of a
+200-op chain of tiny ops, forward (recording) and forward + backward, eager.
+PyTorch is timed in blocks of its own, after the XLA programs, never interleaved
+call by call with them (its OpenMP threads keep spinning after each call).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import platform
 import statistics
 import time
@@ -24,8 +32,20 @@ import jax
 import numpy as np
 
 import rumus_fx as rf
+from rumus_fx.autograd import whole_tape
 
-from .models import MODELS, Model
+from .models import CHAIN_OPS, MODELS, Model, chain_rf, chain_torch
+
+EAGER_WARMUP = 2 + 2 * whole_tape.TIMED  # eager calls before timing: the whole-tape choice is made by then
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _torch_settle() -> None:
+    """Let torch's OpenMP workers stop spinning before XLA is timed again."""
+    time.sleep(0.3)
 
 
 def check_same(model: Model, rtol: float = 2e-4, atol: float = 2e-5) -> tuple[float, float]:
@@ -63,7 +83,52 @@ def _compile_time(fun: Callable, args: tuple) -> tuple[float, Any]:
     return time.perf_counter() - t0, compiled
 
 
-def measure(model: Model, repeats: int = 30, eager_repeats: int = 5) -> dict[str, Any]:
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """The float32 matmul rate (GFLOP/s) of this machine under XLA: the bound's rate."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jax.numpy.float32)
+    f = jax.jit(lambda a: a @ a).lower(a).compile()
+    (t,) = _interleaved([lambda: f(a)], repeats, warmup=1)
+    return 2 * n**3 / t / 1e9
+
+
+def cost_flops(compiled: Any) -> float | None:
+    """FLOPs of a compiled program from XLA's cost analysis (None if it gives none)."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # pragma: no cover - backends without a cost model
+        return None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    flops = (ca or {}).get("flops")
+    return None if flops is None else float(flops)
+
+
+def chain_per_op(repeats: int = 20, n: int = CHAIN_OPS, with_torch: bool | None = None) -> dict[str, float]:
+    """Microseconds per op of the ``n``-op chain, eagerly: ``rf_fwd`` (the forward,
+    recorded on a tape), ``rf_fwd_bwd`` (``rf.value_and_grad``), and the same for
+    PyTorch (``torch_fwd`` with ``requires_grad``, ``torch_fwd_bwd``) when installed."""
+    x0 = jax.random.normal(jax.random.key(1), (64,), jax.numpy.float32)
+    vg = rf.value_and_grad(lambda x: chain_rf(x, n))
+
+    def fwd():
+        with rf.Tape():
+            return chain_rf(rf.tensor(x0, requires_grad=True), n).value
+
+    t_fwd, t_fb = _interleaved([fwd, lambda: vg(x0)], repeats, warmup=EAGER_WARMUP)
+    out = {"n": n, "rf_fwd": 1e6 * t_fwd / n, "rf_fwd_bwd": 1e6 * t_fb / n}
+    if with_torch is None:
+        with_torch = torch_available()
+    if with_torch:
+        import torch
+
+        xt = torch.from_numpy(np.array(x0)).requires_grad_(True)
+        t_fwd, t_fb = _interleaved([lambda: chain_torch(xt, n), lambda: chain_torch(xt, n).backward()], repeats, 2)
+        out.update(torch_fwd=1e6 * t_fwd / n, torch_fwd_bwd=1e6 * t_fb / n)
+        _torch_settle()
+    return out
+
+
+def measure(model: Model, repeats: int = 30, eager_repeats: int = 5, with_torch: bool | None = None) -> dict[str, Any]:
     args = (model.params, model.batch)
     vg_rf = rf.value_and_grad(model.loss_rf)
     vg_j = jax.value_and_grad(model.loss_jax)
@@ -77,10 +142,18 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5) -> dict[str
         ct_j.append(t)
     mem_rf = comp_rf.memory_analysis().temp_size_in_bytes
     mem_j = comp_j.memory_analysis().temp_size_in_bytes
+    flops = cost_flops(comp_rf)
 
     jit_rf, jit_j = jax.jit(vg_rf), jax.jit(vg_j)
-    t_jit_rf, t_jit_j = _interleaved([lambda: jit_rf(*args), lambda: jit_j(*args)], repeats)
-    t_eager_rf, t_eager_j = _interleaved([lambda: vg_rf(*args), lambda: vg_j(*args)], eager_repeats, warmup=1)
+    fns = [lambda: jit_rf(*args), lambda: jit_j(*args)]
+    if jax.default_backend() == "cpu":
+        jit_opt = jax.jit(vg_rf).lower(*args).compile(compiler_options=rf.CPU_COMPILER_OPTIONS)
+        fns.append(lambda: jit_opt(*args))
+    t_jit_rf, t_jit_j, *t_opt = _interleaved(fns, repeats)
+    # warm up past the whole-tape choice (rules, two timed rule walks, compile, two timed compiled walks)
+    t_eager_rf, t_eager_j = _interleaved(
+        [lambda: vg_rf(*args), lambda: vg_j(*args)], eager_repeats, warmup=EAGER_WARMUP
+    )
 
     row = {
         "model": model.name,
@@ -94,19 +167,23 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5) -> dict[str
         "mem_rf": mem_rf,
         "mem_jax": mem_j,
         "mem_ratio": mem_rf / mem_j if mem_j else float("nan"),
+        "flops": flops,
+        "jit_opt_ms": 1e3 * t_opt[0] if t_opt else None,
         "torch_ratio": None,
+        "torch_ms": None,
     }
-    if model.torch_step is not None:
-        try:
-            import torch
+    if with_torch is None:
+        with_torch = torch_available()
+    if model.torch_step is not None and with_torch:
+        import torch
 
-            torch.set_num_threads(max(1, torch.get_num_threads()))
-            step = model.torch_step()
-            (t_torch,) = _interleaved([step], eager_repeats, warmup=1)
-            row["torch_ms"] = 1e3 * t_torch
-            row["torch_ratio"] = t_eager_rf / t_torch
-        except ImportError:
-            pass
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        step = model.torch_step()
+        (t_torch,) = _interleaved([step], max(repeats // 2, eager_repeats), warmup=2)
+        _torch_settle()
+        row["torch_ms"] = 1e3 * t_torch
+        row["torch_ratio"] = t_eager_rf / t_torch
+        row["torch_jit_ratio"] = t_jit_rf / t_torch
     gc.collect()
     return row
 
@@ -131,12 +208,52 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str = "n/a (torch not installed)") -> str:
+    """Steps against the machine's matmul rate and against PyTorch eager (ms per
+    step); ``no_torch`` fills the PyTorch cells of rows measured without it."""
+    head = (
+        "| model | GFLOP/step | bound ms | rf jit ms (bound fraction) | rf jit + CPU_COMPILER_OPTIONS "
+        "| jax.grad jit | PyTorch eager | rf jit / PyTorch | rf eager ms | rf eager / PyTorch |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fl = r.get("flops")
+        bound = None if not fl else 1e3 * fl / (gflops * 1e9)
+        frac = "" if bound is None else f" ({bound / r['jit_rf_ms']:.2f})"
+        opt = "n/a" if r.get("jit_opt_ms") is None else f"{r['jit_opt_ms']:.2f}"
+        if r.get("torch_ms") is None:
+            t_ms = t_jit = t_eager = no_torch
+        else:
+            t_ms = f"{r['torch_ms']:.2f}"
+            t_jit = f"{r['torch_jit_ratio']:.2f}"
+            t_eager = f"{r['torch_ratio']:.2f}"
+        lines.append(
+            f"| {r['model']} | {'n/a' if not fl else f'{fl / 1e9:.2f}'} | {'n/a' if bound is None else f'{bound:.2f}'} "
+            f"| {r['jit_rf_ms']:.2f}{frac} | {opt} | {r['jit_jax_ms']:.2f} | {t_ms} | {t_jit} "
+            f"| {r['eager_rf_ms']:.1f} | {t_eager} |"
+        )
+    return "\n".join(lines)
+
+
+def format_chain(c: dict[str, float]) -> str:
+    line = f"{c.get('n', CHAIN_OPS)}-op chain, µs per op: rf forward {c['rf_fwd']:.1f}, forward+backward {c['rf_fwd_bwd']:.1f}"
+    if "torch_fwd" in c:
+        line += (
+            f"; PyTorch forward {c['torch_fwd']:.1f}, forward+backward {c['torch_fwd_bwd']:.1f}"
+            f" (rf / PyTorch {c['rf_fwd_bwd'] / c['torch_fwd_bwd']:.2f})"
+        )
+    else:
+        line += "; PyTorch n/a (torch not installed)"
+    return line
+
+
 def main(
     argv: list[str] | None = None,
     *,
     description: str | None = None,
     prepare: Callable[[Model], Model] = lambda model: model,
     title: str = "ratios rf / jax.grad (< 1.00: rumus_fx faster or smaller), medians of interleaved runs",
+    chain: bool = True,
 ) -> None:
     """Check and measure the models; ``prepare`` turns each into the pair to time."""
     parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
@@ -144,19 +261,33 @@ def main(
     parser.add_argument("--repeats", type=int, default=30, help="timed runs of each jit step")
     parser.add_argument("--eager-repeats", type=int, default=5, help="timed runs of each eager step")
     args = parser.parse_args(argv)
+    with_torch = torch_available()
+    versions = ""
+    if with_torch:
+        import torch
+
+        versions = f"; torch {torch.__version__} ({torch.get_num_threads()} threads)"
     print(
         f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()}, "
-        f"{jax.device_count()} device(s)); rumus_fx {rf.__version__}; kernels: {rf.kernels.backend()}"
+        f"{jax.device_count()} device(s)); rumus_fx {rf.__version__}; kernels: {rf.kernels.backend()}{versions}"
     )
+    gflops = matmul_gflops()
+    print(f"matmul rate (2048^3 float32, XLA): {gflops:.0f} GFLOP/s", flush=True)
     rows = []
     for name in args.models.split(","):
         model = prepare(MODELS[name.strip()]())
         l_rf, l_j = check_same(model)
         print(f"{model.name}: same loss ({l_rf:.6f} vs {l_j:.6f}) and gradients; measuring ...", flush=True)
-        rows.append(measure(model, args.repeats, args.eager_repeats))
+        rows.append(measure(model, args.repeats, args.eager_repeats, with_torch))
     print()
     print(title)
     print(format_table(rows))
+    print()
+    print(f"ms per step against the machine (bound = FLOPs at {gflops:.0f} GFLOP/s) and PyTorch eager")
+    print(format_speed_table(rows, gflops, "n/a (no PyTorch step)" if with_torch else "n/a (torch not installed)"))
+    if chain:
+        print()
+        print(format_chain(chain_per_op(with_torch=with_torch)))
 
 
 if __name__ == "__main__":  # pragma: no cover

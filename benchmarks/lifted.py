@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.splitlines()[0],
         prepare=lifted,
         title="ratios rf.grad(rf.lift(f)) / jax.grad(f) (< 1.00: rumus_fx faster or smaller)",
+        chain=False,
     )
 
 

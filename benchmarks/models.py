@@ -211,6 +211,33 @@ MODELS: dict[str, Callable[[], Model]] = {"mlp": mlp, "cnn": cnn, "gpt": tiny_gp
 
 
 # ---------------------------------------------------------------------------
+# A chain of tiny ops: what one recorded op costs eagerly
+# ---------------------------------------------------------------------------
+
+CHAIN_OPS = 200
+
+
+def chain_rf(x: Any, n: int = CHAIN_OPS) -> Any:
+    """``n`` tiny elementwise ops (scale, shift, tanh, relu in turn) on ``x``, then a sum."""
+    h = x
+    for i in range(n - 1):
+        r = i % 4
+        h = h * 1.01 if r == 0 else h + 0.1 if r == 1 else rf.tanh(h) if r == 2 else rf.relu(h)
+    return rf.sum(h)
+
+
+def chain_torch(x: Any, n: int = CHAIN_OPS) -> Any:
+    """The same chain in PyTorch."""
+    import torch
+
+    h = x
+    for i in range(n - 1):
+        r = i % 4
+        h = h * 1.01 if r == 0 else h + 0.1 if r == 1 else torch.tanh(h) if r == 2 else torch.relu(h)
+    return h.sum()
+
+
+# ---------------------------------------------------------------------------
 # PyTorch eager equivalents (an extra column when torch is installed)
 # ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from .autograd.tape import no_grad as no_grad
 from .autograd.transforms import grad as grad
 from .autograd.transforms import value_and_grad as value_and_grad
 from .autograd.transforms import vjp as vjp
+from .compiler import CPU_COMPILER_OPTIONS as CPU_COMPILER_OPTIONS
 from .errors import AutogradError as AutogradError
 from .errors import ShapeError as ShapeError
 from .errors import ShardingError as ShardingError

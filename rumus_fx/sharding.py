@@ -50,6 +50,9 @@ from .errors import SHARDING_HINT, ShardingError
 # differs from its input's). None: reshard silently.
 RESHARD_HOOK: Callable[[str, int, Any, Any], None] | None = None
 
+_ArrayImpl = type(jax.numpy.zeros(()))
+_SingleDevice = jax.sharding.SingleDeviceSharding
+
 
 def sharding_of(x: Any) -> NamedSharding | None:
     """The sharding of ``x`` when it is sharded over *Explicit* mesh axes (the
@@ -57,6 +60,8 @@ def sharding_of(x: Any) -> NamedSharding | None:
     if x is None or isinstance(x, (int, float, complex, bool)):
         return None
     value = x if isinstance(x, jax.Array) else getattr(x, "value", x)  # an rf.Tensor: its array
+    if type(value) is _ArrayImpl and type(value.sharding) is _SingleDevice:  # the common eager case, fast
+        return None
     try:
         sharding = jax.typeof(value).sharding
     except (AttributeError, TypeError):

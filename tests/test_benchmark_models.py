@@ -40,3 +40,54 @@ def test_lifted_benchmark_models_agree(make):
     with jax.numpy_rank_promotion("allow"):
         loss_rf, loss_jax = check_same(lifted(make()))
     assert abs(loss_rf - loss_jax) < 1e-4
+
+
+_ROW = {
+    "model": "tiny",
+    "jit_rf_ms": 2.0,
+    "jit_jax_ms": 4.0,
+    "jit_opt_ms": 1.5,
+    "eager_rf_ms": 6.0,
+    "flops": 1e8,
+    "torch_ms": None,
+    "torch_ratio": None,
+}
+
+
+def test_speed_table_prints_the_rf_columns_without_torch():
+    """The machine table (FLOPs, bound fraction, rf columns) prints whether or not torch is installed."""
+    from benchmarks.compare import format_speed_table
+
+    table = format_speed_table([_ROW], gflops=100.0)
+    row = table.splitlines()[-1]
+    # 0.10 GFLOP at 100 GFLOP/s is a 1.00 ms bound, half of the 2.00 ms step
+    assert "| tiny | 0.10 | 1.00 | 2.00 (0.50) | 1.50 | 4.00 |" in row
+    assert "n/a (torch not installed)" in row and "| 6.0 |" in row
+    with_torch = format_speed_table([{**_ROW, "torch_ms": 4.0, "torch_ratio": 1.5, "torch_jit_ratio": 0.5}], 100.0)
+    assert "| 4.00 | 0.50 | 6.0 | 1.50 |" in with_torch
+
+
+def test_cost_analysis_counts_flops():
+    from benchmarks.compare import cost_flops
+
+    a = jax.numpy.ones((32, 16))
+    compiled = jax.jit(lambda a: a @ a.T).lower(a).compile()
+    assert cost_flops(compiled) == pytest.approx(2 * 32 * 32 * 16, rel=0.1)
+
+
+def test_chain_per_op_reports_rf_forward_and_backward():
+    from benchmarks.compare import chain_per_op, format_chain
+
+    c = chain_per_op(repeats=1, n=9, with_torch=False)
+    assert c["rf_fwd"] > 0 and c["rf_fwd_bwd"] > 0 and "torch_fwd" not in c
+    assert "PyTorch n/a (torch not installed)" in format_chain(c)
+
+
+def test_chain_per_op_with_torch():
+    """The PyTorch columns, where torch is installed (skipped only when it is absent)."""
+    pytest.importorskip("torch")
+    from benchmarks.compare import chain_per_op, format_chain
+
+    c = chain_per_op(repeats=1, n=9, with_torch=True)
+    assert c["torch_fwd"] > 0 and c["torch_fwd_bwd"] > 0
+    assert "rf / PyTorch" in format_chain(c)

@@ -29,6 +29,7 @@ import numpy as np
 from .. import sharding
 from ..errors import AutogradError
 from ..tensor import Tensor, is_leaf_id
+from . import whole_tape
 from .record import run_backward_rule as _run_rule
 
 if TYPE_CHECKING:  # typing only: tape.py builds on this module
@@ -66,6 +67,21 @@ def run_backward(
     foreign: Callable[[int], None] | None = None,
     rule: Callable[[TapeEntry, Any, tuple[bool, ...]], tuple] | None = None,
 ) -> dict[int, jax.Array]:
+    """The reverse walk (``walk``); eagerly, a tape whose signature repeats runs
+    as one compiled program (Note [Whole-tape backward] in autograd/whole_tape.py)."""
+    if rule is not None or _anomaly_hook() is not None or sharding.RESHARD_HOOK is not None:
+        return walk(entries, seeds, keep, foreign, rule=rule)
+    return whole_tape.run(entries, seeds, keep, foreign, walk)
+
+
+def walk(
+    entries: Sequence[TapeEntry],
+    seeds: dict[int, jax.Array],
+    keep: set[int] | None = None,
+    foreign: Callable[[int], None] | None = None,
+    live: list[int] | None = None,
+    rule: Callable[[TapeEntry, Any, tuple[bool, ...]], tuple] | None = None,
+) -> dict[int, jax.Array]:
     """Walk ``entries`` in reverse from the seed gradients; gradients by grad id.
 
     With ``keep``, only those ids' gradients are returned and every other
@@ -77,7 +93,8 @@ def run_backward(
     ``foreign(grad_id)`` is called, after the walk, for every id outside
     ``keep`` that received a gradient although no entry here produced it and it
     is no seed: a leaf, or a tensor whose history lies on another tape (see
-    ``check_history``).
+    ``check_history``). ``live``, when given, collects the indices of the
+    entries whose rule ran.
 
     ``rule(entry, grad_out, needs)`` replaces how a record's rule is run
     (``backward(create_graph=True)`` differentiates the rules through the
@@ -99,6 +116,8 @@ def run_backward(
             if grad_out is None:
                 continue  # dead branch: nothing downstream needs this op
         op.check_versions()
+        if live is not None:
+            live.append(index)
         needs = tuple(i is not None for i in entry.inputs)
         in_grads = run_backward_rule(op, grad_out, needs) if rule is None else rule(entry, grad_out, needs)
         if keep is not None:

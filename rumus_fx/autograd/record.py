@@ -142,8 +142,13 @@ def _field_kinds(cls: type) -> dict[str, str]:
     return kinds
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None), np.dtype})
+
+
 def _holds_array(value: Any) -> bool:
     """An array (jax, numpy or a tracer), or a tuple/list holding one."""
+    if type(value) in _PLAIN:
+        return False
     if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
         return True
     if isinstance(value, (tuple, list)):
@@ -251,22 +256,31 @@ class Record:
 _CHILD = object()  # marks a field stored among the pytree children
 
 
+def _flatten_plan(cls: type) -> tuple[tuple[str, str], ...]:
+    """(field name, kind) of every field of the record class, in order (cached per class)."""
+    plan = cls.__dict__.get("_flatten_plan_cache")
+    if plan is None:
+        if cls.__dict__.get("_array_fields") is None:
+            cls._classify_fields()
+        kinds = {**dict.fromkeys(cls._static_fields, STATIC), **dict.fromkeys(cls._snapshot_fields, SNAPSHOT)}
+        kinds.update(dict.fromkeys(cls._array_fields, SAVED))
+        plan = tuple((f.name, kinds[f.name]) for f in dataclasses.fields(cls))
+        cls._flatten_plan_cache = plan
+    return plan
+
+
 def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
     """Saved fields (whatever they hold: arrays, python scalars such as the
     ``lr`` of ``w * lr``, None) are children, so a new value never recompiles;
     version snapshots are dropped (checked before the rule runs); static fields
     are aux data, unless one holds an array (Note [Record fields])."""
-    cls = type(rec)
-    if cls.__dict__.get("_array_fields") is None:
-        cls._classify_fields()
     children: list[Any] = []
     aux: list[Any] = []
-    for f in dataclasses.fields(rec):
-        name = f.name
-        if name in cls._array_fields:
+    for name, kind in _flatten_plan(type(rec)):
+        if kind is SAVED:
             children.append(getattr(rec, name))
             aux.append(_CHILD)
-        elif name in cls._snapshot_fields:
+        elif kind is SNAPSHOT:
             aux.append(None)
         else:
             value = getattr(rec, name)
@@ -281,8 +295,8 @@ def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
 def _unflatten_record(cls: type, aux: tuple, children: list[Any]) -> Record:
     rec = object.__new__(cls)
     it = iter(children)
-    for f, a in zip(dataclasses.fields(cls), aux):
-        object.__setattr__(rec, f.name, next(it) if a is _CHILD else a)
+    for (name, _), a in zip(_flatten_plan(cls), aux):
+        object.__setattr__(rec, name, next(it) if a is _CHILD else a)
     return rec
 
 
@@ -290,17 +304,29 @@ def _call_backward(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
     return rec.backward(g, needs)
 
 
+def _call_flat(treedef: Any, leaves: list[Any], g: jax.Array, needs: tuple[bool, ...]) -> tuple:
+    return treedef.unflatten(leaves).backward(g, needs)
+
+
 _jitted_backward = jax.jit(_call_backward, static_argnums=2)
+_jitted_flat = jax.jit(_call_flat, static_argnums=(0, 3))
 
 
 def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
     """``rec.backward(g, needs)``; eagerly as one compiled call per (record type,
     metadata, shapes), which fuses the rule's elementwise work and pays one
     dispatch instead of one per primitive. Under a trace (jit, vmap, jvp) the
-    rule is traced inline."""
-    if isinstance(g, jax.core.Tracer) or any(isinstance(c, jax.core.Tracer) for c in jax.tree_util.tree_leaves(rec)):
+    rule is traced inline. The record is flattened once: its structure is the
+    compiled call's static key, its leaves the arguments."""
+    leaves, treedef = jax.tree_util.tree_flatten(rec)
+    tracer = jax.core.Tracer
+    if isinstance(g, tracer) or any(isinstance(c, tracer) for c in leaves):
         return rec.backward(g, needs)
-    return _jitted_backward(rec, g, needs)
+    try:
+        hash(treedef)
+    except TypeError:  # a static field that does not hash: jit flattens the record itself
+        return _jitted_backward(rec, g, needs)
+    return _jitted_flat(treedef, leaves, g, needs)
 
 
 def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str, int | None, int | None], ...]:

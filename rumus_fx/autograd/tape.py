@@ -143,9 +143,7 @@ class Tape:
         return tape_to_dot(self)
 
     # -- backward ------------------------------------------------------------
-    def backward(
-        self, loss: Any, retain: bool = False, create_graph: bool = False, grad: Any = None
-    ) -> GradientStore:
+    def backward(self, loss: Any, retain: bool = False, create_graph: bool = False, grad: Any = None) -> GradientStore:
         """Reverse-walk the tape from ``loss`` and return a ``GradientStore``.
 
         ``loss`` is a tracked scalar tensor (or pass ``grad=`` of its shape for a

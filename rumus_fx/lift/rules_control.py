@@ -83,7 +83,9 @@ def _scan_forward(step, vals):
         outs, res = prog.run([*consts, *carry, *x])
         return outs[:nk], (outs[nk:], res)
 
-    carry, (ys, res) = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    carry, (ys, res) = lax.scan(
+        body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
     return [*carry, *ys], res
 
 

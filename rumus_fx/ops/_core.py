@@ -19,6 +19,7 @@ from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array
 _SCALARS = (int, float)
+_ArrayImpl = type(jnp.zeros(()))
 
 
 # ---------------------------------------------------------------------------
@@ -28,6 +29,8 @@ _SCALARS = (int, float)
 
 def value_of(x: Any, op: str, what: str = "input") -> Any:
     """The array (or python scalar) behind an operand."""
+    if type(x) is _ArrayImpl:
+        return x
     if isinstance(x, Tensor):
         return x.value
     if isinstance(x, jax.Array):
@@ -53,9 +56,12 @@ def aval_of(x: Any) -> Aval | None:
     return Aval(tuple(shape), x.dtype)
 
 
+_FLOATS = frozenset(np.dtype(d) for d in ("float16", "float32", "float64", jnp.bfloat16))
+
+
 def require_float(op: str, x: Any, what: str = "input") -> None:
     dtype = getattr(x, "dtype", None)
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is not None and dtype not in _FLOATS and not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{op}: {what} must have a floating dtype, got {np.dtype(dtype).name}")
 
 
@@ -87,6 +93,24 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
     return int(axis) % ndim if ndim else 0
 
 
+def eager_jit(fun: Any) -> Any:
+    """``fun`` as one cached compiled call when called eagerly (its array
+    arguments concrete), so an op's forward pays one dispatch instead of the
+    ``jax.numpy`` wrapper's promotion and per-primitive dispatch; under a trace
+    ``fun`` is traced inline, leaving the program as it was."""
+    jitted = jax.jit(fun)
+    tracer = jax.core.Tracer
+
+    def call(*args: Any) -> Any:
+        for a in args:
+            if isinstance(a, tracer):
+                return fun(*args)
+        return jitted(*args)
+
+    call.__wrapped__ = fun  # type: ignore[attr-defined]
+    return call
+
+
 # ---------------------------------------------------------------------------
 # recording
 # ---------------------------------------------------------------------------
@@ -98,13 +122,13 @@ def tape_for(*xs: Any) -> Tape | None:
     if tape is None:
         return None
     for x in xs:
-        if isinstance(x, Tensor) and x.grad_id is not None:
+        if isinstance(x, Tensor) and x._gid is not None:
             return tape
     return None
 
 
 def is_tracked(x: Any) -> bool:
-    return isinstance(x, Tensor) and x.grad_id is not None
+    return isinstance(x, Tensor) and x._gid is not None
 
 
 def new_output(value: Array, tape: Tape | None) -> Tensor:
@@ -116,36 +140,34 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
     ids = []
     avals = []
-    shardings = []
-    known: dict[int, int | None] = {id(out._storage._buffer): out.grad_id}
-    for x in inputs:
+    sharded = None
+    known: dict[int, int | None] = {id(out._storage._buffer): out._gid}
+    for k, x in enumerate(inputs):
         if isinstance(x, Tensor):
-            known.setdefault(id(x.value), x.grad_id)
-            ids.append(x.grad_id)
+            gid = x._gid
+            value = x.value
+            known.setdefault(id(value), gid)
+            ids.append(gid)
             avals.append(Aval(x.shape, x.dtype))
-            shardings.append(sharding_of(x.value) if x.grad_id is not None else None)
+            if gid is not None and sharding_of(value) is not None:
+                sharded = k
         else:
             if x is not None:
                 known.setdefault(id(x), None)
             ids.append(None)
             avals.append(aval_of(x))
-            shardings.append(None)
-    tape.append(
-        op,
-        tuple(ids),
-        (out.grad_id,),
-        tuple(avals),
-        (Aval(out.shape, out.dtype),),
-        tuple(shardings) if any(s is not None for s in shardings) else (),
-        provenance_of(op, known),
-    )
+    shardings = ()
+    if sharded is not None:
+        shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
+    out_aval = (Aval(out.shape, out.dtype),)
+    tape.append(op, tuple(ids), (out._gid,), tuple(avals), out_aval, shardings, provenance_of(op, known))
     return out
 
 
 def snapshot(x: Any) -> VersionSnapshot | None:
     """Snapshot of the storage behind ``x`` (None for arrays and scalars)."""
     if isinstance(x, Tensor):
-        return VersionSnapshot.of(x.grad_id, x._storage)
+        return VersionSnapshot.of(x._gid, x._storage)
     return None
 
 
@@ -155,7 +177,7 @@ def reads(x: Any, needed: bool) -> tuple[Any, VersionSnapshot | None]:
     if not needed:
         return None, None
     if isinstance(x, Tensor):
-        return x.value, VersionSnapshot.of(x.grad_id, x._storage)
+        return x.value, VersionSnapshot.of(x._gid, x._storage)
     return value_of(x, "save"), None
 
 
@@ -174,6 +196,12 @@ class BroadcastInfo(NamedTuple):
 
 
 def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shapes) == 2:  # the common cases first: equal shapes, or a scalar operand
+        a, b = shapes
+        if a == b or not b:
+            return a
+        if not a:
+            return b
     first = shapes[0]
     if all(s == first for s in shapes):
         return first

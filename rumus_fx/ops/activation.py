@@ -16,6 +16,7 @@ from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
 from ._core import (
     array_of,
+    eager_jit,
     is_real_scalar,
     new_output,
     normalize_axis,
@@ -42,6 +43,14 @@ class ReluBackward(Record):
         return (jnp.where(self.input > 0, g, 0),)
 
 
+@eager_jit
+def _relu(x: Array) -> Array:
+    return jnp.maximum(x, 0)
+
+
+_sigmoid, _tanh = eager_jit(jax.nn.sigmoid), eager_jit(jnp.tanh)
+
+
 _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
 
 
@@ -54,7 +63,7 @@ _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
 def relu(x: Any) -> Tensor:
     """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
     xv = array_of(x, "relu")
-    out = jnp.maximum(xv, 0)
+    out = _relu(xv)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -172,7 +181,7 @@ def sigmoid(x: Any) -> Tensor:
     """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
     xv = array_of(x, "sigmoid")
     require_float("sigmoid", xv)
-    return _saves_output(x, jax.nn.sigmoid(xv), SigmoidBackward)
+    return _saves_output(x, _sigmoid(xv), SigmoidBackward)
 
 
 @op(
@@ -185,7 +194,7 @@ def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent (records TanhBackward, which saves the output)."""
     xv = array_of(x, "tanh")
     require_float("tanh", xv)
-    return _saves_output(x, jnp.tanh(xv), TanhBackward)
+    return _saves_output(x, _tanh(xv), TanhBackward)
 
 
 @op(

@@ -197,6 +197,136 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
     return shd.with_spec(shd.sharding_of(x) or shd.sharding_of(w), spec)
 
 
+# Note [Convolution formulations]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each of conv2d's three products (y, dx, dw) has two formulations that give
+# the same numbers (up to float summation order):
+#
+# * "conv": one ``lax.conv_general_dilated`` (dx the transposed convolution,
+#   dw the input/gradient correlation).
+# * "dot": im2col as K*K strided slices of the (padded) input, then one
+#   ``dot_general`` against the weight as an ``[O, C*K*K]`` matrix; dx is the
+#   dot's transpose followed by col2im (K*K placements, see ``_col2im``).
+#
+# XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
+# slow for few input channels, where a dot with a short contraction is fast.
+# ``_conv_plan`` picks per product from (C_in, C_out, K, stride); its thresholds
+# come from the timed grid in ``benchmarks/conv_grid.py`` (RESULTS.md records the
+# measurements). Inputs sharded over Explicit mesh axes always take "conv".
+
+
+def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
+    """("conv" | "dot") for the forward product, dx and dw (Note [Convolution
+    formulations]). From the grid: a 1x1 kernel is a plain dot for all three
+    products at every channel count; for larger kernels the im2col dot wins the
+    forward product and dx while the contraction ``C_in*K*K`` is at most 27
+    (C_in <= 3 at K=3, C_in = 1 at K=5) and loses beyond; dw stays a
+    convolution for K > 1 (its im2col dot is 1.3-3x slower there)."""
+    small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
+    return ("dot" if small else "conv"), ("dot" if small else "conv"), ("dot" if k == 1 else "conv")
+
+
+_DOT_MAX_CKK = 27
+
+
+def _pref(dtype: Any) -> Any:
+    return jnp.float32 if is_low_precision(dtype) else None
+
+
+def _cols(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
+    """im2col of ``x:[B, C, H, W]`` as ``[B, C*K*K, OH*OW]`` (row ``c*K*K + kh*K + kw``)."""
+    b, c = xv.shape[:2]
+    if k == 1 and s == 1 and p == 0:
+        return xv.reshape(b, c, oh * ow)
+    xp = jnp.pad(xv, [(0, 0), (0, 0), (p, p), (p, p)]) if p else xv
+    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=2)  # [B, C, K*K, OH, OW]
+    return cols.reshape(b, c * k * k, oh * ow)
+
+
+def conv_dot_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
+    """``conv2d(x, w)`` as im2col + one dot (the "dot" formulation), laid out as
+    one plain matrix product: channels-last patches ``[B*OH*OW, K*K*C]`` (the K*K
+    strided slices of the NHWC input side by side) times ``[K*K*C, O]``."""
+    b, c, h, w = xv.shape
+    o, _, k, _ = wv.shape
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    xn = xv.reshape(b, h, w, 1) if c == 1 else jnp.transpose(xv, (0, 2, 3, 1))
+    if p:
+        xn = jnp.pad(xn, [(0, 0), (p, p), (p, p), (0, 0)])
+    pieces = [
+        lax.slice(xn, (0, kh, kw, 0), (b, kh + s * (oh - 1) + 1, kw + s * (ow - 1) + 1, c), (1, s, s, 1))
+        for kh in range(k)
+        for kw in range(k)
+    ]
+    cols = (pieces[0] if k == 1 else jnp.concatenate(pieces, axis=-1)).reshape(b * oh * ow, k * k * c)
+    w2 = jnp.transpose(wv, (2, 3, 1, 0)).reshape(k * k * c, o)
+    y = lax.dot_general(cols, w2, (((1,), (0,)), ((), ())), preferred_element_type=_pref(out_dtype))
+    return jnp.transpose(y.reshape(b, oh, ow, o), (0, 3, 1, 2)).astype(out_dtype)
+
+
+def conv_dot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
+    """``dw[o, c, kh, kw]`` as ``g`` contracted with the im2col of ``x`` over batch and positions."""
+    b, o, oh, ow = g.shape
+    c = xv.shape[1]
+    cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
+    dw = lax.dot_general(
+        g.reshape(b, o, oh * ow), cols, (((0, 2), (0, 2)), ((), ())), preferred_element_type=_pref(out_dtype)
+    )  # [O, CKK]
+    return dw.reshape(o, c, k, k).astype(out_dtype)
+
+
+def conv_dot_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: Any) -> Array:
+    """``dx`` as the transposed dot (``w^T g`` per position) followed by col2im."""
+    b, o, oh, ow = g.shape
+    _, c, k, _ = wv.shape
+    d = lax.dot_general(
+        g.reshape(b, o, oh * ow),
+        wv.reshape(o, c * k * k),
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=_pref(out_dtype),
+    )  # [B, P, CKK]
+    d = jnp.transpose(d, (0, 2, 1)).reshape(b, c, k * k, oh, ow)
+    return _col2im(lambda j: d[:, :, j], k, s, p, h, w).astype(out_dtype)
+
+
+def conv_conv_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any, out_sharding: Any = None) -> Array:
+    return _conv(
+        xv, wv, out_dtype, out_sharding, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW
+    )
+
+
+def conv_conv_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: Any, out_sharding: Any = None):
+    k = wv.shape[2]
+    oh, ow = g.shape[2], g.shape[3]
+    return _conv(
+        g,
+        jnp.flip(wv, (2, 3)),
+        out_dtype,
+        out_sharding,
+        window_strides=(1, 1),
+        padding=[(k - 1 - p, h - 1 - (oh - 1) * s + p), (k - 1 - p, w - 1 - (ow - 1) * s + p)],
+        lhs_dilation=(s, s),
+        dimension_numbers=("NCHW", "IOHW", "NCHW"),
+    )
+
+
+def conv_conv_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any, out_sharding: Any = None) -> Array:
+    h, w = xv.shape[2], xv.shape[3]
+    oh, ow = g.shape[2], g.shape[3]
+    r_h = (h + 2 * p - k) - (oh - 1) * s
+    r_w = (w + 2 * p - k) - (ow - 1) * s
+    return _conv(
+        xv,
+        g,
+        out_dtype,
+        out_sharding,
+        window_strides=(1, 1),
+        padding=[(p, p - r_h), (p, p - r_w)],
+        rhs_dilation=(s, s),
+        dimension_numbers=("CNHW", "IOHW", "CNHW"),
+    )
+
+
 @frozen
 class Conv2dBackward(Record):
     """``y = conv2d(x, w) (+ b)``, NCHW / OIHW, stride ``s``, padding ``p``.
@@ -225,34 +355,21 @@ class Conv2dBackward(Record):
 
     def backward(self, g, needs):
         s, p = self.stride, self.padding
-        _, _, h, w = self.input_shape
-        k = self.weight_shape[2]
-        oh, ow = g.shape[2], g.shape[3]
+        _, c, h, w = self.input_shape
+        o, _, k, _ = self.weight_shape
+        sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding))
+        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s)
         dx = dw = db = None
         if needs[0]:
-            dx = _conv(
-                g,
-                jnp.flip(self.weight, (2, 3)),
-                self.input_dtype,
-                self.input_sharding,
-                window_strides=(1, 1),
-                padding=[(k - 1 - p, h - 1 - (oh - 1) * s + p), (k - 1 - p, w - 1 - (ow - 1) * s + p)],
-                lhs_dilation=(s, s),
-                dimension_numbers=("NCHW", "IOHW", "NCHW"),
-            )
+            if plan_dx == "dot":
+                dx = conv_dot_dx(self.weight, g, h, w, s, p, self.input_dtype)
+            else:
+                dx = conv_conv_dx(self.weight, g, h, w, s, p, self.input_dtype, self.input_sharding)
         if needs[1]:
-            r_h = (h + 2 * p - k) - (oh - 1) * s
-            r_w = (w + 2 * p - k) - (ow - 1) * s
-            dw = _conv(
-                self.input,
-                g,
-                self.weight_dtype,
-                self.weight_sharding,
-                window_strides=(1, 1),
-                padding=[(p, p - r_h), (p, p - r_w)],
-                rhs_dilation=(s, s),
-                dimension_numbers=("CNHW", "IOHW", "CNHW"),
-            )
+            if plan_dw == "dot":
+                dw = conv_dot_dw(self.input, g, k, s, p, self.weight_dtype)
+            else:
+                dw = conv_conv_dw(self.input, g, k, s, p, self.weight_dtype, self.weight_sharding)
         if len(needs) > 2 and needs[2]:
             db = shd.conform(cast(acc_sum(g, (0, 2, 3)), self.bias_dtype), self.bias_sharding)
         return (dx, dw, db)[: len(needs)]
@@ -261,15 +378,12 @@ class Conv2dBackward(Record):
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
     out_dtype = jnp.result_type(xv, wv)
-    y = _conv(
-        xv,
-        wv,
-        out_dtype,
-        _conv_out_sharding(xv, wv),
-        window_strides=(s, s),
-        padding=[(p, p), (p, p)],
-        dimension_numbers=_NCHW,
-    )
+    out_sharding = _conv_out_sharding(xv, wv)
+    o, c, k, _ = wv.shape
+    if out_sharding is None and _conv_plan(c, o, k, s)[0] == "dot":
+        y = conv_dot_forward(xv, wv, s, p, out_dtype)
+    else:
+        y = conv_conv_forward(xv, wv, s, p, out_dtype, out_sharding)
     if bv is not None:
         y = y + bv.reshape(1, -1, 1, 1).astype(out_dtype)
     return y
@@ -430,16 +544,39 @@ class MaxPool2dBackward(Record):
     def backward(self, g, needs):
         k, s, p = self.kernel_size, self.stride, self.padding
         idx = self.indices
-        if s == k and p == 0:  # tiling windows: one reshape instead of k*k pads
+        if s == k and p == 0:  # tiling windows: broadcasts and one reshape, no transpose
             lead = tuple(g.shape[:-2])
             oh, ow = self.out_h, self.out_w
-            onehot = idx[..., None] == jnp.arange(k * k, dtype=idx.dtype).reshape((1,) * idx.ndim + (k * k,))
-            d = jnp.where(onehot, g[..., None], 0)  # [..., OH, OW, K*K]
-            d = shd.reshape(d, (*lead, oh, ow, k, k))
             nd = len(lead)
-            d = shd.reshape(jnp.transpose(d, (*range(nd), nd, nd + 2, nd + 1, nd + 3)), (*lead, oh * k, ow * k))
+            # [..., OH, K, OW, K]: window offset kh*K + kw at [.., i, kh, j, kw]
+            oshape = (1,) * (nd + 1) + (k, 1, k)
+            offset = lax.broadcasted_iota(idx.dtype, oshape, nd + 1) * np.array(k, idx.dtype) + lax.broadcasted_iota(
+                idx.dtype, oshape, nd + 3
+            )
+            hit = jnp.expand_dims(idx, (nd + 1, nd + 3)) == offset
+            d = jnp.where(hit, jnp.expand_dims(g, (nd + 1, nd + 3)), np.zeros((), g.dtype))
+            d = shd.reshape(d, (*lead, oh * k, ow * k))
             return (lax.pad(d, np.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
         return (_col2im(lambda j: jnp.where(idx == j, g, 0), k, s, p, self.h, self.w),)
+
+
+def _max_first(x: tuple[Array, Array], y: tuple[Array, Array]) -> tuple[Array, Array]:
+    """Reducer of (value, index) pairs: the larger value, NaN beating any number,
+    the smaller index among equals (``jnp.max`` and ``jnp.argmax`` in one)."""
+    xv, xi = x
+    yv, yi = y
+    x_nan, y_nan = xv != xv, yv != yv
+    first = xi < yi
+    pick_x = (xv > yv) | ((xv == yv) & first) | (x_nan & ~y_nan) | (x_nan & y_nan & first)
+    return lax.select(pick_x, xv, yv), lax.select(pick_x, xi, yi)
+
+
+def _max_argmax(win: Array, index: Array, dims: tuple[int, ...]) -> tuple[Array, Array]:
+    """Max of ``win`` over ``dims`` and the ``index`` of its first maximum, as
+    one variadic reduction: a producer fused into the pool (a batch norm, a
+    relu) is computed once, where ``jnp.max`` + ``jnp.argmax`` read it twice."""
+    init = (np.array(-np.inf, win.dtype), np.array(np.iinfo(index.dtype).max, index.dtype))
+    return lax.reduce((win, index), init, _max_first, dims)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
@@ -447,20 +584,17 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
     """(max of each window, its argmax as the window offset kh*K + kw)."""
     *lead, c, _, _ = xv.shape
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
-    if s == k and p == 0:
+    if s == k and p == 0:  # tiling windows: reduce the [.., OH, K, OW, K] view in place
         xc = xv[..., : oh * k, : ow * k]
         nd = len(lead) + 1
         win = shd.reshape(xc, (*lead, c, oh, k, ow, k))
-        win = shd.reshape(jnp.transpose(win, (*range(nd), nd, nd + 2, nd + 1, nd + 3)), (*lead, c, oh, ow, k * k))
-        out = jnp.max(win, axis=-1)
-        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
-    else:
-        neg = np.array(-np.inf, xv.dtype)
-        xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
-        win = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-1)  # [..., C, OH, OW, K*K]
-        out = jnp.max(win, axis=-1)
-        indices = jnp.argmax(win, axis=-1).astype(idx_dtype)
-    return out, indices
+        kh = lax.broadcasted_iota(idx_dtype, win.shape, nd + 1)
+        kw = lax.broadcasted_iota(idx_dtype, win.shape, nd + 3)
+        return _max_argmax(win, kh * np.array(k, idx_dtype) + kw, (nd + 1, nd + 3))
+    neg = np.array(-np.inf, xv.dtype)
+    xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
+    win = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-1)  # [..., C, OH, OW, K*K]
+    return _max_argmax(win, lax.broadcasted_iota(idx_dtype, win.shape, win.ndim - 1), (win.ndim - 1,))
 
 
 def ref_max_pool2d(x: Any, k: int, stride: int | None = None, padding: int = 0) -> Array:

@@ -21,6 +21,7 @@ from ._core import (
     broadcast_info,
     broadcast_shapes,
     cast,
+    eager_jit,
     is_tracked,
     new_output,
     reads,
@@ -222,7 +223,10 @@ class AddBiasBackward(Record):
 # forward functions
 # ---------------------------------------------------------------------------
 
-_FORWARD = {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide}
+_FORWARD = {
+    k: eager_jit(f) for k, f in (("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide))
+}
+_negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
 
 
 def binary_record(
@@ -346,7 +350,7 @@ def div(a: Any, b: Any) -> Tensor:
 def neg(x: Any) -> Tensor:
     """``-x`` (records NegBackward)."""
     xv = array_of(x, "neg")
-    out = jnp.negative(xv)
+    out = _negative(xv)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -362,7 +366,7 @@ def neg(x: Any) -> Tensor:
 def exp(x: Any) -> Tensor:
     """``exp(x)`` (records ExpBackward, which saves the output)."""
     xv = array_of(x, "exp")
-    out = jnp.exp(xv)
+    out = _exp(xv)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
@@ -379,7 +383,7 @@ def exp(x: Any) -> Tensor:
 def log(x: Any) -> Tensor:
     """Natural logarithm (records LogBackward, which saves the input)."""
     xv = array_of(x, "log")
-    out = jnp.log(xv)
+    out = _log(xv)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)

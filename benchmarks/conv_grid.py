@@ -1,0 +1,124 @@
+"""Timed grid behind conv2d's choice of formulation (Note [Convolution formulations]
+in ``rumus_fx/ops/conv.py``).
+
+Usage: ``python -m benchmarks.conv_grid [--ynn] [--quick]``
+
+For every shape of the grid (input channels 1..256, kernel 1/3/5, stride 1/2,
+padding ``K // 2``) it times each of conv2d's three products -- the forward ``y``,
+``dx`` and ``dw`` -- in both formulations ("conv": one ``lax.conv_general_dilated``;
+"dot": im2col slices + one ``dot_general``), each as its own compiled program, in
+alternating blocks (medians of several rounds), and prints the ratio dot / conv
+(below 1.00 the dot is faster) next to what ``_conv_plan`` chooses. ``--ynn``
+compiles with ``rf.CPU_COMPILER_OPTIONS`` instead of XLA's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rumus_fx as rf
+from rumus_fx.ops import conv as C
+
+CHANNELS = (1, 3, 8, 16, 32, 64, 128, 256)
+KERNELS = (1, 3, 5)
+STRIDES = (1, 2)
+
+
+def shape_for(c_in: int) -> tuple[int, int, int]:
+    """(batch, spatial size, output channels): the spatial size shrinks as channels grow, as in a CNN."""
+    hw = 28 if c_in <= 16 else 14 if c_in <= 64 else 7
+    return 32, hw, min(256, max(16, 2 * c_in))
+
+
+def _time(f: Callable[[], jax.Array], target_s: float = 0.15) -> float:
+    jax.block_until_ready(f())
+    t0 = time.perf_counter()
+    jax.block_until_ready(f())
+    once = max(time.perf_counter() - t0, 1e-6)
+    n = int(min(40, max(5, target_s / once)))
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def products(c_in: int, k: int, s: int) -> dict[str, tuple[Callable, Callable, tuple]]:
+    """{product: (conv formulation, dot formulation, arguments)} for one grid shape."""
+    b, hw, c_out = shape_for(c_in)
+    p = k // 2
+    oh = (hw + 2 * p - k) // s + 1
+    keys = jax.random.split(jax.random.key(c_in * 100 + k * 10 + s), 3)
+    x = jax.random.normal(keys[0], (b, c_in, hw, hw), jnp.float32)
+    w = jax.random.normal(keys[1], (c_out, c_in, k, k), jnp.float32) / np.sqrt(c_in * k * k)
+    g = jax.random.normal(keys[2], (b, c_out, oh, oh), jnp.float32)
+    f32 = jnp.float32
+    return {
+        "y": (
+            lambda x, w: C.conv_conv_forward(x, w, s, p, f32),
+            lambda x, w: C.conv_dot_forward(x, w, s, p, f32),
+            (x, w),
+        ),
+        "dx": (
+            lambda w, g: C.conv_conv_dx(w, g, hw, hw, s, p, f32),
+            lambda w, g: C.conv_dot_dx(w, g, hw, hw, s, p, f32),
+            (w, g),
+        ),
+        "dw": (
+            lambda x, g: C.conv_conv_dw(x, g, k, s, p, f32),
+            lambda x, g: C.conv_dot_dw(x, g, k, s, p, f32),
+            (x, g),
+        ),
+    }
+
+
+def measure(c_in: int, k: int, s: int, options: dict | None, rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """{product: (conv seconds, dot seconds)}; asserts both formulations agree."""
+    out = {}
+    for name, (f_conv, f_dot, args) in products(c_in, k, s).items():
+        a = jax.jit(f_conv).lower(*args).compile(compiler_options=options)
+        d = jax.jit(f_dot).lower(*args).compile(compiler_options=options)
+        np.testing.assert_allclose(np.asarray(a(*args)), np.asarray(d(*args)), rtol=2e-3, atol=2e-3)
+        ta, td = [], []
+        for _ in range(rounds):
+            ta.append(_time(functools.partial(a, *args)))
+            td.append(_time(functools.partial(d, *args)))
+        out[name] = (statistics.median(ta), statistics.median(td))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ynn", action="store_true", help="compile with rf.CPU_COMPILER_OPTIONS")
+    parser.add_argument("--quick", action="store_true", help="channels 1, 16, 64 only, one round")
+    parser.add_argument("--channels", default=None, help="comma-separated input channels (default: the grid)")
+    args = parser.parse_args(argv)
+    options = dict(rf.CPU_COMPILER_OPTIONS) if args.ynn else None
+    channels = CHANNELS if args.channels is None else tuple(int(c) for c in args.channels.split(","))
+    if args.quick:
+        channels = (1, 16, 64)
+    print(f"jax {jax.__version__}; compile options: {options or 'XLA defaults'}")
+    print("ratio dot / conv per product (< 1.00: the dot formulation is faster); conv ms in brackets; plan = chosen")
+    print("| C_in | C_out | K | stride | B, HxW | y | dx | dw | plan (y, dx, dw) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c_in in channels:
+        b, hw, c_out = shape_for(c_in)
+        for k in KERNELS:
+            for s in STRIDES:
+                r = measure(c_in, k, s, options, rounds=1 if args.quick else 3)
+                cells = " | ".join(f"{td / ta:.2f} ({1e3 * ta:.2f})" for ta, td in r.values())
+                plan = ", ".join(C._conv_plan(c_in, c_out, k, s))
+                print(f"| {c_in} | {c_out} | {k} | {s} | {b}, {hw}x{hw} | {cells} | {plan} |", flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

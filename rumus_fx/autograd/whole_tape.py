@@ -1,0 +1,214 @@
+"""Eager backward as one compiled program per tape signature.
+
+Note [Whole-tape backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Eagerly, ``run_backward`` calls each record's rule as its own compiled program
+(``record.run_backward_rule``): one dispatch per record, and nothing fuses
+across records, so layout-only records (reshape, transpose) and chains of
+elementwise rules each materialise their gradients. A training loop records the
+same tape every step, so here the whole walk is compiled once and replayed:
+
+* The **signature** of a tape is, per entry, the record's pytree structure (its
+  type and static fields: shapes, axes, dtypes, flags) and the entry's inputs
+  and outputs renumbered by first appearance, plus the seeds and the kept ids
+  (renumbered the same way). Equal signatures trace the same walk; array
+  shapes and dtypes are left to ``jax.jit``'s own cache.
+* The first time a signature is seen, the walk runs rule by rule as before
+  (exact errors, version checks in walk order) and we note which entries were
+  live (their output received a gradient) and which ids reached the
+  ``foreign`` hook -- both are structural, fixed by the signature.
+* The second time, the walk is traced once as one ``jax.jit`` program over all
+  records' saved arrays and the seeds (the same engine loop, with each rule
+  traced inline), and every later step with that signature is one call. The
+  live records' version snapshots are checked before the call, and the noted
+  foreign ids are handed to the hook after it, as the rule-by-rule walk does.
+* Fusing is not always faster: XLA:CPU can fuse a cheap producer into several
+  expensive consumers and recompute it in each (the CNN benchmark's backward ran
+  1.5-2x slower as one program than rule by rule). So the second and third
+  sightings walk rule by rule again (their rules compiled by the first), timed,
+  the fourth compiles the walk, the fifth and sixth run it timed (each timed
+  call waits for its results), and a signature whose compiled walk (the faster
+  of its two calls) took more than ``KEEP_IF_FASTER`` times the rule-by-rule walk
+  (the faster of two) goes back to rule by rule for good.
+
+Tapes that need the rule-by-rule walk take it: anomaly mode (per-record finite
+checks), explicit shardings (the reshard hook), records whose static fields do
+not hash, and any traced value (under ``jax.jit``/``vmap`` the walk is traced
+inline anyway). Nothing here calls JAX's autodiff.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+if TYPE_CHECKING:  # typing only: tape.py builds on the engine, which uses this module
+    from .tape import TapeEntry
+
+Walk = Callable[..., dict[int, jax.Array]]
+
+# signature -> _Seen (first sighting) or _Compiled; least recently used dropped first
+_CACHE: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+CACHE_SIZE = 64
+TIMED = 2  # timed walks of each kind before choosing
+KEEP_IF_FASTER = 1.0  # keep the compiled walk when it took at most this fraction of the rule-by-rule time
+_ENABLED = [True]
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn whole-tape compilation on or off (returns the previous setting);
+    off, every eager backward runs rule by rule."""
+    prev = _ENABLED[0]
+    _ENABLED[0] = bool(flag)
+    return prev
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+class _Seen:
+    """A signature seen once: which entries were live, which local ids went
+    foreign, and how long the rule-by-rule walk took (seconds); ``rules``: the
+    compiled walk lost, walk rule by rule from now on."""
+
+    __slots__ = ("foreign", "live", "rules", "seconds")
+
+    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...], seconds: list[float]):
+        self.live = live
+        self.foreign = foreign
+        self.seconds = seconds
+        self.rules = False
+
+
+class _Compiled(_Seen):
+    """A signature seen twice or more: the walk as one jitted program (``timed``
+    once its first call after the compile was compared with the rules)."""
+
+    __slots__ = ("fn", "timed")
+
+    def __init__(self, seen: _Seen, fn: Callable):
+        super().__init__(seen.live, seen.foreign, seen.seconds)
+        self.fn = fn
+        self.timed: list[float] = []
+
+
+class _Renumber(dict):
+    def __missing__(self, gid: int) -> int:
+        n = self[gid] = len(self)
+        return n
+
+
+def _signature(
+    entries: Sequence[TapeEntry], seeds: dict[int, Any], keep: set[int] | None
+) -> tuple[Any, list[list[Any]], _Renumber] | None:
+    """(hashable signature, each record's pytree leaves, global -> local ids);
+    None when this tape must be walked rule by rule."""
+    local = _Renumber()
+    parts: list[Any] = []
+    leaves_of: list[list[Any]] = []
+    flatten = jax.tree_util.tree_flatten
+    tracer = jax.core.Tracer
+    for e in entries:
+        if e.input_shardings:
+            return None
+        leaves, treedef = flatten(e.op)
+        for leaf in leaves:
+            if isinstance(leaf, tracer):
+                return None
+        leaves_of.append(leaves)
+        ins = tuple(None if i is None else local[i] for i in e.inputs)
+        outs = tuple(local[o] for o in e.outputs)
+        parts.append((treedef, ins, outs, e.input_avals))
+    seed_ids = tuple(local[s] for s in seeds)
+    for v in seeds.values():
+        if isinstance(v, tracer):
+            return None
+    keep_ids = None if keep is None else tuple(sorted(local[k] for k in keep if k in local))
+    sig = (tuple(parts), seed_ids, keep_ids)
+    try:
+        hash(sig)
+    except TypeError:  # a record with an unhashable static field
+        return None
+    return sig, leaves_of, local
+
+
+def run(
+    entries: Sequence[TapeEntry],
+    seeds: dict[int, jax.Array],
+    keep: set[int] | None,
+    foreign: Callable[[int], None] | None,
+    walk: Walk,
+) -> dict[int, jax.Array]:
+    """``walk(entries, seeds, keep, foreign)`` -- the engine's reverse walk --
+    run as one cached compiled program when this tape's signature repeats
+    (Note [Whole-tape backward])."""
+    found = _signature(entries, seeds, keep) if _ENABLED[0] and entries else None
+    if found is None:
+        return walk(entries, seeds, keep, foreign)
+    sig, leaves_of, local = found
+    hit = _CACHE.get(sig)
+    if hit is None:
+        return _first_sighting(sig, entries, seeds, keep, foreign, walk, local)
+    _CACHE.move_to_end(sig)
+    if hit.rules:
+        return walk(entries, seeds, keep, foreign)
+    if len(hit.seconds) < TIMED:  # second and third sightings: time the (now compiled) rules
+        t0 = time.perf_counter()
+        grads = jax.block_until_ready(walk(entries, seeds, keep, foreign))
+        hit.seconds.append(time.perf_counter() - t0)
+        return grads
+    for i in hit.live:
+        entries[i].op.check_versions()
+    if not isinstance(hit, _Compiled):
+        hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]))
+        out = hit.fn(leaves_of, list(seeds.values()))
+    elif len(hit.timed) < TIMED:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(hit.fn(leaves_of, list(seeds.values())))
+        hit.timed.append(time.perf_counter() - t0)
+        if len(hit.timed) == TIMED:
+            hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)
+    else:
+        out = hit.fn(leaves_of, list(seeds.values()))
+    back = {v: k for k, v in local.items()}
+    if foreign is not None:
+        for lid in hit.foreign:
+            foreign(back[lid])
+    return {back[lid]: g for lid, g in out.items()}
+
+
+def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int, jax.Array]:
+    """Walk rule by rule, noting the live entries and the foreign ids."""
+    live: list[int] = []
+    went_foreign: list[int] = []
+
+    def note_foreign(gid: int) -> None:
+        went_foreign.append(local[gid])
+        if foreign is not None:
+            foreign(gid)
+
+    grads = walk(entries, seeds, keep, note_foreign, live=live)
+    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign), [])
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return grads
+
+
+def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type) -> _Compiled:
+    parts, seed_ids, keep_ids = sig
+    treedefs = [p[0] for p in parts]
+    keep = None if keep_ids is None else set(keep_ids)
+
+    def program(leaves_of: list[list[Any]], seed_values: list[jax.Array]) -> dict[int, jax.Array]:
+        traced = [
+            entry_type(td.unflatten(leaves), ins, outs, avals)
+            for td, leaves, (_, ins, outs, avals) in zip(treedefs, leaves_of, parts)
+        ]
+        return walk(traced, dict(zip(seed_ids, seed_values)), keep, None)
+
+    return _Compiled(seen, jax.jit(program))

@@ -1,0 +1,58 @@
+"""Eager backward compiled once per tape signature (Note [Whole-tape backward])."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rumus_fx as rf
+from rumus_fx.autograd import whole_tape
+
+
+def _loss(w, x):
+    h = rf.tanh(x @ w) * 1.5 + 0.25
+    return rf.sum(rf.relu(h).reshape(-1))
+
+
+def _loss_jax(w, x):
+    h = jnp.tanh(x @ w) * 1.5 + 0.25
+    return jnp.sum(jax.nn.relu(h))
+
+
+@pytest.mark.parametrize("keep_compiled", [True, False])
+def test_repeated_tape_gives_the_same_gradients_compiled_or_not(monkeypatch, keep_compiled):
+    # force the choice between the compiled walk and the rules (timing decides it otherwise)
+    monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", float("inf") if keep_compiled else 0.0)
+    whole_tape.clear_cache()
+    w = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    want = jax.grad(_loss_jax)(w, jnp.ones((2, 4)))
+    vg = rf.value_and_grad(_loss)
+    for step in range(8):  # rules (1-3), compile (4), timed compiled calls (5-6), then the choice
+        x = jnp.full((2, 4), 1.0 + 0.0 * step)
+        value, g = vg(w, x)
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(value, _loss_jax(w, x), rtol=1e-6)
+    (state,) = whole_tape._CACHE.values()
+    assert isinstance(state, whole_tape._Compiled) and state.rules is (not keep_compiled)
+
+
+def test_version_check_still_runs_on_the_compiled_path(monkeypatch):
+    monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", float("inf"))
+    whole_tape.clear_cache()
+    w0 = jnp.ones((3,))
+    for step in range(7):
+        with rf.Tape() as tape:
+            w = rf.tensor(w0, requires_grad=True)
+            y = w * 1.0
+            z = rf.tanh(y)
+            loss = rf.sum(z * z)
+            if step == 6:
+                with rf.no_grad():
+                    z.add_(1.0)  # z is saved by z * z: its backward must refuse
+        if step < 6:
+            tape.backward(loss)
+        else:
+            with pytest.raises(rf.VersionMismatch):
+                tape.backward(loss)
+    (state,) = whole_tape._CACHE.values()
+    assert isinstance(state, whole_tape._Compiled) and not state.rules
