@@ -50,8 +50,9 @@ from .errors import SHARDING_HINT, ShardingError
 # differs from its input's). None: reshard silently.
 RESHARD_HOOK: Callable[[str, int, Any, Any], None] | None = None
 
-_ArrayImpl = type(jax.numpy.zeros(()))
 _SingleDevice = jax.sharding.SingleDeviceSharding
+_ArrayImpl: list[type] = []  # the concrete array class, found on first use: making an
+# array at import would start the XLA backend before jax.distributed.initialize()
 
 
 def sharding_of(x: Any) -> NamedSharding | None:
@@ -60,7 +61,9 @@ def sharding_of(x: Any) -> NamedSharding | None:
     if x is None or isinstance(x, (int, float, complex, bool)):
         return None
     value = x if isinstance(x, jax.Array) else getattr(x, "value", x)  # an rf.Tensor: its array
-    if type(value) is _ArrayImpl and type(value.sharding) is _SingleDevice:  # the common eager case, fast
+    if not _ArrayImpl and isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        _ArrayImpl.append(type(value))
+    if _ArrayImpl and type(value) is _ArrayImpl[0] and type(value.sharding) is _SingleDevice:  # the common eager case
         return None
     try:
         sharding = jax.typeof(value).sharding

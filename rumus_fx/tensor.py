@@ -26,6 +26,13 @@ _grad_ids = itertools.count(1)
 CAPTURE: Any = None
 
 
+def lifting() -> bool:
+    """Whether an ``rf.lift`` trace is running (its program will be
+    differentiated with the primitive rules, so an op must emit primitives
+    that have one)."""
+    return CAPTURE is not None
+
+
 def next_grad_id() -> int:
     """A fresh, process-unique grad id for a recorded result (even).
 

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import gc
 import threading
+import warnings
 import weakref
 
 import jax
@@ -28,7 +29,9 @@ F32 = jnp.float32
 
 
 def _count(cls) -> int:
-    return sum(1 for o in gc.get_objects() if isinstance(o, cls))
+    with warnings.catch_warnings():  # isinstance on objects of other libraries may warn
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, cls))
 
 
 def _records() -> int:
@@ -133,7 +136,7 @@ def test_functional_steps_keep_storages_flat():
 def test_changing_python_scalars_do_not_recompile():
     w = jnp.ones((4, 4), F32)
     g = rf.grad(lambda w, s: rf.sum(rf.leaky_relu(w * s, 0.1)))
-    for i in range(3):
+    for i in range(8):  # the eager whole-tape backward compiles on a tape's fourth sighting
         g(w, 0.5 + i)
     with count_compiles() as compiles:
         for i in range(20):

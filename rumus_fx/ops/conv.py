@@ -19,7 +19,7 @@ from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
-from ..tensor import Tensor
+from ..tensor import Tensor, lifting
 from ._core import (
     acc_sum,
     array_of,
@@ -576,6 +576,11 @@ def _max_argmax(win: Array, index: Array, dims: tuple[int, ...]) -> tuple[Array,
     one variadic reduction: a producer fused into the pool (a batch norm, a
     relu) is computed once, where ``jnp.max`` + ``jnp.argmax`` read it twice."""
     init = (np.array(-np.inf, win.dtype), np.array(np.iinfo(index.dtype).max, index.dtype))
+    if lifting():
+        # rf.lift differentiates this program with the primitive rules, and the
+        # variadic reduce has none: the max as its own reduction, the argmax of
+        # the values without their gradient (the same values, NaN included)
+        return jnp.max(win, axis=dims), lax.reduce((lax.stop_gradient(win), index), init, _max_first, dims)[1]
     return lax.reduce((win, index), init, _max_first, dims)
 
 
