@@ -38,6 +38,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import numpy as np
 
+from ..eager import compiled
 from ..errors import VersionMismatch
 from ..storage import StorageHandle, WeakStorageHandle, nbytes_of
 
@@ -308,15 +309,13 @@ def _call_flat(treedef: Any, leaves: list[Any], g: jax.Array, needs: tuple[bool,
     return treedef.unflatten(leaves).backward(g, needs)
 
 
-_jitted_backward = jax.jit(_call_backward, static_argnums=2)
-_jitted_flat = jax.jit(_call_flat, static_argnums=(0, 3))
 
 
 def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
     """``rec.backward(g, needs)``; eagerly as one compiled call per (record type,
     metadata, shapes), which fuses the rule's elementwise work and pays one
     dispatch instead of one per primitive. Under a trace (jit, vmap, jvp) the
-    rule is traced inline. The record is flattened once: its structure is the
+    rule is traced inline (Note [Eager compilation] in rumus_fx/eager.py). The record is flattened once: its structure is the
     compiled call's static key, its leaves the arguments."""
     leaves, treedef = jax.tree_util.tree_flatten(rec)
     tracer = jax.core.Tracer
@@ -325,8 +324,8 @@ def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tup
     try:
         hash(treedef)
     except TypeError:  # a static field that does not hash: jit flattens the record itself
-        return _jitted_backward(rec, g, needs)
-    return _jitted_flat(treedef, leaves, g, needs)
+        return compiled(_call_backward, (2,))(rec, g, needs)
+    return compiled(_call_flat, (0, 3))(treedef, leaves, g, needs)
 
 
 def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str, int | None, int | None], ...]:

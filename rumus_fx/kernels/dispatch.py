@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..eager import compiled, has_tracer
 from ._pallas import Config
 from .blocks import GPU, TARGETS, TPU
 
@@ -135,20 +136,14 @@ def _kernel_ok(args: tuple[Any, ...]) -> bool:
     return True
 
 
-_EAGER_REFERENCES: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-
 def run_reference(reference: Callable[..., Any], args: tuple[Any, ...], static: dict[str, Any]) -> Any:
     """``reference(*args, **static)``. Called eagerly (no tracer among the
-    arguments) it runs as one cached compiled call, so a reference of many
-    primitives costs one dispatch and its elementwise work is fused; under a
-    trace it is traced inline."""
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+    arguments) it runs as one cached compiled call (Note [Eager compilation] in
+    rumus_fx/eager.py), so a reference of many primitives costs one dispatch and
+    its elementwise work is fused; under a trace it is traced inline."""
+    if has_tracer(args):
         return reference(*args, **static)
-    jitted = _EAGER_REFERENCES.get(reference)
-    if jitted is None:
-        jitted = _EAGER_REFERENCES[reference] = jax.jit(reference, static_argnames=tuple(static))
-    return jitted(*args, **static)
+    return compiled(reference, static_argnames=tuple(sorted(static)))(*args, **static)
 
 
 def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args: Any, **static: Any) -> Any:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..autograd.record import Aval, VersionSnapshot, provenance_of
 from ..autograd.tape import Tape, current_tape
+from ..eager import eager_jit as eager_jit
 from ..errors import ShapeError
 from ..kernels.precision import is_low_precision as is_low_precision
 from ..sharding import sharding_of
@@ -91,24 +92,6 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
         raise ShapeError(f"{op}: axis {axis} is out of range for a tensor of rank {ndim}")
     return int(axis) % ndim if ndim else 0
-
-
-def eager_jit(fun: Any) -> Any:
-    """``fun`` as one cached compiled call when called eagerly (its array
-    arguments concrete), so an op's forward pays one dispatch instead of the
-    ``jax.numpy`` wrapper's promotion and per-primitive dispatch; under a trace
-    ``fun`` is traced inline, leaving the program as it was."""
-    jitted = jax.jit(fun)
-    tracer = jax.core.Tracer
-
-    def call(*args: Any) -> Any:
-        for a in args:
-            if isinstance(a, tracer):
-                return fun(*args)
-        return jitted(*args)
-
-    call.__wrapped__ = fun  # type: ignore[attr-defined]
-    return call
 
 
 # ---------------------------------------------------------------------------

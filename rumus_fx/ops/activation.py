@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -101,7 +100,7 @@ _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@eager_jit(static_argnums=(1,))
 def _gelu_forward(x: Array, approximate: bool) -> Array:
     if approximate:
         inner = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)

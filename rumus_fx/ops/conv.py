@@ -7,7 +7,6 @@ Layouts follow rumus (and PyTorch): images ``[..., C, H, W]``, conv weights
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -17,6 +16,7 @@ from jax import lax
 
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
+from ..eager import eager_jit
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor, lifting
@@ -120,7 +120,7 @@ class Im2ColBackward(Record):
         return (_col2im(lambda j: g5[..., j, :, :], k, s, p, self.h, self.w),)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+@eager_jit(static_argnums=(1, 2, 3, 4, 5))
 def _im2col_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
     *lead, c, _, _ = xv.shape
     xp = jnp.pad(xv, [(0, 0)] * (xv.ndim - 2) + [(p, p), (p, p)]) if p else xv
@@ -375,7 +375,7 @@ class Conv2dBackward(Record):
         return (dx, dw, db)[: len(needs)]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
+@eager_jit(static_argnums=(3, 4))
 def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
     out_dtype = jnp.result_type(xv, wv)
     out_sharding = _conv_out_sharding(xv, wv)
@@ -584,7 +584,7 @@ def _max_argmax(win: Array, index: Array, dims: tuple[int, ...]) -> tuple[Array,
     return lax.reduce((win, index), init, _max_first, dims)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+@eager_jit(static_argnums=(1, 2, 3, 4, 5))
 def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
     """(max of each window, its argmax as the window offset kh*K + kw)."""
     *lead, c, _, _ = xv.shape
@@ -665,7 +665,7 @@ def _bin_matrix(size_in: int, size_out: int, dtype: Any) -> np.ndarray:
     return m.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+@eager_jit(static_argnums=(1, 2, 3, 4, 5, 6))
 def _bin_pool(t: Array, h: int, w: int, oh: int, ow: int, dtype: Any, adjoint: bool) -> Array:
     """``P_h t P_w^T`` (``[..., h, w]`` -> ``[..., oh, ow]``) with the bin-averaging
     matrices, or with ``adjoint`` its transpose ``P_h^T t P_w`` (the gradient)."""
