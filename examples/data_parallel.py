@@ -10,9 +10,14 @@ example runs the step on one device and on the mesh and checks that losses,
 gradients and parameters agree. ``--auto`` uses ``AxisType.Auto`` axes instead
 (XLA's partitioner chooses the shardings); the results are the same.
 
-Multi-host: start the same script on every host after
-``jax.distributed.initialize()`` (``--distributed``); ``jax.devices()`` then lists
-every host's devices and the mesh spans them, with no other change.
+Multi-host: start the same script in one process per host with ``--distributed``
+(``jax.distributed.initialize()``; ``--coordinator``/``--num-processes``/``--process-id``
+where the environment does not describe the cluster); ``jax.devices()`` then lists
+every process's devices and the mesh spans them. The model and the step do not
+change; each process runs the one-device reference on one of its own devices, and
+arrays spread over processes are gathered (``process_allgather``) to compare them
+(tests/test_examples.py starts examples/tensor_parallel.py that way, as two
+processes of 4 CPU devices on localhost).
 
 On a CPU-only machine ``--devices 8`` sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before jax is imported,

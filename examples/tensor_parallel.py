@@ -21,7 +21,10 @@ and parameters agree.
 On a CPU-only machine ``--devices 8`` sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before jax is imported.
 On a multi-GPU/TPU host the same code runs on the accelerators; on several
-hosts, start it on each with ``--distributed`` (``jax.distributed.initialize()``).
+hosts, start it in one process per host with ``--distributed``
+(``jax.distributed.initialize()``; ``--coordinator``, ``--num-processes`` and
+``--process-id`` where the environment does not describe the cluster).
+tests/test_examples.py runs it as two processes of 4 CPU devices each.
 
     python examples/tensor_parallel.py --devices 8 --model 4
     python examples/tensor_parallel.py --devices 8 --model 4 --steps 2   # smoke run
