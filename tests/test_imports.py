@@ -231,3 +231,11 @@ def test_import_loads_no_test_or_optional_dependency():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent, timeout=300
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_import_starts_no_jax_backend():
+    """``jax.distributed.initialize()`` must run before any computation, and a
+    multi-host script imports rumus_fx first: the import makes no array."""
+    code = "import jax._src.xla_bridge as xb, rumus_fx; print(bool(xb._backends))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
