@@ -12,8 +12,11 @@ from benchmarks.models import cnn, mlp, tiny_gpt
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: mlp(batch=16), lambda: cnn(batch=4), lambda: tiny_gpt(batch=2, seq=16)],
-    ids=["mlp", "cnn", "gpt"],
+    [
+        pytest.param(lambda: mlp(batch=16), id="mlp"),
+        pytest.param(lambda: cnn(batch=4), id="cnn", marks=pytest.mark.slow),
+        pytest.param(lambda: tiny_gpt(batch=2, seq=16), id="gpt", marks=pytest.mark.slow),
+    ],
 )
 def test_rf_and_jax_models_agree(make):
     model = make()
@@ -30,8 +33,11 @@ def test_rf_and_jax_models_agree(make):
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: mlp(batch=16), lambda: cnn(batch=4), lambda: tiny_gpt(batch=2, seq=16)],
-    ids=["mlp", "cnn", "gpt"],
+    [
+        pytest.param(lambda: mlp(batch=16), id="mlp"),
+        pytest.param(lambda: cnn(batch=4), id="cnn", marks=pytest.mark.slow),
+        pytest.param(lambda: tiny_gpt(batch=2, seq=16), id="gpt", marks=pytest.mark.slow),
+    ],
 )
 def test_lifted_benchmark_models_agree(make):
     """benchmarks/lifted.py differentiates each model's jnp code through rf.lift."""

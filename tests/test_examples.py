@@ -72,6 +72,7 @@ def test_train_cnn_smoke(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["digits_cnn.safetensors", "train_cnn.png"]
 
 
+@pytest.mark.slow  # the main demo's (train_cnn) smoke run stays in the default run
 def test_train_gpt_smoke(tmp_path):
     out = run_example(
         "train_gpt.py",
@@ -85,6 +86,7 @@ def test_train_gpt_smoke(tmp_path):
     assert (tmp_path / "tiny_gpt.safetensors").exists()
 
 
+@pytest.mark.slow  # its loss and gradients are checked against jax by default
 def test_train_llama_smoke():
     out = run_example(
         "train_llama.py",
@@ -126,6 +128,7 @@ def test_train_llama_loss_and_grads_match_jax(dtype, remat):
         chex.assert_trees_all_close(got, want, rtol=tol, atol=tol * 1e-2)
 
 
+@pytest.mark.slow  # its gradients are checked against jax by default
 def test_gradient_penalty_smoke():
     out = run_example(
         "gradient_penalty.py",
@@ -180,6 +183,7 @@ def test_data_parallel_8_virtual_devices_matches_one_device():
         assert abs(float(one) - float(eight)) < 1e-5
 
 
+@pytest.mark.slow  # the Explicit-axes run of the example stays in the default run
 def test_data_parallel_auto_axes():
     out = run_example("data_parallel.py", "--devices", "8", "--steps", "1", "--batch-size", "16", "--auto")
     assert "(Auto)" in out and "every gradient has its parameter's sharding: True" in out

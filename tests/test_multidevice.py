@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PRELUDE = """
@@ -171,6 +173,7 @@ def _run(tmp_path: Path, body: str, timeout: int = 300) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow  # tests/test_sharding.py covers sharded gradients by default
 def test_sharded_grads_match_one_device(tmp_path):
     out = _run(tmp_path, AUTO_MESH)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-6000:]

@@ -54,6 +54,7 @@ def test_reports_no_gpu(tmp_path):
     assert not results.exists()  # nothing measured, nothing written
 
 
+@pytest.mark.slow  # the kernels' interpret and lowering tests run by default
 def test_interpret_rows_all_check_out_and_fill_their_section(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text(OTHER_SECTIONS)
