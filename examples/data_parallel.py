@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: multihost, digits_cnn
+
+from multihost import add_distributed_args, force_host_devices  # plain python: before jax
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,31 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4, help="max abs difference accepted as identical")
     p.add_argument("--auto", action="store_true", help="Auto mesh axes instead of jax.make_mesh's Explicit default")
-    p.add_argument(
-        "--distributed",
-        action="store_true",
-        help="multi-host: call jax.distributed.initialize() first, in every process (the cluster is read "
-        "from the environment: SLURM, Open MPI, Cloud TPU, ...; or give the three flags below)",
-    )
-    p.add_argument("--coordinator", default=None, help="with --distributed: HOST:PORT of process 0")
-    p.add_argument("--num-processes", type=int, default=None, help="with --distributed: how many processes")
-    p.add_argument("--process-id", type=int, default=None, help="with --distributed: this process's index")
+    add_distributed_args(p)
     return p.parse_args(argv)
-
-
-def force_host_devices(n: int) -> None:
-    """Ask XLA for ``n`` CPU devices; only effective before jax is imported."""
-    if "jax" in sys.modules:
-        raise RuntimeError("set XLA_FLAGS before importing jax")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 if __name__ == "__main__":
     ARGS = parse_args()
     force_host_devices(ARGS.devices // (ARGS.num_processes or 1))  # MUST happen before the first `import jax`
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/digits_cnn.py
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
