@@ -54,7 +54,7 @@ from ..autograd.record import exact_value
 from ..autograd.tape import Tape, TapeEntry, recording
 from ..errors import AutogradError
 from ..tensor import Tensor
-from .interpreter import LiftedBackward, lift
+from .interpreter import LiftedBackward, call_lifted
 
 
 def _field(op: Any, name: str, index: int | None) -> Any:
@@ -122,14 +122,10 @@ def recorded_backward(
     def walk_with_constants(env: dict[int, Any], seed_values: dict[int, Any]) -> dict[int, Any]:
         return walk(env, {**constant_seeds, **seed_values})
 
-    before = len(target._entries)
-    with recording(target):
-        grads = lift(walk_with_constants, name="tape.backward(create_graph=True)")(inputs, tracked_seeds)
-    if len(target._entries) > before:  # keep the first walk's snapshots (Note [Create graph])
-        last = target._entries[-1]
-        rec = dataclasses.replace(last.op, versions=last.op.versions + snapshots)
-        target._entries[-1] = dataclasses.replace(last, op=rec)
-    return grads
+    with recording(target):  # the entry keeps the first walk's snapshots (Note [Create graph])
+        return call_lifted(
+            walk_with_constants, (inputs, tracked_seeds), "tape.backward(create_graph=True)", target, snapshots
+        )
 
 
 def _substituted(entry: TapeEntry, env: dict[int, Any]) -> Any:

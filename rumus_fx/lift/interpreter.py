@@ -565,11 +565,21 @@ def lift(fun: Callable, name: str | None = None) -> Callable:
     return lifted
 
 
+def call_lifted(fun: Callable, args: tuple, label: str, tape: Any, snapshots: Sequence[VersionSnapshot]) -> Any:
+    """``rf.lift(fun, name=label)(*args)`` recorded on ``tape``, whose entry also
+    checks ``snapshots`` at backward time (a recorded backward walk keeps the
+    snapshots of the records it read: Note [Create graph] in lift/higher.py)."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, {}), is_leaf=_is_tensor)
+    return _lifted_call(fun, label, tape, leaves, treedef, tuple(snapshots))
+
+
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
-def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: Any) -> Any:
+def _lifted_call(
+    fun: Callable, label: str, tape: Any, leaves: list, treedef: Any, snapshots: tuple[VersionSnapshot, ...] = ()
+) -> Any:
     is_arr = tuple(is_array_leaf(x) for x in leaves)
     arrays = [x for x, a in zip(leaves, is_arr) if a]
     # rf.lax.add & co. given as a computation are jax's own functions inside
@@ -620,6 +630,7 @@ def _lifted_call(fun: Callable, label: str, tape: Any, leaves: list, treedef: An
             if isinstance(r, int) and r in program.residual_index and t.grad_id is not None:
                 versions.append(VersionSnapshot.of(t.grad_id, t._storage))
         versions.extend(VersionSnapshot.of(None, s) for s in constants)
+        versions.extend(snapshots)
         rec = LiftedBackward(program, residuals[0], residuals[1], tuple(versions))
         out_ids = tuple(t.grad_id for t in out_tensors)
         tape.append(
