@@ -239,3 +239,32 @@ def test_import_starts_no_jax_backend():
     code = "import jax._src.xla_bridge as xb, rumus_fx; print(bool(xb._backends))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def _type_checking_names(path: pathlib.Path) -> dict[str, str]:
+    """``{name: module}`` imported under the ``if TYPE_CHECKING:`` block of ``path``."""
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom), ast.dump(imp)
+                for a in imp.names:
+                    out[a.asname or a.name] = imp.module
+    return out
+
+
+@pytest.mark.parametrize("package, toplevel", [("rumus_fx", True), ("rumus_fx.ops", False)])
+def test_static_op_names_are_the_declared_ops(package, toplevel):
+    """The op names are exported from the declarations at run time; the
+    ``TYPE_CHECKING`` block that lets IDEs and type checkers see them must name
+    exactly those ops, from the modules that define them."""
+    import rumus_fx  # noqa: F401  (declares every op)
+    from rumus_fx.autograd.registry import exports
+
+    path = ROOT / ("__init__.py" if package == "rumus_fx" else "ops/__init__.py")
+    static = _type_checking_names(path)
+    declared = exports(toplevel=toplevel)
+    assert sorted(static) == sorted(declared)
+    for name, fn in declared.items():
+        assert fn.__name__ == name
+        assert fn.__module__.endswith("." + static[name].split(".")[-1]), (name, fn.__module__, static[name])

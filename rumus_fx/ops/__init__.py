@@ -2,6 +2,8 @@
 their declarations (Note [Declaring an op] in ``autograd/registry.py``); this
 package's names are derived from those declarations."""
 
+from typing import TYPE_CHECKING
+
 from ..autograd.registry import exports as _exports
 from . import activation as activation
 from . import attention as attention
@@ -16,6 +18,47 @@ from . import loss as loss
 from . import norm as norm
 from . import reduce as reduce
 from . import shape as shape
+
+if TYPE_CHECKING:  # the names static tools see; tests/test_imports.py checks they are the declared ops
+    from .activation import gelu as gelu
+    from .activation import leaky_relu as leaky_relu
+    from .activation import relu as relu
+    from .activation import sigmoid as sigmoid
+    from .activation import softmax as softmax
+    from .activation import tanh as tanh
+    from .attention import scaled_dot_product_attention as scaled_dot_product_attention
+    from .cast import cast_to as cast_to
+    from .conv import adaptive_avg_pool2d as adaptive_avg_pool2d
+    from .conv import add_channel_bias as add_channel_bias
+    from .conv import conv2d as conv2d
+    from .conv import im2col as im2col
+    from .conv import max_pool2d as max_pool2d
+    from .dropout import dropout as dropout
+    from .elementwise import add as add
+    from .elementwise import add_bias as add_bias
+    from .elementwise import div as div
+    from .elementwise import exp as exp
+    from .elementwise import log as log
+    from .elementwise import mul as mul
+    from .elementwise import neg as neg
+    from .elementwise import sub as sub
+    from .embedding import embedding as embedding
+    from .linalg import bmm as bmm
+    from .linalg import matmul as matmul
+    from .linalg import matmul_any as matmul_any
+    from .loss import cross_entropy as cross_entropy
+    from .loss import mse_loss as mse_loss
+    from .norm import batch_norm_2d as batch_norm_2d
+    from .norm import layer_norm as layer_norm
+    from .reduce import mean as mean
+    from .reduce import sum as sum  # noqa: A004
+    from .shape import flatten as flatten
+    from .shape import index as index
+    from .shape import reshape as reshape
+    from .shape import reshard as reshard
+    from .shape import slice_batch as slice_batch
+    from .shape import stack as stack
+    from .shape import transpose as transpose
 
 globals().update(_exports())
 __all__ = sorted(_exports())  # derived from the op declarations
