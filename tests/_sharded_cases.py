@@ -716,44 +716,63 @@ def _is_spec(s: Any) -> bool:
     return isinstance(s, P)
 
 
-def run_case(case: Case, mesh_shape: tuple[int, ...], axes: tuple[str, ...], kinds=(AxisType.Explicit, AxisType.Auto)):
+ALL_COMBOS = tuple((k, m) for k in (AxisType.Explicit, AxisType.Auto) for m in (False, True))
+
+
+def combos(index: int) -> tuple[tuple[AxisType, bool], ...]:
+    """The (axis type, under ``jax.set_mesh``) settings case ``index`` of a group
+    runs. By default every case runs Explicit and Auto axes, and the two settings
+    of ``set_mesh`` alternate between them from one case to the next (so each of
+    the four combinations runs in every group); ``SHARDED_ALL_COMBOS=1`` (the
+    ``-m slow`` run) runs all four for every case."""
+    if os.environ.get("SHARDED_ALL_COMBOS"):
+        return ALL_COMBOS
+    flip = bool(index % 2)
+    return ((AxisType.Explicit, flip), (AxisType.Auto, not flip))
+
+
+def run_case(
+    case: Case,
+    mesh_shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    settings: tuple[tuple[AxisType, bool], ...] = ALL_COMBOS,
+):
     want = one_device(case)
     RESHARDS.clear()
-    for kind in kinds:
+    for kind, under_mesh in settings:
         mesh = jax.make_mesh(mesh_shape, axes, axis_types=(kind,) * len(axes))
         shardings = jax.tree.map(lambda s, mesh=mesh: NamedSharding(mesh, s), case.specs, is_leaf=_is_spec)
         args = jax.device_put(case.args, shardings)
-        for under_mesh in (False, True):
-            what = f"{case.name} [{kind.name}, {'set_mesh' if under_mesh else 'no set_mesh'}]"
+        what = f"{case.name} [{kind.name}, {'set_mesh' if under_mesh else 'no set_mesh'}]"
+        with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
+            value, grads = jax.jit(rf.value_and_grad(case.rf_loss, case.argnums))(*args)
+        close((value, grads), want, case.tol, what)
+        assert not RESHARDS, f"{what}: the engine resharded gradients: {RESHARDS}"
+        # Explicit axes: the sharding is in the types, so each gradient must have its
+        # argument's. Auto axes: XLA's partitioner picks, so rf must agree with jax.grad
+        # (or have the argument's sharding, where jax.grad's is a constant's).
+        expected = [[jax.tree.leaves(shardings[i])] for i in case.argnums]
+        if kind == AxisType.Auto:
             with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
-                value, grads = jax.jit(rf.value_and_grad(case.rf_loss, case.argnums))(*args)
-            close((value, grads), want, case.tol, what)
-            assert not RESHARDS, f"{what}: the engine resharded gradients: {RESHARDS}"
-            # Explicit axes: the sharding is in the types, so each gradient must have its
-            # argument's. Auto axes: XLA's partitioner picks, so rf must agree with jax.grad
-            # (or have the argument's sharding, where jax.grad's is a constant's).
-            expected = [[jax.tree.leaves(shardings[i])] for i in case.argnums]
-            if kind == AxisType.Auto:
-                with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
-                    oracle = jax.jit(jax.grad(case.ref_loss, case.argnums))(*args)
-                expected = [e + [[o.sharding for o in jax.tree.leaves(t)]] for e, t in zip(expected, oracle)]
-            for i, g, e in zip(case.argnums, grads, expected):
-                for n, leaf in enumerate(jax.tree.leaves(g)):
-                    assert any(leaf.sharding.is_equivalent_to(s[n], leaf.ndim) for s in e), (
-                        f"{what}: gradient leaf {n} of argument {i} has sharding {leaf.sharding}, "
-                        f"expected one of {[s[n] for s in e]}"
-                    )
+                oracle = jax.jit(jax.grad(case.ref_loss, case.argnums))(*args)
+            expected = [e + [[o.sharding for o in jax.tree.leaves(t)]] for e, t in zip(expected, oracle)]
+        for i, g, e in zip(case.argnums, grads, expected):
+            for n, leaf in enumerate(jax.tree.leaves(g)):
+                assert any(leaf.sharding.is_equivalent_to(s[n], leaf.ndim) for s in e), (
+                    f"{what}: gradient leaf {n} of argument {i} has sharding {leaf.sharding}, "
+                    f"expected one of {[s[n] for s in e]}"
+                )
 
 
 def run_group(name: str, cases: list[Case], mesh_shape, axes) -> list[str]:
     failures = []
     only = os.environ.get("SHARDED_ONLY")
-    for case in cases:
+    for index, case in enumerate(cases):
         if only and case.name not in only.split(","):
             continue
         t0 = time.perf_counter()
         try:
-            run_case(case, mesh_shape, axes)
+            run_case(case, mesh_shape, axes, combos(index))
         except Exception as e:  # collect all failures, report at the end
             failures.append(f"{name}/{case.name}: {type(e).__name__}: {str(e)[:2000]}")
             if os.environ.get("SHARDED_TRACEBACK"):
