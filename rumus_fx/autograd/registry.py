@@ -71,6 +71,27 @@ class BadInput:
 
 
 @dataclasses.dataclass(frozen=True)
+class BadProgram:
+    """A jax program a primitive rule (or ``rf.lift`` itself) must refuse:
+    ``rf.grad(lambda *a: rf.sum(rf.lift(fun)(*a)), argnums)(*args)`` raises
+    ``exc`` with a message naming ``names`` (default: the declared primitive)
+    and containing the substrings ``also``. ``args`` are numpy arrays (cast to
+    float32, or float64 with ``x64``) or placeholders built when the case runs;
+    ``jax_too``: ``jax.grad`` of the same program raises as well (rf refuses
+    where JAX does, never a wrong gradient)."""
+
+    what: str
+    fun: Callable
+    args: tuple
+    exc: type[BaseException] | tuple[type[BaseException], ...]
+    also: tuple[str, ...] = ()
+    argnums: int | tuple[int, ...] = 0
+    names: tuple[str, ...] | None = None
+    x64: bool = False
+    jax_too: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class TableEntry:
     """One entry of the primitive table (``tests/lift/ptable.py``): a jax program
     ``fun`` of arrays that emits the primitive(s) ``prims`` (default: the rule's
@@ -101,7 +122,7 @@ class OpDecl:
     call: Callable | None = None
     ref: Callable | None = None
     samples: Callable[[Any], list[Sample]] | None = None
-    errors: Callable[[], list[BadInput]] | None = None
+    errors: Callable[[], list[BadInput]] | Callable[[], list[BadProgram]] | None = None
     output: Callable[[Any], Any] | None = None
     rtol32: float = 2e-5
     atol32: float = 2e-5

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record
-from ..autograd.registry import OpDecl, TableEntry, declare
+from ..autograd.registry import BadProgram, OpDecl, TableEntry, declare, lookup
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -166,11 +166,12 @@ def defrule(
     record_name: str | None = None,
     doc: str | None = None,
     table: tuple[TableEntry, ...] = (),
+    errors: Callable[[], list[BadProgram]] | None = None,
 ) -> Rule:
     """Declare the backward rule of primitive ``name`` (see Note [Primitive rules]);
     it joins the op registry (Note [Declaring an op] in ``autograd/registry.py``)
     as a ``"primitive"`` declaration, with ``table`` entries for the primitive
-    table."""
+    table and ``errors``, the programs it must refuse (for the error audit)."""
     cls_name = record_name or f"{camel(name)}Backward"
     cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
     cls = frozen(cls)
@@ -184,11 +185,19 @@ def defrule(
             name=name,
             kind="primitive",
             records=(cls,),
+            errors=errors,
             module=vjp.__module__,
             extra={"rule": rule, "saves": saves_fn, "backward": vjp, "table": tuple(table)},
         )
     )
     return rule
+
+
+def add_table(name: str, *entries: TableEntry) -> None:
+    """Attach more primitive-table entries to the rule of ``name``, declared
+    earlier in the calling module (for rules declared by a helper or a loop)."""
+    decl = lookup("primitive", name)
+    decl.extra["table"] = decl.extra["table"] + entries
 
 
 def in_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
