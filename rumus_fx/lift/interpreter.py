@@ -386,9 +386,8 @@ def _no_rule_errors() -> list[BadProgram]:
         return Lazy(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
 
     def case(prim: str, fun: Callable, args: tuple, **kw: Any) -> BadProgram:
-        return BadProgram(
-            f"no rule for {prim}", fun, args, AutogradError, ("no backward rule",), names=("rf.lift", f"'{prim}'"), **kw
-        )
+        also = (f"no backward rule for the primitive '{prim}'",)
+        return BadProgram(f"no rule for {prim}", fun, args, AutogradError, also, names=("rf.lift", prim), **kw)
 
     return [
         case("fft", lambda x: jnp.fft.fft(x).real, (np.ones(4),)),

@@ -3,8 +3,8 @@ backward formula per JAX primitive (the table that ``rf.lift`` reads).
 
 Note [Primitive rules]
 ~~~~~~~~~~~~~~~~~~~~~~
-A rule is declared with ``defrule(name, vjp, saves=...)``: ``name`` is the
-primitive's name as it appears in a jaxpr (``"sin"``, ``"dot_general"``,
+A rule is declared with ``defrule(name, vjp, saves=..., table=..., errors=...)``:
+``name`` is the primitive's name as it appears in a jaxpr (``"sin"``, ``"dot_general"``,
 ``"scatter-add"``), ``vjp(r, g)`` is the backward formula written with
 ``jax.numpy``/``lax`` — ``r`` is the record (saved values, params, avals, which
 inputs need a gradient) and ``g`` the output gradient (a tuple for primitives with
@@ -15,6 +15,18 @@ the primitive the formula reads; a rule saves nothing else (a value it needs but
 such as the permutation of a ``sort``, is recomputed from what it saved). That
 keeps ``saved_bytes`` honest and makes every saved value an ordinary value of the
 program, which higher-order gradients need.
+
+The declaration also carries what tests it (Note [Declaring an op] in
+``autograd/registry.py``): ``table=`` its primitive-table entries
+(``TableEntry``: a jax program emitting the primitive, samples from the
+generators of ``rumus_fx/ops/_declare.py``, tolerances, the vmap and
+finite-difference flags) and ``errors=`` the programs it must refuse
+(``BadProgram``: the exception and what its message names, e.g. ``while``'s
+reverse or ``svd(full_matrices=True)`` of a non-square matrix), which the
+primitive table and the error audit read from the registry. A rule declared by
+a family helper gets them through the helper or ``add_table`` right after it;
+either way they sit in the rule's own ``rules_<family>.py``. Adding a rule is
+one declaration there.
 
 Each declaration makes a record class named after the primitive in CamelCase
 (``sin`` -> ``SinBackward``, ``reduce_sum`` -> ``ReduceSumBackward``), a frozen

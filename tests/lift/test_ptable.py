@@ -185,5 +185,6 @@ def test_every_rule_is_exercised():
 
 # rules for primitives that no public jax function emits in a forward program
 UNEMITTED = {"add_any", "copy", "copy_p", "real", "expand_dims", "checkpoint", "custom_vjp_call_jaxpr"}
-# while: its reverse raises by design (tests/lift/test_programs.py checks both ways)
+# while: its reverse raises by design (a declared error case of its rule, run by
+# tests/test_errors_audit.py; tests/lift/test_programs.py checks the forward)
 UNEMITTED |= {"while"}
