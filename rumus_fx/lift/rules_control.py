@@ -340,6 +340,8 @@ def _custom_vjp_vjp(r, g):
 
 
 _custom_vjp_vjp.prepare = _custom_vjp_prepare
+
+
 @jax.custom_vjp
 def _sin_cvjp(x):
     return jnp.sin(x)

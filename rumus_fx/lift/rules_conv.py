@@ -540,6 +540,7 @@ def _reduce_window_vjp(r, g):
 
 _reduce_window_vjp.prepare = _generic_body  # type: ignore[attr-defined]
 
+
 def _relu_pool_ref(x):
     return jnp.maximum(_max_pool(x, (2, 3), (1, 2), ((1, 0), (1, 1))), 0.0)
 
@@ -758,7 +759,5 @@ _cumulative("cumlogsumexp", jnp.logaddexp, _logaddexp_partials)
 add_table(
     "cumlogsumexp",
     TableEntry("cumlogsumexp", _rev_too(lax.cumlogsumexp), unary_samples(_CUM_SHAPES)),
-    TableEntry(
-        "cumlogsumexp_ties", _rev_too(lax.cumlogsumexp), unary_samples([(4, 6)], _ties_to_neg_inf), fd=False
-    ),
+    TableEntry("cumlogsumexp_ties", _rev_too(lax.cumlogsumexp), unary_samples([(4, 6)], _ties_to_neg_inf), fd=False),
 )

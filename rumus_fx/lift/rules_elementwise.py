@@ -299,7 +299,12 @@ def _pow_rhs(r, g):
 
 
 _binary(
-    "pow", _pow_lhs, _pow_rhs, ((0, 1), (0,)), program=lambda x, y: lax.pow(x, y), samples=binary_samples(positive, normal)
+    "pow",
+    _pow_lhs,
+    _pow_rhs,
+    ((0, 1), (0,)),
+    program=lambda x, y: lax.pow(x, y),
+    samples=binary_samples(positive, normal),
 )
 
 

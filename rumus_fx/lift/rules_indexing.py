@@ -190,9 +190,7 @@ defrule(
             "gather_embedding",
             _embedding,
             lambda r: [
-                Sample(
-                    (normal(r, 6, 4), normal(r, 4, 3), np.array([[1, 5, 1], [0, 1, 2]], np.int32)), diff=(0, 1)
-                )
+                Sample((normal(r, 6, 4), normal(r, 4, 3), np.array([[1, 5, 1], [0, 1, 2]], np.int32)), diff=(0, 1))
             ],
             prims=("gather", "dot_general"),
             vmap=True,
@@ -242,9 +240,7 @@ defrule(
     "scatter-sub",
     _scatter_sub_vjp,
     in_(1),
-    table=(
-        TableEntry("scatter_sub", lambda x, u, i: jnp.sin(x.at[i].subtract(u)), _upd((5, 3), _i(*DUP), (5, 3))),
-    ),
+    table=(TableEntry("scatter_sub", lambda x, u, i: jnp.sin(x.at[i].subtract(u)), _upd((5, 3), _i(*DUP), (5, 3))),),
 )
 
 
@@ -418,6 +414,7 @@ def _scatter_vjp(r, g):
 
 
 _scatter_vjp.prepare = _no_combiner
+
 
 def _window_scatter(x, u, i):
     """Overlapping 2x2 windows, one of them out of bounds (dropped)."""

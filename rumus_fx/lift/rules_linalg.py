@@ -286,9 +286,7 @@ def _qr_vjp(r, g):
         gx = _full_qr_vjp(q, rr, gq, gr, n)
     elif m < n:
         if pivoting:
-            raise AutogradError(
-                "rf.lift: the gradient of qr(pivoting=True) of a wide matrix (m < n) is not supported"
-            )
+            raise AutogradError("rf.lift: the gradient of qr(pivoting=True) of a wide matrix (m < n) is not supported")
         x = r.extra[0]
         gr1, gr2 = gr[..., :, :m], gr[..., :, m:]
         gq1 = gq + _mm(x[..., :, m:], _T(gr2))
