@@ -1,6 +1,7 @@
 """Error audit: every op of the op table (and every transform) rejects malformed
 input with the right exception type, a message naming the op, and nothing
-recorded on the tape.
+recorded on the tape; every program a primitive rule of ``rf.lift`` declares it
+refuses (``defrule(errors=...)``) raises its exception naming the primitive.
 
 Expected types: ``rf.ShapeError`` for shapes and ranks, ``TypeError`` /
 ``ValueError`` for dtypes and static arguments, ``IndexError`` for concrete
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import rumus_fx as rf
-from rumus_fx.autograd.registry import BadInput, declarations
+from rumus_fx.autograd.registry import BadInput, BadProgram, declarations
 from rumus_fx.ops._declare import materialise
 
 from .ops.optable import OPS, OpInfo
@@ -81,6 +82,60 @@ def _expect_rejected(fn: Callable[[], Any], exc, name: str, also: tuple[str, ...
 @pytest.mark.parametrize("name,case", _case_params())
 def test_malformed_input(name: str, case: Bad):
     _expect_rejected(case.call, case.exc, name, case.also)
+
+
+# -- primitive rules and rf.lift: the programs they refuse ---------------------
+# (``errors=`` of each ``defrule`` in rumus_fx/lift/rules_<family>.py, and of the
+# "lift" declaration itself for primitives without a rule)
+
+
+def _program_params():
+    out = []
+    for decl in declarations():
+        if decl.kind in ("primitive", "composite") and decl.errors is not None:
+            for case in decl.errors():
+                out.append(pytest.param(decl, case, id=f"{decl.name}-{case.what.replace(' ', '_')}"))
+    return out
+
+
+PROGRAM_CASES = _program_params()
+
+
+def _program_args(case: BadProgram) -> tuple:
+    dtype = jnp.float64 if case.x64 else jnp.float32
+    return tuple(
+        jnp.asarray(a, dtype) if np.asarray(a).dtype.kind == "f" else jnp.asarray(a) for a in materialise(case.args)
+    )
+
+
+def run_bad_program(decl, case: BadProgram) -> BaseException:
+    """``rf.grad`` of the lifted program raises ``case.exc`` naming the primitive
+    (or ``case.names``) with ``case.also`` in its message; with ``jax_too``,
+    ``jax.grad`` of the plain program raises as well."""
+    with jax.enable_x64(case.x64):
+        args = _program_args(case)
+        if case.jax_too:
+            with pytest.raises((NotImplementedError, ValueError, TypeError)):
+                jax.grad(lambda *a: jnp.sum(case.fun(*a)), argnums=case.argnums)(*args)
+        with pytest.raises(case.exc) as info:
+            rf.grad(lambda *a: rf.sum(rf.lift(case.fun)(*a)), argnums=case.argnums)(*args)
+    msg = str(info.value)
+    for part in (case.names or (decl.name,)) + tuple(case.also):
+        assert part in msg, f"{part!r} missing from: {msg}"
+    return info.value
+
+
+@pytest.mark.parametrize("decl,case", PROGRAM_CASES)
+def test_lifted_program_refused(decl, case: BadProgram):
+    run_bad_program(decl, case)
+
+
+def test_primitive_error_cases_are_declared():
+    names = {p.values[0].name for p in PROGRAM_CASES}
+    want = {"while", "custom_vjp_call", "reduce_window", "scatter", "scatter-mul", "qr", "svd"}
+    want |= {"custom_linear_solve", "polygamma", "regularized_incomplete_beta", "lift"}
+    assert want <= names, sorted(want - names)
+    assert all(isinstance(p.values[1], BadProgram) for p in PROGRAM_CASES)
 
 
 # -- generic cases derived from the table: a non-tensor in each array slot ----

@@ -10,31 +10,48 @@ idea of PyTorch's ``derivatives.yaml`` + OpInfo, in one place):
   forward with ``@op(records=..., ref=..., samples=..., errors=...)``
   (``rumus_fx.ops._declare.op``);
 * a primitive rule of ``rf.lift`` (``rumus_fx/lift/rules_<family>.py``) is
-  declared by ``defrule(...)``, which registers its record type here too (and
-  may carry a table program and samples with ``table=``).
+  declared by ``defrule(name, vjp, saves, table=..., errors=...)``, which makes
+  its record type and registers it here. A rule declared by a family helper
+  (``_unary``, ``_binary``, ``_cumulative``) gets its entries through the
+  helper or ``add_table(name, ...)`` right after it, in the same module.
 
 A declaration (``OpDecl``) holds:
 
-* ``name``, ``kind`` (``"op"``, ``"primitive"`` or ``"composite"``) and ``fn``
-  (the forward; for a primitive, ``None``: ``primitive.bind`` is the forward);
+* ``name``, ``kind`` (``"op"``, ``"primitive"`` or ``"composite"``: ``rf.lift``
+  itself) and ``fn`` (the forward; for a primitive, ``None``:
+  ``primitive.bind`` is the forward);
 * ``records``: the record types it may append. Each is a frozen dataclass whose
   fields say what it saves (Note [Record fields] in ``record.py``: ``saved``
   data, ``snapshot`` versions, ``static`` metadata) and whose ``backward`` is
-  the formula;
-* for the op table: ``ref`` (an independent ``jax.numpy`` oracle; for a
-  primitive, the jax program that exercises it), ``samples(rng)`` (a list of
-  ``Sample``), ``call`` (how the table calls the op when not as ``fn``),
-  ``output`` (picks the differentiable output), tolerances;
-* ``errors()``: malformed inputs (``BadInput``) and the exception each raises.
+  the formula (for a primitive, ``extra["saves"]`` and ``extra["backward"]``:
+  Note [Primitive rules] in ``lift/rules.py``);
+* for the op table: ``ref`` (an independent ``jax.numpy`` oracle),
+  ``samples(rng)`` (a list of ``Sample``), ``call`` (how the table calls the op
+  when not as ``fn``), ``output`` (picks the differentiable output),
+  tolerances. A primitive has instead ``extra["table"]``, its ``TableEntry``
+  values: a jax program that emits it (the oracle is ``jax.grad`` of the same
+  program), ``samples(rng)``, the primitives it must emit, tolerances and the
+  vmap / finite-difference flags;
+* ``errors()``: for a fused op, malformed inputs (``BadInput``) and the
+  exception each raises; for a primitive rule (and for ``rf.lift``, whose
+  cases are the differentiable primitives without a rule), the programs it
+  refuses (``BadProgram``), the exception and what its message names.
+
+The sample generators (``normal``, ``positive``, ``unit``, ``away``,
+``distinct``, ``wellcond``, ``spd``, ``unary_samples``, ``binary_samples``) and
+the placeholders of malformed inputs live in ``rumus_fx/ops/_declare.py``, for
+both kinds; they are functions of an rng (nothing is built at import).
 
 Derived from the registry: ``rumus_fx.ops``' and ``rumus_fx``'s exports
 (``exports()``), ``rf.autograd.BackwardOp`` (``declared_records()``), the op
-table ``tests/ops/optable.py``, the error audit ``tests/test_errors_audit.py``,
-the primitive table ``tests/lift/ptable.py`` (entries declared with
-``defrule(table=...)``), and the README check that the "Ops and their records"
-table names every op and record. Adding an op touches its family module and
-one README table row; ``tests/ops/test_registry.py`` checks that an op
-declared in a test module reaches all of them.
+table ``tests/ops/optable.py``, the primitive table ``tests/lift/ptable.py``
+(every ``TableEntry``; ``tests/lift/test_ptable.py`` also checks that every rule
+is exercised by one), the error audit ``tests/test_errors_audit.py`` (``errors``
+of every kind), and the README check that the "Ops and their records" table
+names every op and record. Adding a fused op touches its family module and one
+README table row; adding a primitive rule touches its ``rules_<family>.py``
+module only. ``tests/ops/test_registry.py`` checks that an op and a rule
+declared in a test module reach all of them.
 """
 
 from __future__ import annotations
@@ -71,11 +88,33 @@ class BadInput:
 
 
 @dataclasses.dataclass(frozen=True)
+class BadProgram:
+    """A jax program a primitive rule (or ``rf.lift`` itself) must refuse:
+    ``rf.grad(lambda *a: rf.sum(rf.lift(fun)(*a)), argnums)(*args)`` raises
+    ``exc`` with a message naming ``names`` (default: the declared primitive)
+    and containing the substrings ``also``. ``args`` are numpy arrays (cast to
+    float32, or float64 with ``x64``) or placeholders built when the case runs;
+    ``jax_too``: ``jax.grad`` of the same program raises as well (rf refuses
+    where JAX does, never a wrong gradient)."""
+
+    what: str
+    fun: Callable
+    args: tuple
+    exc: type[BaseException] | tuple[type[BaseException], ...]
+    also: tuple[str, ...] = ()
+    argnums: int | tuple[int, ...] = 0
+    names: tuple[str, ...] | None = None
+    x64: bool = False
+    jax_too: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class TableEntry:
-    """One entry of the primitive table (``tests/lift/ptable.py``): a jax program
-    ``fun`` of arrays that emits the primitive(s) ``prims`` (default: the rule's
-    own), its samples, and which checks apply. ``rf.grad(rf.lift(fun))`` is
-    compared with ``jax.grad(fun)``."""
+    """One entry of the primitive table (``tests/lift/ptable.py``), declared with
+    its rule (``defrule(table=...)``): a jax program ``fun`` of arrays that emits
+    the primitive(s) ``prims`` (default: the rule's own), its samples, and which
+    checks apply (``vmap``: also under ``jax.vmap``; ``fd``: float64 finite
+    differences). ``rf.grad(rf.lift(fun))`` is compared with ``jax.grad(fun)``."""
 
     name: str
     fun: Callable
@@ -101,7 +140,7 @@ class OpDecl:
     call: Callable | None = None
     ref: Callable | None = None
     samples: Callable[[Any], list[Sample]] | None = None
-    errors: Callable[[], list[BadInput]] | None = None
+    errors: Callable[[], list[BadInput]] | Callable[[], list[BadProgram]] | None = None
     output: Callable[[Any], Any] | None = None
     rtol32: float = 2e-5
     atol32: float = 2e-5

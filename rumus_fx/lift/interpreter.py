@@ -35,15 +35,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 from .. import sharding as shd
 from .. import tensor as tensor_mod
 from ..autograd.record import Aval, Record, VersionSnapshot
-from ..autograd.registry import OpDecl, declare
+from ..autograd.registry import BadProgram, OpDecl, declare
 from ..autograd.tape import current_tape, suspend_recording
 from ..errors import SHARDING_HINT, AutogradError, ShapeError, ShapeTypeError, ShardingError
 from ..kernels.dispatch import use as kernel_mode
+from ..ops._declare import Lazy
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
 from .rules import NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_float
@@ -376,7 +378,39 @@ class LiftedBackward(Record):
 # ---------------------------------------------------------------------------
 
 
-declare(OpDecl(name="lift", kind="composite", records=(LiftedBackward,), module=__name__))
+def _no_rule_errors() -> list[BadProgram]:
+    """Differentiable primitives without a rule: the gradient raises, naming the
+    primitive (``jax_too``: where jax.grad has no gradient either)."""
+
+    def mat(*shape: int) -> Lazy:
+        return Lazy(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
+
+    def case(prim: str, fun: Callable, args: tuple, **kw: Any) -> BadProgram:
+        also = (f"no backward rule for the primitive '{prim}'",)
+        return BadProgram(f"no rule for {prim}", fun, args, AutogradError, also, names=("rf.lift", prim), **kw)
+
+    return [
+        case("fft", lambda x: jnp.fft.fft(x).real, (np.ones(4),)),
+        case("eig", lambda a: jnp.real(jnp.linalg.eigvals(a)), (mat(3, 3),)),
+        case(
+            "householder_product",
+            lambda a: lax.linalg.householder_product(a, jnp.ones(3)),
+            (mat(4, 3),),
+            x64=True,
+            jax_too=True,
+        ),
+        case(
+            "igamma_grad_a",
+            lax.igamma_grad_a,
+            (np.array([1.5, 2.0]), np.array([0.5, 3.0])),
+            argnums=1,
+            x64=True,
+            jax_too=True,
+        ),
+    ]
+
+
+declare(OpDecl(name="lift", kind="composite", records=(LiftedBackward,), errors=_no_rule_errors, module=__name__))
 
 
 class _Capture:

@@ -3,8 +3,8 @@ backward formula per JAX primitive (the table that ``rf.lift`` reads).
 
 Note [Primitive rules]
 ~~~~~~~~~~~~~~~~~~~~~~
-A rule is declared with ``defrule(name, vjp, saves=...)``: ``name`` is the
-primitive's name as it appears in a jaxpr (``"sin"``, ``"dot_general"``,
+A rule is declared with ``defrule(name, vjp, saves=..., table=..., errors=...)``:
+``name`` is the primitive's name as it appears in a jaxpr (``"sin"``, ``"dot_general"``,
 ``"scatter-add"``), ``vjp(r, g)`` is the backward formula written with
 ``jax.numpy``/``lax`` — ``r`` is the record (saved values, params, avals, which
 inputs need a gradient) and ``g`` the output gradient (a tuple for primitives with
@@ -15,6 +15,18 @@ the primitive the formula reads; a rule saves nothing else (a value it needs but
 such as the permutation of a ``sort``, is recomputed from what it saved). That
 keeps ``saved_bytes`` honest and makes every saved value an ordinary value of the
 program, which higher-order gradients need.
+
+The declaration also carries what tests it (Note [Declaring an op] in
+``autograd/registry.py``): ``table=`` its primitive-table entries
+(``TableEntry``: a jax program emitting the primitive, samples from the
+generators of ``rumus_fx/ops/_declare.py``, tolerances, the vmap and
+finite-difference flags) and ``errors=`` the programs it must refuse
+(``BadProgram``: the exception and what its message names, e.g. ``while``'s
+reverse or ``svd(full_matrices=True)`` of a non-square matrix), which the
+primitive table and the error audit read from the registry. A rule declared by
+a family helper gets them through the helper or ``add_table`` right after it;
+either way they sit in the rule's own ``rules_<family>.py``. Adding a rule is
+one declaration there.
 
 Each declaration makes a record class named after the primitive in CamelCase
 (``sin`` -> ``SinBackward``, ``reduce_sum`` -> ``ReduceSumBackward``), a frozen
@@ -38,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record
-from ..autograd.registry import OpDecl, TableEntry, declare
+from ..autograd.registry import BadProgram, OpDecl, TableEntry, declare, lookup
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -166,11 +178,12 @@ def defrule(
     record_name: str | None = None,
     doc: str | None = None,
     table: tuple[TableEntry, ...] = (),
+    errors: Callable[[], list[BadProgram]] | None = None,
 ) -> Rule:
     """Declare the backward rule of primitive ``name`` (see Note [Primitive rules]);
     it joins the op registry (Note [Declaring an op] in ``autograd/registry.py``)
     as a ``"primitive"`` declaration, with ``table`` entries for the primitive
-    table."""
+    table and ``errors``, the programs it must refuse (for the error audit)."""
     cls_name = record_name or f"{camel(name)}Backward"
     cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
     cls = frozen(cls)
@@ -184,11 +197,19 @@ def defrule(
             name=name,
             kind="primitive",
             records=(cls,),
+            errors=errors,
             module=vjp.__module__,
             extra={"rule": rule, "saves": saves_fn, "backward": vjp, "table": tuple(table)},
         )
     )
     return rule
+
+
+def add_table(name: str, *entries: TableEntry) -> None:
+    """Attach more primitive-table entries to the rule of ``name``, declared
+    earlier in the calling module (for rules declared by a helper or a loop)."""
+    decl = lookup("primitive", name)
+    decl.extra["table"] = decl.extra["table"] + entries
 
 
 def in_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

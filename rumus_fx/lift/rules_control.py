@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
 from .. import sharding as shd
+from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
+from ..ops._declare import normal, positive, unary_samples
 from .interpreter import Program
 from .rules import defrule, is_float
 
@@ -120,8 +123,30 @@ def _scan_vjp(r, g):
     return tuple(g if n else None for g, n in zip(_float_or_none(out, avals), r.needs))
 
 
+def _scan_program(w, x):
+    def body(h, xi):
+        h = jnp.tanh(h * w + xi)
+        return h, h * 2.0
+
+    h, ys = lax.scan(body, x[0], x)
+    return jnp.sum(ys) + h
+
+
 _scan_vjp.prepare = _scan_prepare
-defrule("scan", _scan_vjp, forward=_scan_forward, multiple_results=True)
+defrule(
+    "scan",
+    _scan_vjp,
+    forward=_scan_forward,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "scan",
+            _scan_program,
+            lambda r: [Sample((normal(r, 4) * 0.5, normal(r, 5, 4)), diff=(0, 1))],
+            vmap=True,
+        ),
+    ),
+)
 
 
 # -- cond -------------------------------------------------------------------------
@@ -178,8 +203,27 @@ def _cond_vjp(r, g):
     return (None, *(gr if n else None for gr, n in zip(grads, r.needs[1:])))
 
 
+def _cond_samples(r):
+    return [
+        Sample((positive(r, 3), normal(r, 3)), diff=(0, 1)),
+        Sample((-positive(r, 3), normal(r, 3)), diff=(0, 1)),
+    ]
+
+
 _cond_vjp.prepare = _cond_prepare
-defrule("cond", _cond_vjp, forward=_cond_forward, multiple_results=True)
+defrule(
+    "cond",
+    _cond_vjp,
+    forward=_cond_forward,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "cond",
+            lambda x, y: lax.cond(jnp.sum(x) > 0, lambda a, b: jnp.sin(a) * b, lambda a, b: a * b**2, x, y),
+            _cond_samples,
+        ),
+    ),
+)
 
 
 # -- while ------------------------------------------------------------------------
@@ -193,7 +237,14 @@ def _while_vjp(r, g):
     )
 
 
-defrule("while", _while_vjp, multiple_results=True)
+def _while_errors():
+    def f(x):
+        return jnp.sum(lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])), (0, x))[1])
+
+    return [BadProgram("reverse", f, (np.array([0.3, 0.7]),), AutogradError, ("while_loop", "lax.scan"))]
+
+
+defrule("while", _while_vjp, multiple_results=True, errors=_while_errors)
 
 
 # -- remat (jax.checkpoint) ------------------------------------------------------------
@@ -224,6 +275,13 @@ defrule(
     forward=_remat_forward,
     multiple_results=True,
     record_name="RematBackward",
+    table=(
+        TableEntry(
+            "remat2",
+            lambda x, y: jax.checkpoint(lambda a, b: jnp.sin(a @ b) * a)(x, y),
+            lambda r: [Sample((normal(r, 3, 3), normal(r, 3, 3)), diff=(0, 1))],
+        ),
+    ),
 )
 defrule(
     "checkpoint",
@@ -282,5 +340,48 @@ def _custom_vjp_vjp(r, g):
 
 
 _custom_vjp_vjp.prepare = _custom_vjp_prepare
-defrule("custom_vjp_call", _custom_vjp_vjp, forward=_custom_vjp_forward, multiple_results=True)
+
+
+@jax.custom_vjp
+def _sin_cvjp(x):
+    return jnp.sin(x)
+
+
+_sin_cvjp.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,))
+
+
+def _closes_over(x, w):
+    """A custom_vjp function that closes over ``w`` (a tracked input)."""
+
+    @jax.custom_vjp
+    def f(v):
+        return jnp.sin(v) * w
+
+    f.defvjp(lambda v: (f(v), jnp.cos(v) * w), lambda c, g: (g * c,))
+    return f(x)
+
+
+def _custom_vjp_errors():
+    ones = np.ones(3)
+    return [
+        BadProgram(
+            "closes over a tracked value",
+            _closes_over,
+            (ones, ones),
+            AutogradError,
+            ("closure_convert",),
+            argnums=1,
+            names=("rf.lift", "jax.custom_vjp"),
+        )
+    ]
+
+
+defrule(
+    "custom_vjp_call",
+    _custom_vjp_vjp,
+    forward=_custom_vjp_forward,
+    multiple_results=True,
+    table=(TableEntry("custom_vjp_call", lambda x: _sin_cvjp(x) * x, unary_samples()),),
+    errors=_custom_vjp_errors,
+)
 defrule("custom_vjp_call_jaxpr", _custom_vjp_vjp, forward=_custom_vjp_forward, multiple_results=True)

@@ -67,13 +67,16 @@ from __future__ import annotations
 import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .. import sharding as shd
+from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
-from .rules import defrule, in_
+from ..ops._declare import distinct, normal, unary_samples
+from .rules import add_table, defrule, in_
 
 
 def _dilated(n: int, d: int) -> int:
@@ -204,7 +207,104 @@ def _conv_saves(needs):
     return tuple(k for k, n in ((1, needs[0]), (0, needs[1])) if n), ()
 
 
-defrule("conv_general_dilated", _conv_vjp, _conv_saves)
+# -- primitive-table programs -----------------------------------------------------------
+
+
+def _pair(*shapes):
+    """Samples of (input, kernel), both differentiable."""
+    return lambda rng: [Sample((normal(rng, *a), normal(rng, *b)), diff=(0, 1)) for a, b in shapes]
+
+
+def _ties(rng, *shape):
+    """Small integers: many equal values in every window."""
+    return np.round(rng.standard_normal(shape) * 1.5)
+
+
+conv = lax.conv_general_dilated
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+_CONV_TABLE = (
+    TableEntry("conv2d_nchw", lambda x, w: conv(x, w, (1, 1), "VALID"), _pair(((2, 3, 6, 5), (4, 3, 3, 2))), vmap=True),
+    TableEntry(
+        "conv2d_nhwc_strided_padded",
+        lambda x, w: conv(x, w, (2, 2), ((1, 2), (0, 1)), dimension_numbers=NHWC),
+        _pair(((2, 7, 6, 3), (3, 3, 3, 4)), ((1, 6, 5, 2), (3, 2, 2, 3))),
+    ),
+    TableEntry("conv2d_same_stride2", lambda x, w: conv(x, w, (2, 2), "SAME"), _pair(((2, 2, 7, 6), (3, 2, 3, 3)))),
+    TableEntry(
+        "conv1d_rhs_dilation",
+        lambda x, w: conv(x, w, (2,), ((2, 1),), rhs_dilation=(2,), dimension_numbers=("NWC", "WIO", "NWC")),
+        _pair(((2, 11, 3), (3, 3, 2))),
+    ),
+    TableEntry(
+        "conv_jnp_convolve",
+        lambda x, w: jnp.convolve(x, w, mode="same") + jnp.correlate(x, w, mode="full").sum(),
+        _pair(((9,), (4,))),
+    ),
+    TableEntry(
+        "conv3d",
+        lambda x, w: conv(x, w, (1, 2, 1), ((1, 0), (0, 1), (1, 1))),
+        _pair(((1, 2, 4, 5, 4), (3, 2, 2, 3, 2))),
+    ),
+    TableEntry(
+        "conv2d_lhs_dilation",
+        lambda x, w: conv(x, w, (1, 1), ((1, 1), (2, 1)), lhs_dilation=(2, 2)),
+        _pair(((1, 2, 4, 3), (3, 2, 3, 3))),
+    ),
+    TableEntry(
+        "conv_transpose",
+        lambda x, w: lax.conv_transpose(x, w, (2, 2), "SAME", dimension_numbers=NHWC),
+        _pair(((2, 3, 4, 2), (3, 3, 2, 3))),
+    ),
+    TableEntry(
+        "conv2d_rhs_dilation_strided",
+        lambda x, w: conv(x, w, (1, 2), ((0, 1), (1, 0)), rhs_dilation=(2, 1), lhs_dilation=(1, 2)),
+        _pair(((2, 2, 7, 5), (3, 2, 2, 3))),
+    ),
+    TableEntry(
+        "conv2d_feature_groups",
+        lambda x, w: conv(x, w, (1, 2), ((1, 0), (0, 0)), feature_group_count=2),
+        _pair(((2, 4, 5, 5), (6, 2, 3, 3))),
+        vmap=True,
+    ),
+    TableEntry(
+        "conv2d_depthwise",
+        lambda x, w: conv(x, w, (1, 1), "SAME", feature_group_count=3, dimension_numbers=NHWC),
+        _pair(((2, 5, 4, 3), (3, 3, 1, 6))),
+    ),
+    TableEntry(
+        "conv2d_batch_groups",
+        lambda x, w: conv(x, w, (2, 1), ((0, 1), (1, 1)), batch_group_count=2),
+        _pair(((4, 3, 5, 4), (6, 3, 3, 2))),
+    ),
+    TableEntry(
+        "conv2d_batch_groups_mixed_layout",
+        lambda x, w: conv(
+            x, w, (1, 1), ((1, 0), (0, 2)), rhs_dilation=(1, 2), batch_group_count=3,
+            dimension_numbers=("NHWC", "OHWI", "CNHW"),
+        ),
+        _pair(((6, 5, 4, 2), (6, 2, 2, 2))),
+    ),
+    TableEntry(
+        "conv2d_feature_groups_mixed_layout",
+        lambda x, w: conv(
+            x, w, (2, 1), ((1, 1), (0, 0)), lhs_dilation=(1, 2), feature_group_count=2,
+            dimension_numbers=("NWHC", "IHOW", "HCNW"),
+        ),
+        _pair(((2, 5, 4, 4), (2, 3, 4, 2))),
+    ),
+    TableEntry(
+        "conv2d_preferred_element_type",
+        lambda x, w: conv(
+            x.astype(jnp.float16), w.astype(jnp.float16), (1, 1), "SAME",
+            preferred_element_type=jnp.float32,
+        ).astype(x.dtype),
+        _pair(((2, 2, 4, 4), (3, 2, 3, 3))),
+        fd=False,
+    ),
+)  # fmt: skip
+
+defrule("conv_general_dilated", _conv_vjp, _conv_saves, table=_CONV_TABLE)
 
 
 # -- windowed reductions -------------------------------------------------------------
@@ -289,7 +389,45 @@ def _reduce_window_sum_vjp(r, g):
     return (_window_sum_grad(g, tuple(aval.shape), _window(r.p)).astype(aval.dtype),)
 
 
-defrule("reduce_window_sum", _reduce_window_sum_vjp)
+def _max_pool(x, dims, strides, padding, base=None):
+    return lax.reduce_window(x, -jnp.inf, lax.max, dims, strides, padding, base_dilation=base)
+
+
+def _min_pool(x, dims, strides, padding, base=None):
+    return lax.reduce_window(x, jnp.inf, lax.min, dims, strides, padding, base_dilation=base)
+
+
+def _sum_pool(x, dims, strides, padding, base=None, wdil=None):
+    return lax.reduce_window(x, 0.0, lax.add, dims, strides, padding, base_dilation=base, window_dilation=wdil)
+
+
+def _avg_pool(x):
+    dims, strides = (1, 3, 3, 1), (1, 2, 2, 1)
+    total = _sum_pool(x, dims, strides, "SAME")
+    count = _sum_pool(jnp.ones_like(x), dims, strides, "SAME")
+    return total / count
+
+
+defrule(
+    "reduce_window_sum",
+    _reduce_window_sum_vjp,
+    table=(
+        TableEntry(
+            "reduce_window_sum",
+            functools.partial(_sum_pool, dims=(2, 2), strides=(2, 1), padding=((1, 0), (0, 2))),
+            unary_samples([(5, 6)]),
+            vmap=True,
+        ),
+        TableEntry(
+            "reduce_window_sum_dilations",
+            functools.partial(
+                _sum_pool, dims=(3, 2), strides=(1, 2), padding=((2, 1), (0, 1)), base=(2, 1), wdil=(1, 2)
+            ),
+            unary_samples([(4, 7)]),
+        ),
+        TableEntry("reduce_window_avg_pool", _avg_pool, unary_samples([(2, 5, 5, 3)])),
+    ),
+)
 
 
 def _chooser_vjp(is_max):
@@ -303,8 +441,53 @@ def _chooser_vjp(is_max):
     return vjp
 
 
-defrule("reduce_window_max", _chooser_vjp(True), in_(0))
-defrule("reduce_window_min", _chooser_vjp(False), in_(0))
+defrule(
+    "reduce_window_max",
+    _chooser_vjp(True),
+    in_(0),
+    table=(
+        TableEntry(
+            "reduce_window_max_pool",
+            functools.partial(_max_pool, dims=(1, 1, 2, 2), strides=(1, 1, 2, 2), padding="VALID"),
+            unary_samples([(2, 3, 6, 6)], distinct),
+            vmap=True,
+        ),
+        TableEntry(
+            "reduce_window_max_same_strided",
+            functools.partial(_max_pool, dims=(1, 3, 3, 1), strides=(1, 2, 2, 1), padding="SAME"),
+            unary_samples([(2, 7, 6, 3)], distinct),
+        ),
+        TableEntry(
+            "reduce_window_max_padded_base_dilation",
+            functools.partial(_max_pool, dims=(3, 2), strides=(2, 1), padding=((1, 0), (1, 1)), base=(2, 1)),
+            unary_samples([(5, 6)], distinct),
+        ),
+        TableEntry(
+            "reduce_window_max_ties",
+            functools.partial(_max_pool, dims=(3, 3), strides=(1, 2), padding=((1, 1), (2, 1)), base=(1, 2)),
+            unary_samples([(6, 5), (4, 4)], _ties),
+            fd=False,
+        ),
+    ),
+)
+defrule(
+    "reduce_window_min",
+    _chooser_vjp(False),
+    in_(0),
+    table=(
+        TableEntry(
+            "reduce_window_min",
+            functools.partial(_min_pool, dims=(2, 3), strides=(1, 2), padding=((0, 1), (1, 0))),
+            unary_samples([(5, 7)], distinct),
+        ),
+        TableEntry(
+            "reduce_window_min_ties",
+            functools.partial(_min_pool, dims=(1, 2, 2), strides=(1, 1, 1), padding="SAME"),
+            unary_samples([(2, 5, 4)], _ties),
+            fd=False,
+        ),
+    ),
+)
 
 
 _MONOIDS = {"add": "sum", "max": "max", "min": "min"}
@@ -357,12 +540,61 @@ def _reduce_window_vjp(r, g):
 
 _reduce_window_vjp.prepare = _generic_body  # type: ignore[attr-defined]
 
+
+def _relu_pool_ref(x):
+    return jnp.maximum(_max_pool(x, (2, 3), (1, 2), ((1, 0), (1, 1))), 0.0)
+
+
+@jax.custom_jvp
+def _relu_pool(x):
+    """max(0, window max) as a generic reduce_window (init 0, a lambda body);
+    jax.grad goes through the equivalent reduce_window_max program instead."""
+    return lax.reduce_window(x, 0.0, lambda a, b: lax.max(a, b), (2, 3), (1, 2), ((1, 0), (1, 1)))
+
+
+_relu_pool.defjvp(lambda p, t: jax.jvp(_relu_pool_ref, p, t))
+
+
+@jax.custom_jvp
+def _shifted_sum_pool(x):
+    """1 + window sum as a generic reduce_window (init 1)."""
+    return lax.reduce_window(x, 1.0, lax.add, (2, 2), (2, 1), ((0, 0), (1, 0)))
+
+
+_shifted_sum_pool.defjvp(lambda p, t: jax.jvp(lambda x: _sum_pool(x, (2, 2), (2, 1), ((0, 0), (1, 0))) + 1, p, t))
+
+
+def _reduce_window_errors():
+    return [
+        BadProgram(
+            "other body",
+            lambda x: lax.reduce_window(x, 1.0, lax.mul, (2,), (1,), "VALID"),
+            (np.arange(1.0, 5.0),),
+            AutogradError,
+            ("rf.lift", "lax.add, lax.max or lax.min"),
+        ),
+        BadProgram(
+            "init value gradient",
+            lambda x, c: lax.reduce_window(x, c, lax.max, (2,), (1,), "VALID"),
+            (np.arange(1.0, 5.0), np.asarray(0.0)),
+            AutogradError,
+            ("rf.lift", "init value"),
+            argnums=(0, 1),
+        ),
+    ]
+
+
 defrule(
     "reduce_window",
     _reduce_window_vjp,
     lambda needs: ((0, 1), ()),
     multiple_results=True,
     doc="Backward record of a generic ``reduce_window`` whose body is ``add``, ``max`` or ``min``.",
+    table=(
+        TableEntry("reduce_window_generic_max", _relu_pool, unary_samples([(5, 7)], distinct)),
+        TableEntry("reduce_window_generic_add", _shifted_sum_pool, unary_samples([(5, 4)])),
+    ),
+    errors=_reduce_window_errors,
 )
 
 
@@ -373,7 +605,18 @@ def _cumsum_vjp(r, g):
     return (lax.cumsum(g, axis=r.p["axis"], reverse=not r.p["reverse"]),)
 
 
-defrule("cumsum", _cumsum_vjp)
+defrule(
+    "cumsum",
+    _cumsum_vjp,
+    table=(
+        TableEntry(
+            "cumsum",
+            lambda x: jnp.cumsum(x, axis=1) + lax.cumsum(x, axis=0, reverse=True) ** 2,
+            unary_samples([(3, 7), (8, 2)]),
+            vmap=True,
+        ),
+    ),
+)
 
 
 def _no_pos_inf(x):
@@ -473,7 +716,48 @@ def _cumulative(name, combine, partials):
     defrule(name, vjp, in_(0))
 
 
+def _rev_too(op, **kw):
+    """op along axis 1 forward and along axis 0 in reverse."""
+    return lambda x: op(x, axis=1, **kw) + op(x, axis=0, reverse=True, **kw) ** 2
+
+
+def _zero_at(x, i, j):
+    return jnp.where(
+        (lax.broadcasted_iota(int, x.shape, 0) == i) & (lax.broadcasted_iota(int, x.shape, 1) == j), 0.0, x
+    )
+
+
+def _ties_to_neg_inf(rng, *shape):
+    return np.where(_ties(rng, *shape) > 0, -np.inf, _ties(rng, *shape))
+
+
+_CUM_SHAPES = [(3, 7), (8, 2)]
+
 _cumulative("cumprod", lax.mul, _mul_partials)
+add_table(
+    "cumprod",
+    TableEntry("cumprod", _rev_too(lax.cumprod), unary_samples(_CUM_SHAPES)),
+    TableEntry(
+        "cumprod_zero",
+        lambda x: lax.cumprod(_zero_at(x, 1, 2), axis=1) + jnp.cumprod(_zero_at(x, 4, 0), axis=0),
+        unary_samples([(6, 5)]),
+    ),
+)
 _cumulative("cummax", lax.max, _chooser_partials)
+add_table(
+    "cummax",
+    TableEntry("cummax", _rev_too(lax.cummax), unary_samples(_CUM_SHAPES, distinct), vmap=True),
+    TableEntry("cummax_ties", _rev_too(lax.cummax), unary_samples([(3, 9), (6, 4)], _ties), fd=False),
+)
 _cumulative("cummin", lax.min, _chooser_partials)
+add_table(
+    "cummin",
+    TableEntry("cummin", _rev_too(lax.cummin), unary_samples(_CUM_SHAPES, distinct)),
+    TableEntry("cummin_ties", _rev_too(lax.cummin), unary_samples([(3, 9), (7, 4)], _ties), fd=False),
+)
 _cumulative("cumlogsumexp", jnp.logaddexp, _logaddexp_partials)
+add_table(
+    "cumlogsumexp",
+    TableEntry("cumlogsumexp", _rev_too(lax.cumlogsumexp), unary_samples(_CUM_SHAPES)),
+    TableEntry("cumlogsumexp_ties", _rev_too(lax.cumlogsumexp), unary_samples([(4, 6)], _ties_to_neg_inf), fd=False),
+)

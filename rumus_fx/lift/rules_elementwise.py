@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import jax.scipy as jsp
 from jax import lax
 
 from .. import sharding as shd
-from ..autograd.registry import TableEntry
-from ..ops._declare import normal, positive, unary_samples
-from .rules import defrule, in_, out_
+from ..autograd.registry import Sample, TableEntry
+from ..ops._declare import away, binary_samples, distinct, normal, positive, unary_samples, unit, wellcond
+from .rules import add_table, defrule, in_, out_
 
 
 def unbroadcast(g, aval, sharding=None):
@@ -48,56 +50,96 @@ def _y(r, k=0):
     return r.outs[k]
 
 
-_SHAPES = [(3, 4), (2, 3, 5)]
-
-
-def _unary(name, formula, saves, doc=None, program=None, gen=normal):
+def _unary(name, formula, saves, doc=None, program=None, gen=normal, **options):
     """A unary rule; ``program`` (a jnp function emitting the primitive) adds its
-    primitive-table entry (Note [Declaring an op] in autograd/registry.py)."""
+    primitive-table entry (Note [Declaring an op] in autograd/registry.py), on
+    samples from ``gen``, with the entry's ``options`` (``vmap``, ``fd``, ...)."""
 
     def vjp(r, g):
         return (formula(r, g),)
 
     vjp.__name__ = f"{name}_vjp"
     vjp.__module__ = __name__
-    table = () if program is None else (TableEntry(name, program, unary_samples(_SHAPES, gen)),)
+    table = () if program is None else (TableEntry(name, program, unary_samples(gen=gen), **options),)
     defrule(name, vjp, saves, doc=doc, table=table)
 
 
+def _plus_one_and_a_half(rng, *shape):
+    return 1.5 + positive(rng, *shape)
+
+
 # -- unary ---------------------------------------------------------------------
-_unary("neg", lambda r, g: -g, ((), ()))
-_unary("exp", lambda r, g: g * _y(r), out_(0))
+_unary("neg", lambda r, g: -g, ((), ()), program=lambda x: -x, vmap=True)
+_unary("exp", lambda r, g: g * _y(r), out_(0), program=jnp.exp, vmap=True)
 _unary("exp2", lambda r, g: g * _y(r) * jnp.asarray(math.log(2.0), g.dtype), out_(0), program=jnp.exp2)
-_unary("log", lambda r, g: g / _x(r), in_(0))
+_unary("log", lambda r, g: g / _x(r), in_(0), program=jnp.log, gen=positive)
 _unary("log1p", lambda r, g: g / (_x(r) + 1), in_(0), program=jnp.log1p, gen=positive)
 _unary("expm1", lambda r, g: g * (_y(r) + 1), out_(0), program=jnp.expm1)
-_unary("tanh", lambda r, g: g * (1 - _y(r) * _y(r)), out_(0))
-_unary("logistic", lambda r, g: g * _y(r) * (1 - _y(r)), out_(0))
-_unary("sin", lambda r, g: g * lax.cos(_x(r)), in_(0))
-_unary("cos", lambda r, g: -g * lax.sin(_x(r)), in_(0))
-_unary("tan", lambda r, g: g * (1 + _y(r) * _y(r)), out_(0))
-_unary("asin", lambda r, g: g * lax.rsqrt(1 - _x(r) * _x(r)), in_(0))
-_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _x(r) * _x(r)), in_(0))
-_unary("atan", lambda r, g: g / (1 + _x(r) * _x(r)), in_(0))
-_unary("sinh", lambda r, g: g * lax.cosh(_x(r)), in_(0))
-_unary("cosh", lambda r, g: g * lax.sinh(_x(r)), in_(0))
-_unary("asinh", lambda r, g: g * lax.rsqrt(_x(r) * _x(r) + 1), in_(0))
-_unary("acosh", lambda r, g: g * lax.rsqrt((_x(r) - 1) * (_x(r) + 1)), in_(0))
-_unary("atanh", lambda r, g: g / (1 - _x(r) * _x(r)), in_(0))
-_unary("sqrt", lambda r, g: g * 0.5 / _y(r), out_(0))
-_unary("rsqrt", lambda r, g: g * -0.5 * _y(r) / _x(r), ((0,), (0,)))
+_unary("tanh", lambda r, g: g * (1 - _y(r) * _y(r)), out_(0), program=jnp.tanh, vmap=True)
+_unary("logistic", lambda r, g: g * _y(r) * (1 - _y(r)), out_(0), program=jax.nn.sigmoid)
+_unary("sin", lambda r, g: g * lax.cos(_x(r)), in_(0), program=jnp.sin, vmap=True)
+_unary("cos", lambda r, g: -g * lax.sin(_x(r)), in_(0), program=jnp.cos)
+_unary("tan", lambda r, g: g * (1 + _y(r) * _y(r)), out_(0), program=jnp.tan, gen=unit)
+_unary("asin", lambda r, g: g * lax.rsqrt(1 - _x(r) * _x(r)), in_(0), program=jnp.arcsin, gen=unit)
+_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _x(r) * _x(r)), in_(0), program=jnp.arccos, gen=unit)
+_unary("atan", lambda r, g: g / (1 + _x(r) * _x(r)), in_(0), program=jnp.arctan)
+_unary("sinh", lambda r, g: g * lax.cosh(_x(r)), in_(0), program=jnp.sinh)
+_unary("cosh", lambda r, g: g * lax.sinh(_x(r)), in_(0), program=jnp.cosh)
+_unary("asinh", lambda r, g: g * lax.rsqrt(_x(r) * _x(r) + 1), in_(0), program=jnp.arcsinh)
+_unary(
+    "acosh",
+    lambda r, g: g * lax.rsqrt((_x(r) - 1) * (_x(r) + 1)),
+    in_(0),
+    program=jnp.arccosh,
+    gen=_plus_one_and_a_half,
+)
+_unary("atanh", lambda r, g: g / (1 - _x(r) * _x(r)), in_(0), program=jnp.arctanh, gen=unit)
+_unary("sqrt", lambda r, g: g * 0.5 / _y(r), out_(0), program=jnp.sqrt, gen=positive)
+add_table(
+    "sqrt",
+    TableEntry(
+        "norm_fro",
+        lambda a: jnp.linalg.norm(a, "fro") + jnp.linalg.norm(a[0]),
+        unary_samples([(3, 4)]),
+    ),
+)
+_unary("rsqrt", lambda r, g: g * -0.5 * _y(r) / _x(r), ((0,), (0,)), program=lax.rsqrt, gen=positive)
 _unary("cbrt", lambda r, g: g / (3 * _y(r) * _y(r)), out_(0), program=jnp.cbrt, gen=positive)
-_unary("abs", lambda r, g: g * jnp.sign(_x(r)), in_(0))
+_unary("abs", lambda r, g: g * jnp.sign(_x(r)), in_(0), program=jnp.abs, gen=away)
 _unary("square", lambda r, g: g * 2 * _x(r), in_(0), program=jnp.square)
-_unary("erf", lambda r, g: g * (2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)), in_(0))
-_unary("erfc", lambda r, g: g * (-2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)), in_(0))
-_unary("erf_inv", lambda r, g: g * (math.sqrt(math.pi) / 2) * lax.exp(_y(r) * _y(r)), out_(0))
-_unary("lgamma", lambda r, g: g * lax.digamma(_x(r)), in_(0))
-_unary("digamma", lambda r, g: g * lax.polygamma(jnp.ones((), _x(r).dtype), _x(r)), in_(0))
+_unary(
+    "erf",
+    lambda r, g: g * (2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)),
+    in_(0),
+    program=jsp.special.erf,
+)
+_unary(
+    "erfc",
+    lambda r, g: g * (-2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)),
+    in_(0),
+    program=jsp.special.erfc,
+)
+_unary(
+    "erf_inv",
+    lambda r, g: g * (math.sqrt(math.pi) / 2) * lax.exp(_y(r) * _y(r)),
+    out_(0),
+    program=jsp.special.erfinv,
+    gen=unit,
+)
+_unary("lgamma", lambda r, g: g * lax.digamma(_x(r)), in_(0), program=jsp.special.gammaln, gen=positive)
+_unary(
+    "digamma",
+    lambda r, g: g * lax.polygamma(jnp.ones((), _x(r).dtype), _x(r)),
+    in_(0),
+    program=jsp.special.digamma,
+    gen=positive,
+)
 _unary(
     "reduce_precision",
     lambda r, g: lax.reduce_precision(g, exponent_bits=r.p["exponent_bits"], mantissa_bits=r.p["mantissa_bits"]),
     ((), ()),
+    program=lambda x: lax.reduce_precision(x, 8, 23) * x,
+    fd=False,
 )
 _unary("copy", lambda r, g: g, ((), ()))
 _unary("copy_p", lambda r, g: g, ((), ()))
@@ -113,18 +155,27 @@ def _integer_pow(r, g):
     return g * dx
 
 
-_unary("integer_pow", _integer_pow, in_(0))
+_unary("integer_pow", _integer_pow, in_(0), program=lambda x: x**3 + x**2 - 1 / x**2, gen=away)
 
 
 def _convert(r, g):
     return g.astype(r.in_avals[0].dtype)
 
 
-_unary("convert_element_type", _convert, ((), ()))
+_unary(
+    "convert_element_type",
+    _convert,
+    ((), ()),
+    program=lambda x: jnp.sin(x.astype(jnp.bfloat16).astype(x.dtype)) * x,
+    fd=False,
+)
 
 
 # -- binary --------------------------------------------------------------------
-def _binary(name, lhs, rhs, saves, doc=None):
+def _binary(name, lhs, rhs, saves, doc=None, program=None, samples=None, **options):
+    """A binary rule; ``program`` adds its primitive-table entry (on ``samples``,
+    default: two normal operands, the second possibly rank 0)."""
+
     def vjp(r, g):
         a, b = r.in_avals
         return (
@@ -134,7 +185,8 @@ def _binary(name, lhs, rhs, saves, doc=None):
 
     vjp.__name__ = f"{name}_vjp"
     vjp.__module__ = __name__
-    defrule(name, vjp, saves, doc=doc)
+    table = () if program is None else (TableEntry(name, program, samples or binary_samples(), **options),)
+    defrule(name, vjp, saves, doc=doc, table=table)
 
 
 def _mul_saves(needs):
@@ -152,11 +204,29 @@ def _bcast(g, x):
     return shd.broadcast_to(x, g.shape, shd.sharding_of(g))
 
 
-_binary("add", lambda r, g: g, lambda r, g: g, ((), ()))
+_binary("add", lambda r, g: g, lambda r, g: g, ((), ()), program=lambda x, y: x + y, vmap=True)
 _binary("add_any", lambda r, g: g, lambda r, g: g, ((), ()))
-_binary("sub", lambda r, g: g, lambda r, g: -g, ((), ()))
-_binary("mul", lambda r, g: g * _x(r, 1), lambda r, g: g * _x(r, 0), _mul_saves)
-_binary("div", lambda r, g: g / _x(r, 1), lambda r, g: -g * _x(r, 0) / (_x(r, 1) * _x(r, 1)), _div_saves)
+_binary("sub", lambda r, g: g, lambda r, g: -g, ((), ()), program=lambda x, y: x - y)
+_binary(
+    "mul",
+    lambda r, g: g * _x(r, 1),
+    lambda r, g: g * _x(r, 0),
+    _mul_saves,
+    program=lambda x, y: x * y,
+    vmap=True,
+)
+add_table(
+    "mul",  # jnp.linalg.det of a 2x2 or 3x3 matrix: products of its entries
+    TableEntry("det_small", jnp.linalg.det, unary_samples([(2, 2), (3, 3), (2, 3, 3)], wellcond), prims=("mul",)),
+)
+_binary(
+    "div",
+    lambda r, g: g / _x(r, 1),
+    lambda r, g: -g * _x(r, 0) / (_x(r, 1) * _x(r, 1)),
+    _div_saves,
+    program=lambda x, y: x / y,
+    samples=binary_samples(normal, positive),
+)
 
 
 def _balanced(x, z, y):
@@ -169,12 +239,16 @@ _binary(
     lambda r, g: g * _balanced(_bcast(g, _x(r, 0)), _y(r), _bcast(g, _x(r, 1))),
     lambda r, g: g * _balanced(_bcast(g, _x(r, 1)), _y(r), _bcast(g, _x(r, 0))),
     ((0, 1), (0,)),
+    program=jnp.maximum,
+    samples=binary_samples(distinct, distinct),
 )
 _binary(
     "min",
     lambda r, g: g * _balanced(_bcast(g, _x(r, 0)), _y(r), _bcast(g, _x(r, 1))),
     lambda r, g: g * _balanced(_bcast(g, _x(r, 1)), _y(r), _bcast(g, _x(r, 0))),
     ((0, 1), (0,)),
+    program=jnp.minimum,
+    samples=binary_samples(distinct, distinct),
 )
 
 
@@ -188,6 +262,8 @@ _binary(
     lambda r, g: g * _x(r, 1) / _atan2_den(r),
     lambda r, g: -g * _x(r, 0) / _atan2_den(r),
     ((0, 1), ()),
+    program=jnp.arctan2,
+    samples=binary_samples(away, away),
 )
 
 
@@ -196,7 +272,18 @@ def _rem_rhs(r, g):
     return -g * jnp.sign(q) * jnp.floor(jnp.abs(q))
 
 
-_binary("rem", lambda r, g: g, _rem_rhs, ((0, 1), ()))
+def _point_three(rng, *shape):
+    return 0.3 + 0 * positive(rng, *shape)
+
+
+_binary(
+    "rem",
+    lambda r, g: g,
+    _rem_rhs,
+    ((0, 1), ()),
+    program=lambda x, y: lax.rem(x, y),
+    samples=binary_samples(positive, _point_three),
+)
 
 
 def _pow_lhs(r, g):
@@ -211,7 +298,14 @@ def _pow_rhs(r, g):
     return g * lax.log(safe) * _y(r)
 
 
-_binary("pow", _pow_lhs, _pow_rhs, ((0, 1), (0,)))
+_binary(
+    "pow",
+    _pow_lhs,
+    _pow_rhs,
+    ((0, 1), (0,)),
+    program=lambda x, y: lax.pow(x, y),
+    samples=binary_samples(positive, normal),
+)
 
 
 # -- select / clamp ------------------------------------------------------------
@@ -230,7 +324,18 @@ def _select_n_vjp(r, g):
     return tuple(out)
 
 
-defrule("select_n", _select_n_vjp, in_(0))
+defrule(
+    "select_n",
+    _select_n_vjp,
+    in_(0),
+    table=(
+        TableEntry(
+            "select_n",
+            lambda x, y: jnp.where(x > 0, x * 2, y),
+            binary_samples(away, normal, shapes=(((3, 4), (3, 4)),)),
+        ),
+    ),
+)
 
 
 def _clamp_vjp(r, g):
@@ -244,11 +349,34 @@ def _clamp_vjp(r, g):
     )
 
 
-defrule("clamp", _clamp_vjp, in_(0, 1, 2))
+def _clamp_samples(r):
+    return [
+        Sample((-1 + 0.1 * distinct(r, 3, 4), distinct(r, 3, 4), 1 + 0.1 * distinct(r, 3, 4)), diff=(0, 1, 2)),
+    ]
+
+
+defrule(
+    "clamp",
+    _clamp_vjp,
+    in_(0, 1, 2),
+    table=(TableEntry("clamp", lambda lo, x, hi: lax.clamp(lo, x, hi), _clamp_samples),),
+)
 
 
 def _barrier_vjp(r, g):
     return tuple(g)
 
 
-defrule("optimization_barrier", _barrier_vjp, ((), ()), multiple_results=True)
+defrule(
+    "optimization_barrier",
+    _barrier_vjp,
+    ((), ()),
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "optimization_barrier",
+            lambda x: lax.optimization_barrier((x, x * 2))[1] * x,
+            unary_samples(),
+        ),
+    ),
+)

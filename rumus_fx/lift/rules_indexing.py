@@ -36,8 +36,30 @@ import numpy as np
 from jax import lax
 
 from .. import sharding as shd
+from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
+from ..ops._declare import distinct, normal
 from .rules import defrule, in_, is_float, out_
+
+# -- primitive-table samples -----------------------------------------------------------
+
+
+def _i(*v):
+    return np.array(v, np.int32)
+
+
+def _with(gen, shape, *extra, diff=(0,)):
+    """Samples: one array of ``shape`` from ``gen`` followed by fixed extras."""
+    return lambda r: [Sample((gen(r, *shape), *extra), diff=diff)]
+
+
+def _upd(shape, idx, ushape, gen=normal, ugen=normal, diff=(0, 1)):
+    """Samples for ``f(x, updates, idx)``."""
+    return lambda r: [Sample((gen(r, *shape), ugen(r, *ushape), idx), diff=diff)]
+
+
+DUP = (0, 3, 3, 1, 3)  # repeated indices
+DUP_OOB = (0, 3, 7, 3, -1, 1, -9)  # repeated, out of bounds high and low
 
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
 
@@ -120,7 +142,61 @@ def _gather_vjp(r, g):
     return out.astype(aval.dtype), None
 
 
-defrule("gather", _gather_vjp, in_(1))
+def _window_gather(x, i):
+    """2x2 windows at (row, col) starts; clip mode clamps the windows that stick out."""
+    dn = lax.GatherDimensionNumbers(offset_dims=(1, 2), collapsed_slice_dims=(), start_index_map=(0, 1))
+    return lax.gather(x, i, dn, (2, 2), mode="clip")
+
+
+def _embedding(table, w, ids):
+    return jnp.tanh(table[ids] @ w)
+
+
+defrule(
+    "gather",
+    _gather_vjp,
+    in_(1),
+    table=(
+        TableEntry("gather_getitem", lambda x, i: x[i] ** 2, _with(normal, (5, 3), _i(*DUP)), vmap=True),
+        TableEntry("gather_columns", lambda x, i: jnp.sin(x[:, i]), _with(normal, (3, 5), _i(4, 0, 4, -1))),
+        TableEntry("gather_rows_slice", lambda x, i: x[i, 1:3] * 3.0, _with(normal, (5, 4), _i(*DUP))),
+        TableEntry(
+            "gather_points",
+            lambda x, i, j: x[i, j] ** 2,
+            _with(normal, (4, 5), _i(0, 3, 3, 1), _i(2, 4, 4, 0)),
+        ),
+        TableEntry(
+            "gather_take_along_axis",
+            lambda x, i: jnp.take_along_axis(x, i, axis=1) ** 2,
+            _with(normal, (3, 4), np.array([[0, 3, 3], [1, 1, 1], [2, 0, -1]], np.int32)),
+            vmap=True,
+        ),
+        TableEntry(
+            "gather_take_clip",
+            lambda x, i: jnp.take(x, i, axis=0, mode="clip") ** 2,
+            _with(normal, (4, 3), _i(*DUP_OOB)),
+        ),
+        TableEntry(
+            "gather_take_fill",
+            lambda x, i: jnp.take(x, i, axis=1, mode="fill", fill_value=-1.0) ** 2,
+            _with(normal, (3, 4), _i(*DUP_OOB)),
+        ),
+        TableEntry(
+            "gather_window_clip",
+            _window_gather,
+            _with(normal, (4, 5), _i(0, 0, 3, 4, 1, 3, 1, 3).reshape(4, 2)),
+        ),
+        TableEntry(
+            "gather_embedding",
+            _embedding,
+            lambda r: [
+                Sample((normal(r, 6, 4), normal(r, 4, 3), np.array([[1, 5, 1], [0, 1, 2]], np.int32)), diff=(0, 1))
+            ],
+            prims=("gather", "dot_general"),
+            vmap=True,
+        ),
+    ),
+)
 
 
 # -- scatter-add / scatter-sub ----------------------------------------------------
@@ -136,8 +212,36 @@ def _scatter_add_vjp(r, g, sign=1):
     return g_op, None, g_up
 
 
-defrule("scatter-add", _scatter_add_vjp, in_(1))
-defrule("scatter-sub", lambda r, g: _scatter_add_vjp(r, g, -1), in_(1))
+defrule(
+    "scatter-add",
+    _scatter_add_vjp,
+    in_(1),
+    table=(
+        TableEntry(
+            "scatter_add",
+            lambda x, u, i: jnp.sin(x.at[i].add(u)),
+            _upd((5, 3), _i(*DUP_OOB), (7, 3)),
+            vmap=True,
+        ),
+        TableEntry(
+            "scatter_add_clip",
+            lambda x, u, i: jnp.sin(x.at[:, i].add(u, mode="clip")),
+            _upd((3, 5), _i(*DUP_OOB), (3, 7)),
+        ),
+    ),
+)
+
+
+def _scatter_sub_vjp(r, g):
+    return _scatter_add_vjp(r, g, -1)
+
+
+defrule(
+    "scatter-sub",
+    _scatter_sub_vjp,
+    in_(1),
+    table=(TableEntry("scatter_sub", lambda x, u, i: jnp.sin(x.at[i].subtract(u)), _upd((5, 3), _i(*DUP), (5, 3))),),
+)
 
 
 # -- scatter-mul ----------------------------------------------------------------
@@ -174,7 +278,38 @@ def _scatter_mul_saves(needs):
     return tuple(ins), ()
 
 
-defrule("scatter-mul", _scatter_mul_vjp, _scatter_mul_saves)
+def _scatter_mul_errors():
+    return [
+        BadProgram(
+            "updates with repeated indices",
+            lambda x, u: x.at[np.array([0, 2, 2])].multiply(u),
+            (np.ones((4, 2)), np.full((3, 2), 2.0)),
+            AutogradError,
+            ("rf.lift", "unique_indices"),
+            argnums=1,
+        )
+    ]
+
+
+defrule(
+    "scatter-mul",
+    _scatter_mul_vjp,
+    _scatter_mul_saves,
+    table=(
+        # the updates' gradient needs unique indices
+        TableEntry(
+            "scatter_mul",
+            lambda x, u, i: x.at[i].multiply(u) * x,
+            _upd((5, 3), _i(*DUP_OOB), (7, 3), diff=(0,)),
+        ),
+        TableEntry(
+            "scatter_mul_unique",
+            lambda x, u, i: x.at[i].multiply(u, unique_indices=True) ** 2,
+            _upd((5, 3), _i(3, 0, 4), (3, 3)),
+        ),
+    ),
+    errors=_scatter_mul_errors,
+)
 
 
 # -- scatter-min / scatter-max ----------------------------------------------------
@@ -207,8 +342,45 @@ def _scatter_extremal_vjp(r, g):
     return g_op, None, g_up
 
 
-defrule("scatter-min", _scatter_extremal_vjp, ((0, 1, 2), (0,)))
-defrule("scatter-max", _scatter_extremal_vjp, ((0, 1, 2), (0,)))
+def _round_normal(r, *s):
+    return np.round(normal(r, *s))
+
+
+def _twice_normal(r, *s):
+    return 2 * normal(r, *s)
+
+
+defrule(
+    "scatter-min",
+    _scatter_extremal_vjp,
+    ((0, 1, 2), (0,)),
+    table=(
+        TableEntry(
+            "scatter_min",
+            lambda x, u, i: x.at[i].min(u) * 2.0,
+            _upd((5, 3), _i(*DUP_OOB), (7, 3), distinct, distinct),
+        ),
+    ),
+)
+defrule(
+    "scatter-max",
+    _scatter_extremal_vjp,
+    ((0, 1, 2), (0,)),
+    table=(
+        TableEntry(
+            "scatter_max",
+            lambda x, u, i: jnp.sin(x.at[:, i].max(u)),
+            _upd((3, 5), _i(*DUP_OOB), (3, 7), distinct, distinct),
+            vmap=True,
+        ),
+        TableEntry(
+            "scatter_max_ties",  # equal updates and operand values share the gradient
+            lambda x, u, i: x.at[i].max(jnp.round(u)) * jnp.arange(1.0, 16.0).reshape(5, 3),
+            _upd((5, 3), _i(*DUP), (5, 3), _round_normal, _twice_normal),
+            fd=False,
+        ),
+    ),
+)
 
 
 # -- scatter (.at[].set) ----------------------------------------------------------
@@ -243,7 +415,66 @@ def _scatter_vjp(r, g):
 
 _scatter_vjp.prepare = _no_combiner
 
-defrule("scatter", _scatter_vjp, in_(1))
+
+def _window_scatter(x, u, i):
+    """Overlapping 2x2 windows, one of them out of bounds (dropped)."""
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(), scatter_dims_to_operand_dims=(0, 1)
+    )
+    return lax.scatter(x, i, u, dn) ** 2
+
+
+def _scatter_errors():
+    return [
+        BadProgram(
+            "apply",
+            lambda x: x.at[np.array([0, 2, 2])].apply(jnp.sin),
+            (np.ones(4),),
+            AutogradError,
+            ("rf.lift", "apply"),
+        )
+    ]
+
+
+defrule(
+    "scatter",
+    _scatter_vjp,
+    in_(1),
+    table=(
+        TableEntry(
+            "scatter_set",
+            lambda x, u, i: x.at[i].set(u * 2.0) ** 2,
+            _upd((5, 3), _i(*DUP_OOB), (7, 3)),
+            vmap=True,
+        ),
+        TableEntry(
+            "scatter_set_unique",
+            lambda x, u, i: x.at[i].set(u, unique_indices=True) ** 2,
+            _upd((5, 3), _i(4, 0, 2), (3, 3)),
+        ),
+        TableEntry(
+            "scatter_set_clip",
+            lambda x, u, i: x.at[:, i].set(u, mode="clip") ** 2,
+            _upd((3, 5), _i(*DUP_OOB), (3, 7)),
+        ),
+        TableEntry(
+            "scatter_set_scalar",
+            lambda x, u, i: x.at[i, 1].set(u[0]) * x,
+            _upd((4, 3), _i(2, 2, 0), (3,)),
+        ),
+        TableEntry(
+            "scatter_window",
+            _window_scatter,
+            _upd((4, 5), _i(0, 0, 1, 1, 3, 4, 1, 1).reshape(4, 2), (4, 2, 2)),
+        ),
+        TableEntry(
+            "scatter_put_along_axis",  # operand_batching_dims
+            lambda x, u, i: jnp.put_along_axis(x, i, u, axis=1, inplace=False) ** 2,
+            _upd((3, 5), np.array([[0, 4, 4], [1, 1, 0], [2, 3, 2]], np.int32), (3, 3)),
+        ),
+    ),
+    errors=_scatter_errors,
+)
 
 
 # -- sort -----------------------------------------------------------------------
@@ -273,7 +504,72 @@ def _sort_saves(needs, params):
     return tuple(range(params["num_keys"])), ()
 
 
-defrule("sort", _sort_vjp, _sort_saves, multiple_results=True)
+def _sort_each_axis(x):  # (jnp.stack is a primitive of its own: concatenate here)
+    return jnp.concatenate([jnp.sort(x, axis=a) for a in range(x.ndim)])
+
+
+def _sort_pairs(k, v):
+    a, b = lax.sort((k, v), dimension=1, num_keys=1)
+    return jnp.concatenate([a, b * 2.0])
+
+
+def _sort_two_keys(k1, k2, v):
+    _, b, c = lax.sort((k1, k2, v), dimension=0, num_keys=2)
+    return jnp.concatenate([b, c])
+
+
+def _argsort_take(x, y):
+    order = jnp.argsort(x, axis=1)
+    return jnp.take_along_axis(y, order, axis=1) * jnp.take_along_axis(x, order, axis=1)
+
+
+defrule(
+    "sort",
+    _sort_vjp,
+    _sort_saves,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "sort",
+            _sort_each_axis,
+            lambda r: [Sample((distinct(r, 3, 4),)), Sample((distinct(r, 2, 3, 4),))],
+            vmap=True,
+        ),
+        TableEntry(
+            "sort_ties",  # tied keys: the stable order decides who gets which gradient
+            lambda x: jnp.sort(jnp.round(x), axis=1) * jnp.arange(1.0, 9.0)[None] + jnp.sort(x, axis=1),
+            lambda r: [Sample((normal(r, 3, 8),))],
+            fd=False,
+        ),
+        TableEntry(
+            "sort_unstable",
+            lambda x: lax.sort(x, dimension=0, is_stable=False) ** 2,
+            _with(distinct, (5, 3)),
+        ),
+        TableEntry(
+            "sort_pairs",
+            _sort_pairs,
+            lambda r: [Sample((distinct(r, 3, 5), normal(r, 3, 5)), diff=(0, 1))],
+        ),
+        TableEntry(
+            "sort_two_keys",
+            _sort_two_keys,
+            lambda r: [Sample((np.array([2, 0, 2, 1, 0, 2], np.int32), distinct(r, 6), normal(r, 6)), diff=(1, 2))],
+        ),
+        TableEntry(
+            "argsort_take_along_axis",
+            _argsort_take,
+            lambda r: [Sample((distinct(r, 3, 5), normal(r, 3, 5)), diff=(0, 1))],
+            prims=("sort", "gather"),
+        ),
+        TableEntry("median", lambda x: jnp.median(x, axis=0), _with(distinct, (5, 3)), prims=("sort", "gather")),
+        TableEntry(
+            "quantile",
+            lambda x: jnp.quantile(x, jnp.array([0.1, 0.5, 0.75]), axis=1),
+            _with(distinct, (3, 6)),
+        ),
+    ),
+)
 
 
 # -- top_k ------------------------------------------------------------------------
@@ -297,4 +593,28 @@ def _top_k_vjp(r, g):
     return (lax.scatter_add(zeros, shd.reshape(idx, (*idx.shape, 1)), g[0], dn),)
 
 
-defrule("top_k", _top_k_vjp, out_(1), multiple_results=True)
+def _top_k(x, y):
+    v, i = lax.top_k(x, 3)
+    return v**2 + jnp.take_along_axis(y, i, axis=-1)
+
+
+def _top_k_axis(x):
+    v, _ = lax.top_k(x, 2, axis=0)
+    return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
+
+
+defrule(
+    "top_k",
+    _top_k_vjp,
+    out_(1),
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "top_k",
+            _top_k,
+            lambda r: [Sample((distinct(r, 3, 6), normal(r, 3, 6)), diff=(0, 1))],
+            vmap=True,
+        ),
+        TableEntry("top_k_axis", _top_k_axis, _with(distinct, (5, 3))),
+    ),
+)

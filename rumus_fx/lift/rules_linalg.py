@@ -21,18 +21,50 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
+import jax.scipy as jsp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
+from ..ops._declare import Lazy, normal, positive, spd, unary_samples, wellcond
 from .interpreter import Program
 from .rules import defrule, in_, out_
 from .rules_elementwise import unbroadcast
 
 _HI = lax.Precision.HIGHEST
 _trsolve = lax.linalg.triangular_solve
+
+# -- the primitive table's samples and programs --------------------------------------
+# Matrices are small and well conditioned (``wellcond``; ``spd`` where a symmetric
+# positive definite one is needed); eigen- and singular values are distinct.
+# Eigen- and singular vectors are returned with a fixed sign (the sign of their
+# first component), so the outputs are smooth functions of the input and finite
+# differences apply.
+
+
+def _systems(gen, *pairs):
+    """(matrix, right-hand side) samples, both differentiable."""
+    return lambda rng: [Sample((gen(rng, *a), normal(rng, *b)), diff=(0, 1)) for a, b in pairs]
+
+
+def _cat(*xs):
+    """Several outputs as one flat array (the table's functions return one array)."""
+    return jnp.concatenate([jnp.ravel(x) for x in xs])
+
+
+def _gauge(v, ref=None):
+    """Columns of ``v`` with the sign that makes ``ref``'s first row positive."""
+    ref = v if ref is None else ref
+    return v * jnp.sign(ref[..., :1, :])
+
+
+def _mat(*shape):
+    """A well-conditioned float64 matrix for an error case (built when it runs)."""
+    return Lazy(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
 
 
 def _mm(a, b):
@@ -96,6 +128,29 @@ defrule(
     "triangular_solve",
     _triangular_solve_vjp,
     lambda needs: ((0,), (0,) if needs[0] else ()),
+    table=(
+        TableEntry(
+            "triangular_solve_lower",
+            lambda a, b: jsp.linalg.solve_triangular(a, b, lower=True),
+            _systems(wellcond, ((4, 4), (4, 3)), ((4, 4), (4,)), ((2, 3, 3), (2, 3, 2))),
+            vmap=True,
+        ),
+        TableEntry(
+            "triangular_solve_upper_trans",
+            lambda a, b: jsp.linalg.solve_triangular(a, b, lower=False, trans=1),
+            _systems(wellcond, ((4, 4), (4, 2))),
+        ),
+        TableEntry(
+            "triangular_solve_unit",
+            lambda a, b: jsp.linalg.solve_triangular(a, b, lower=True, unit_diagonal=True),
+            _systems(wellcond, ((4, 4), (4, 2))),
+        ),
+        TableEntry(
+            "triangular_solve_right",
+            lambda a, b: lax.linalg.triangular_solve(a, b, left_side=False, lower=True, transpose_a=True),
+            _systems(wellcond, ((4, 4), (3, 4))),
+        ),
+    ),
 )
 
 
@@ -114,7 +169,21 @@ def _cholesky_vjp(r, g):
     return (_trsolve(L, S, left_side=False, lower=True, transpose_a=False),)
 
 
-defrule("cholesky", _cholesky_vjp, out_(0))
+defrule(
+    "cholesky",
+    _cholesky_vjp,
+    out_(0),
+    table=(
+        TableEntry("cholesky", jnp.linalg.cholesky, unary_samples([(4, 4), (2, 3, 3)], spd), vmap=True),
+        TableEntry(
+            "cho_solve",
+            # cho_factor reads one triangle: a symmetric input keeps finite differences meaningful
+            lambda a, b: jsp.linalg.cho_solve(jsp.linalg.cho_factor((a + a.T) / 2, lower=True), b),
+            _systems(spd, ((4, 4), (4, 2))),
+            prims=("cholesky", "triangular_solve"),
+        ),
+    ),
+)
 
 
 # -- lu -------------------------------------------------------------------------------
@@ -144,7 +213,32 @@ def _lu_vjp(r, g):
     return (_unpermute(Z, perm, -2),)
 
 
-defrule("lu", _lu_vjp, out_(0, 2), multiple_results=True)
+def _lu_logdet(a):
+    """log |det a| from the packed LU factors (the diagonal of U)."""
+    lu = jsp.linalg.lu_factor(a)[0]
+    n = a.shape[-1]
+    d = jnp.sum(lu * jnp.eye(n).reshape((1,) * (a.ndim - 2) + (n, n)), axis=-1)
+    return jnp.sum(jnp.log(jnp.abs(d)), axis=-1)
+
+
+defrule(
+    "lu",
+    _lu_vjp,
+    out_(0, 2),
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "lu_factor", lambda a: jsp.linalg.lu_factor(a)[0], unary_samples([(4, 4), (2, 3, 3)], wellcond), vmap=True
+        ),
+        TableEntry("lu_nonsquare", lambda a: lax.linalg.lu(a)[0], unary_samples([(5, 3), (3, 5)])),
+        TableEntry("scipy_lu", lambda a: _cat(*jsp.linalg.lu(a)[1:]), unary_samples([(4, 4), (4, 3)], wellcond)),
+        TableEntry("lu_logdet", _lu_logdet, unary_samples([(4, 4), (2, 3, 3)], wellcond)),
+        # jnp.linalg.det (n > 3) and slogdet read the diagonal of the LU factors
+        # with jnp.diagonal (a cond on the platform and a gather)
+        TableEntry("det", jnp.linalg.det, unary_samples([(4, 4), (2, 4, 4)], wellcond)),
+        TableEntry("slogdet", lambda a: jnp.linalg.slogdet(a)[1], unary_samples([(4, 4), (2, 5, 5)], wellcond)),
+    ),
+)
 
 
 # -- qr -------------------------------------------------------------------------------
@@ -192,7 +286,7 @@ def _qr_vjp(r, g):
         gx = _full_qr_vjp(q, rr, gq, gr, n)
     elif m < n:
         if pivoting:
-            raise AutogradError("rf.lift: the gradient of a pivoted QR of a wide matrix (m < n) is not supported")
+            raise AutogradError("rf.lift: the gradient of qr(pivoting=True) of a wide matrix (m < n) is not supported")
         x = r.extra[0]
         gr1, gr2 = gr[..., :, :m], gr[..., :, m:]
         gq1 = gq + _mm(x[..., :, m:], _T(gr2))
@@ -205,7 +299,41 @@ def _qr_vjp(r, g):
     return (gx,)
 
 
-defrule("qr", _qr_vjp, out_(0, 1), forward=_qr_forward, multiple_results=True)
+def _qr_errors():
+    return [
+        BadProgram(
+            "pivoting wide",  # JAX's rule reads the unpivoted trailing columns here
+            lambda a: lax.linalg.qr(a, pivoting=True, full_matrices=False)[1],
+            (_mat(3, 4),),
+            AutogradError,
+            ("rf.lift", "pivoting=True"),
+        )
+    ]
+
+
+defrule(
+    "qr",
+    _qr_vjp,
+    out_(0, 1),
+    forward=_qr_forward,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "qr", lambda a: _cat(*jnp.linalg.qr(a)), unary_samples([(4, 4), (5, 3), (3, 5), (2, 4, 3)]), vmap=True
+        ),
+        TableEntry(
+            "qr_complete",
+            lambda a: _cat(*jnp.linalg.qr(a, mode="complete")),
+            unary_samples([(3, 3), (5, 3), (2, 4, 2)]),
+        ),
+        TableEntry(
+            "qr_pivoting",
+            lambda a: _cat(*lax.linalg.qr(a, pivoting=True, full_matrices=False)[:2]),
+            unary_samples([(5, 3), (4, 4)]),
+        ),
+    ),
+    errors=_qr_errors,
+)
 
 
 # -- eigh -----------------------------------------------------------------------------
@@ -230,7 +358,21 @@ def _eigh_vjp(r, g):
     return (_mm(_mm(v, K), _T(v)),)
 
 
-defrule("eigh", _eigh_vjp, out_(0, 1), multiple_results=True)
+def _eigh(a):
+    w, v = jnp.linalg.eigh(a)
+    return _cat(w, _gauge(v))
+
+
+defrule(
+    "eigh",
+    _eigh_vjp,
+    out_(0, 1),
+    multiple_results=True,
+    table=(
+        TableEntry("eigh", _eigh, unary_samples([(4, 4), (2, 3, 3)], spd), vmap=True),
+        TableEntry("eigvalsh", jnp.linalg.eigvalsh, unary_samples([(4, 4)], spd)),
+    ),
+)
 
 
 # -- svd --------------------------------------------------------------------------------
@@ -289,7 +431,52 @@ def _svd_vjp(r, g):
     return (gA,)
 
 
-defrule("svd", _svd_vjp, forward=_svd_forward, multiple_results=True)
+def _svd(a, full_matrices=False):
+    u, s, vt = jnp.linalg.svd(a, full_matrices=full_matrices)
+    sign = jnp.sign(u[..., :1, :])
+    return _cat(u * sign, s, vt * jnp.swapaxes(sign, -1, -2))
+
+
+def _svd_errors():
+    return [
+        BadProgram(
+            "full_matrices tall",
+            lambda a: jnp.linalg.svd(a, full_matrices=True)[0],
+            (_mat(4, 3),),
+            AutogradError,
+            ("rf.lift", "full_matrices"),
+            x64=True,
+            jax_too=True,
+        ),
+        BadProgram(
+            "full_matrices wide",
+            lambda a: jnp.linalg.svd(a, full_matrices=True)[2],
+            (_mat(3, 4),),
+            AutogradError,
+            ("rf.lift", "full_matrices"),
+            x64=True,
+            jax_too=True,
+        ),
+    ]
+
+
+defrule(
+    "svd",
+    _svd_vjp,
+    forward=_svd_forward,
+    multiple_results=True,
+    table=(
+        TableEntry("svd", _svd, unary_samples([(4, 4), (5, 3), (3, 5), (2, 4, 3)]), vmap=True),
+        TableEntry("svd_full_square", lambda a: _svd(a, full_matrices=True), unary_samples([(3, 3)])),
+        TableEntry(
+            "svdvals", lambda a: jnp.linalg.svd(a, compute_uv=False), unary_samples([(4, 3), (3, 5), (2, 3, 3)])
+        ),
+        TableEntry("norm_2", lambda a: jnp.linalg.norm(a, 2), unary_samples([(4, 3), (3, 3)])),
+        TableEntry("norm_nuc", lambda a: jnp.linalg.norm(a, "nuc"), unary_samples([(3, 4)])),
+        TableEntry("pinv", jnp.linalg.pinv, unary_samples([(4, 3), (3, 4)])),
+    ),
+    errors=_svd_errors,
+)
 
 
 # -- custom_linear_solve ------------------------------------------------------------------
@@ -344,8 +531,76 @@ def _linear_solve_vjp(r, g):
     return tuple(out)
 
 
+def _cg_solve(a, b):
+    """``A x = b`` through lax.custom_linear_solve, the (symmetric) matrix closed
+    over by matvec and solve (symmetric: transpose_solve is solve)."""
+    a = (a + a.T) / 2
+    factor = jsp.linalg.cho_factor(a)
+    return lax.custom_linear_solve(
+        lambda x: a @ x, b, solve=lambda _, r: jsp.linalg.cho_solve(factor, r), symmetric=True
+    )
+
+
+def _pair_solve(a, b):
+    """custom_linear_solve on a pytree right-hand side (two leaves) with an
+    explicit transpose_solve: the block system [[a, I/2], [a^T/4, 2 I]]."""
+    n = a.shape[-1]
+    eye = jnp.eye(n)
+    full = jnp.block([[a, 0.5 * eye], [0.25 * a.T, 2.0 * eye]])
+
+    def matvec(x):
+        return (a @ x[0] + 0.5 * x[1], 0.25 * a.T @ x[0] + 2.0 * x[1])
+
+    def solver(m):
+        def solve(_, r):
+            z = jnp.linalg.solve(m, jnp.concatenate(r))
+            return (z[:n], z[n:])
+
+        return solve
+
+    # both leaves of the right-hand side depend on b: jax.grad cannot take a
+    # gradient with respect to a part of a pytree right-hand side
+    x = lax.custom_linear_solve(matvec, (b, jnp.sin(b)), solve=solver(full), transpose_solve=solver(full.T))
+    return _cat(x[0], x[1])
+
+
+def _no_transpose_solve(a):
+    return lax.custom_linear_solve(lambda x: a @ x, jnp.ones(3), solve=lambda _, b: jnp.linalg.solve(a, b))
+
+
+def _linear_solve_errors():
+    return [
+        BadProgram(
+            "no transpose_solve",
+            _no_transpose_solve,
+            (_mat(3, 3),),
+            AutogradError,
+            ("rf.lift", "transpose_solve"),
+            x64=True,
+            jax_too=True,
+        )
+    ]
+
+
 _linear_solve_vjp.prepare = _linear_solve_prepare
-defrule("custom_linear_solve", _linear_solve_vjp, forward=_linear_solve_forward, multiple_results=True)
+defrule(
+    "custom_linear_solve",
+    _linear_solve_vjp,
+    forward=_linear_solve_forward,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "solve",
+            jnp.linalg.solve,
+            _systems(wellcond, ((4, 4), (4,)), ((3, 3), (3, 2)), ((2, 3, 3), (2, 3, 2))),
+            vmap=True,
+        ),
+        TableEntry("inv", jnp.linalg.inv, unary_samples([(4, 4), (2, 3, 3)], wellcond)),
+        TableEntry("custom_linear_solve_symmetric", _cg_solve, _systems(spd, ((4, 4), (4,)))),
+        TableEntry("custom_linear_solve_pytree", _pair_solve, _systems(wellcond, ((3, 3), (3,)))),
+    ),
+    errors=_linear_solve_errors,
+)
 
 
 # -- tridiagonal_solve ----------------------------------------------------------------------
@@ -372,7 +627,23 @@ def _tridiagonal_solve_vjp(r, g):
     return g_dl, g_d, g_du, (gb if r.needs[3] else None)
 
 
-defrule("tridiagonal_solve", _tridiagonal_solve_vjp, ((0, 1, 2), (0,)))
+def _tridiagonal_samples(rng):
+    return [
+        Sample((normal(rng, 4), 4 + normal(rng, 4), normal(rng, 4), normal(rng, 4, 2)), diff=(0, 1, 2, 3)),
+        Sample((normal(rng, 2, 3), 4 + normal(rng, 2, 3), normal(rng, 2, 3), normal(rng, 2, 3, 1)), diff=(0, 1, 2, 3)),
+    ]
+
+
+defrule(
+    "tridiagonal_solve",
+    _tridiagonal_solve_vjp,
+    ((0, 1, 2), (0,)),
+    table=(
+        TableEntry(
+            "tridiagonal_solve", lambda dl, d, du, b: lax.linalg.tridiagonal_solve(dl, d, du, b), _tridiagonal_samples
+        ),
+    ),
+)
 
 
 # -- special functions ------------------------------------------------------------------------
@@ -390,8 +661,18 @@ def _igamma_vjp(r, g, sign=1):
     return ga, gx
 
 
-defrule("igamma", _igamma_vjp, in_(0, 1))
-defrule("igammac", lambda r, g: _igamma_vjp(r, g, -1), in_(0, 1), record_name="IgammacBackward")
+def _two_positive(rng):
+    return [Sample((positive(rng, 3, 4) * 2, positive(rng, 3, 4) * 2), diff=(0, 1))]
+
+
+defrule("igamma", _igamma_vjp, in_(0, 1), table=(TableEntry("igamma", jsp.special.gammainc, _two_positive),))
+defrule(
+    "igammac",
+    lambda r, g: _igamma_vjp(r, g, -1),
+    in_(0, 1),
+    record_name="IgammacBackward",
+    table=(TableEntry("igammac", jsp.special.gammaincc, _two_positive),),
+)
 
 
 def _polygamma_vjp(r, g):
@@ -401,7 +682,33 @@ def _polygamma_vjp(r, g):
     return None, unbroadcast(g * lax.polygamma(m + 1, x), r.in_avals[1])
 
 
-defrule("polygamma", _polygamma_vjp, in_(0, 1))
+def _polygamma_errors():
+    return [
+        BadProgram(
+            "order",
+            lambda m, x: lax.polygamma(m, x),
+            (np.array([1.0, 2.0]), np.array([0.5, 1.5])),
+            AutogradError,
+            ("rf.lift", "order m"),
+            x64=True,
+            jax_too=True,
+        )
+    ]
+
+
+defrule(
+    "polygamma",
+    _polygamma_vjp,
+    in_(0, 1),
+    table=(
+        TableEntry(
+            "polygamma",
+            lambda x: jsp.special.polygamma(2, x) + lax.polygamma(1.0, x),
+            unary_samples([(3, 4)], positive),
+        ),
+    ),
+    errors=_polygamma_errors,
+)
 
 
 def _betainc_vjp(r, g):
@@ -415,7 +722,35 @@ def _betainc_vjp(r, g):
     return None, None, unbroadcast(g * dx, r.in_avals[2])
 
 
-defrule("regularized_incomplete_beta", _betainc_vjp, in_(0, 1, 2))
+def _betainc_errors():
+    args = (np.array([1.5]), np.array([2.0]), np.array([0.3]))
+    return [
+        BadProgram(
+            f"gradient in {v}",
+            jsp.special.betainc,
+            args,
+            AutogradError,
+            ("with respect to a and b",),
+            argnums=k,
+            names=("rf.lift", "betainc"),
+            x64=True,
+            jax_too=True,
+        )
+        for k, v in enumerate("ab")
+    ]
+
+
+def _betainc_samples(rng):
+    return [Sample((2 * positive(rng, 3, 4), 2 * positive(rng, 3, 4), rng.uniform(0.1, 0.9, (3, 4))), diff=(2,))]
+
+
+defrule(
+    "regularized_incomplete_beta",
+    _betainc_vjp,
+    in_(0, 1, 2),
+    table=(TableEntry("betainc", jsp.special.betainc, _betainc_samples),),
+    errors=_betainc_errors,
+)
 
 
 def _i0e_vjp(r, g):
@@ -423,7 +758,15 @@ def _i0e_vjp(r, g):
     return (g * (lax.bessel_i1e(x) - jnp.sign(x) * y),)
 
 
-defrule("bessel_i0e", _i0e_vjp, ((0,), (0,)))
+defrule(
+    "bessel_i0e",
+    _i0e_vjp,
+    ((0,), (0,)),
+    table=(
+        TableEntry("bessel_i0e", jsp.special.i0e, unary_samples([(3, 4)])),
+        TableEntry("bessel_i0_i1", lambda x: jsp.special.i0(x) * jsp.special.i1(x), unary_samples([(3, 4)])),
+    ),
+)
 
 
 def _i1e_vjp(r, g):
@@ -435,7 +778,16 @@ def _i1e_vjp(r, g):
     return (g * jnp.where(big, dy, 0.5),)
 
 
-defrule("bessel_i1e", _i1e_vjp, ((0,), (0,)))
+def _some_zeros(rng, *s):
+    return normal(rng, *s) * (np.arange(12).reshape(s) % 5 != 0)  # some exact zeros
+
+
+defrule(
+    "bessel_i1e",
+    _i1e_vjp,
+    ((0,), (0,)),
+    table=(TableEntry("bessel_i1e", jsp.special.i1e, unary_samples([(3, 4)], _some_zeros)),),
+)
 
 
 def _bernoulli_ratios(count):
@@ -499,7 +851,18 @@ def _zeta_vjp(r, g):
     )
 
 
-defrule("zeta", _zeta_vjp, in_(0, 1))
+defrule(
+    "zeta",
+    _zeta_vjp,
+    in_(0, 1),
+    table=(
+        TableEntry(
+            "zeta",
+            jsp.special.zeta,
+            lambda rng: [Sample((1.5 + 2 * positive(rng, 3, 4), positive(rng, 3, 4)), diff=(0, 1))],
+        ),
+    ),
+)
 
 
 def _random_gamma_vjp(r, g):
@@ -515,4 +878,18 @@ def _random_gamma_vjp(r, g):
     return None, g * dx
 
 
-defrule("random_gamma", _random_gamma_vjp, ((1,), (0,)))
+defrule(
+    "random_gamma",
+    _random_gamma_vjp,
+    ((1,), (0,)),
+    table=(
+        TableEntry(
+            "random_gamma",
+            lambda a: jax.random.gamma(jax.random.key(0), a) + jax.random.loggamma(jax.random.key(1), a + 1),
+            unary_samples([(3, 4)], positive),
+            # the gradient is the implicit (inverse-CDF) one, not the derivative of the
+            # rejection sampler's output: finite differences do not apply
+            fd=False,
+        ),
+    ),
+)

@@ -3,11 +3,18 @@ transpose, squeeze, concatenate, pad, slice, dynamic slices, rev, split)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .. import sharding as shd
+from ..autograd.registry import Sample, TableEntry
+from ..ops._declare import distinct, normal, unary_samples
 from .rules import defrule, in_
 from .rules_elementwise import unbroadcast
 
@@ -25,7 +32,18 @@ def _reduce_sum_vjp(r, g):
     return (_expand(g, r.in_avals[0], tuple(r.p["axes"]), r.in_sharding(0)).astype(r.in_avals[0].dtype),)
 
 
-defrule("reduce_sum", _reduce_sum_vjp)
+defrule(
+    "reduce_sum",
+    _reduce_sum_vjp,
+    table=(
+        TableEntry(
+            "reduce_sum",
+            lambda x: jnp.sum(x, axis=(0, 2)) * jnp.sum(x),
+            unary_samples([(2, 3, 4)]),
+            vmap=True,
+        ),
+    ),
+)
 
 
 def _chooser_vjp(r, g):
@@ -41,8 +59,21 @@ def _chooser_vjp(r, g):
     return (_expand(g, aval, axes, sh) * hit / count,)
 
 
-defrule("reduce_max", _chooser_vjp, ((0,), (0,)))
-defrule("reduce_min", _chooser_vjp, ((0,), (0,)))
+defrule(
+    "reduce_max",
+    _chooser_vjp,
+    ((0,), (0,)),
+    table=(
+        TableEntry("reduce_max", lambda x: jnp.max(x, axis=1), unary_samples(gen=distinct)),
+        TableEntry("reduce_max_ties", lambda x: jnp.max(jnp.round(x), axis=0), unary_samples([(6, 3)])),
+    ),
+)
+defrule(
+    "reduce_min",
+    _chooser_vjp,
+    ((0,), (0,)),
+    table=(TableEntry("reduce_min", lambda x: jnp.min(x, axis=(0, 1)), unary_samples([(3, 4), (2, 3, 5)], distinct)),),
+)
 
 
 def _reduce_prod_vjp(r, g):
@@ -63,7 +94,19 @@ def _reduce_prod_vjp(r, g):
     return (_expand(g, aval, axes, r.in_sharding(0)) * shd.conform(others, r.in_sharding(0)),)
 
 
-defrule("reduce_prod", _reduce_prod_vjp, in_(0))
+defrule(
+    "reduce_prod",
+    _reduce_prod_vjp,
+    in_(0),
+    table=(
+        TableEntry("reduce_prod", lambda x: jnp.prod(x, axis=1), unary_samples([(3, 4), (2, 3, 5)])),
+        TableEntry(
+            "reduce_prod_zero",
+            lambda x: jnp.prod(x.at[0, 1].set(0.0), axis=1) + jnp.prod(x),
+            unary_samples([(3, 4)]),
+        ),
+    ),
+)
 
 
 # -- dot_general ----------------------------------------------------------------
@@ -118,7 +161,33 @@ def _dot_saves(needs):
     return tuple(k for k, n in ((1, needs[0]), (0, needs[1])) if n), ()
 
 
-defrule("dot_general", _dot_general_vjp, _dot_saves)
+def _dot_samples(r):
+    return [
+        Sample((normal(r, 3, 4), normal(r, 4, 5)), diff=(0, 1)),
+        Sample((normal(r, 4), normal(r, 4, 5)), diff=(0, 1)),
+        Sample((normal(r, 3, 4), normal(r, 4)), diff=(0, 1)),
+        Sample((normal(r, 2, 3, 4), normal(r, 2, 4, 5)), diff=(0, 1)),
+    ]
+
+
+defrule(
+    "dot_general",
+    _dot_general_vjp,
+    _dot_saves,
+    table=(
+        TableEntry("dot_general", lambda a, b: a @ b, _dot_samples, vmap=True),
+        TableEntry(
+            "dot_general_einsum",
+            lambda a, b: jnp.einsum("bik,jbk->bji", a, b),
+            lambda r: [Sample((normal(r, 2, 3, 4), normal(r, 5, 2, 4)), diff=(0, 1))],
+        ),
+        TableEntry(
+            "dot_general_contract2",
+            lambda a, b: lax.dot_general(a, b, (((2, 0), (0, 1)), ((), ()))),
+            lambda r: [Sample((normal(r, 3, 4, 2), normal(r, 2, 3, 5)), diff=(0, 1))],
+        ),
+    ),
+)
 
 
 # -- shape ops --------------------------------------------------------------------
@@ -137,7 +206,17 @@ def _broadcast_in_dim_vjp(r, g):
     return (g.astype(aval.dtype),) + (None,) * (len(r.in_avals) - 1)
 
 
-defrule("broadcast_in_dim", _broadcast_in_dim_vjp)
+defrule(
+    "broadcast_in_dim",
+    _broadcast_in_dim_vjp,
+    table=(
+        TableEntry(
+            "broadcast_in_dim",
+            lambda x: jnp.broadcast_to(x, (2, 3, 4)) * jnp.arange(24.0).reshape(2, 3, 4),
+            unary_samples([(3, 1), (4,)]),
+        ),
+    ),
+)
 
 
 def _reshape_vjp(r, g):
@@ -156,8 +235,35 @@ def _squeeze_vjp(r, g):
     return (shd.conform(shd.reshape(g, r.in_avals[0].shape, out_sharding=sh), sh),)
 
 
-defrule("reshape", _reshape_vjp)
-defrule("squeeze", _squeeze_vjp)
+defrule(
+    "reshape",
+    _reshape_vjp,
+    table=(
+        TableEntry(
+            "reshape_transpose",
+            lambda x: jnp.transpose(x.reshape(4, 3), (1, 0)) * jnp.arange(12.0).reshape(3, 4),
+            unary_samples([(3, 4)]),
+            prims=("reshape", "transpose"),
+        ),
+        TableEntry(
+            "reshape_dimensions",  # jnp.column_stack of a 2-D array: reshape with a transpose
+            lambda x: jnp.column_stack(x) * jnp.arange(12.0).reshape(4, 3),
+            unary_samples([(3, 4)]),
+            prims=("reshape", "transpose"),
+        ),
+    ),
+)
+defrule(
+    "squeeze",
+    _squeeze_vjp,
+    table=(
+        TableEntry(
+            "squeeze_expand",
+            lambda x: jnp.squeeze(jnp.expand_dims(x, 0), 0)[None] * 2.0,
+            unary_samples([(3, 4)]),
+        ),
+    ),
+)
 defrule("expand_dims", _squeeze_vjp)
 
 
@@ -173,7 +279,11 @@ def _rev_vjp(r, g):
     return (lax.rev(g, tuple(r.p["dimensions"])),)
 
 
-defrule("rev", _rev_vjp)
+defrule(
+    "rev",
+    _rev_vjp,
+    table=(TableEntry("rev", lambda x: jnp.flip(x, (0, 1)) * jnp.arange(12.0).reshape(3, 4), unary_samples([(3, 4)])),),
+)
 
 
 def _concatenate_vjp(r, g):
@@ -190,14 +300,29 @@ def _concatenate_vjp(r, g):
     return tuple(out)
 
 
-defrule("concatenate", _concatenate_vjp)
+defrule(
+    "concatenate",
+    _concatenate_vjp,
+    table=(
+        TableEntry(
+            "concatenate",
+            lambda x, y: jnp.concatenate([x, y, x], axis=1) ** 2,
+            lambda r: [Sample((normal(r, 3, 2), normal(r, 3, 4)), diff=(0, 1))],
+        ),
+    ),
+)
 
 
 def _split_vjp(r, g):
     return (lax.concatenate(list(g), r.p["axis"]),)
 
 
-defrule("split", _split_vjp, multiple_results=True)
+defrule(
+    "split",
+    _split_vjp,
+    multiple_results=True,
+    table=(TableEntry("split", lambda x: jnp.split(x, [1, 3], axis=1)[1] ** 2, unary_samples([(3, 5)])),),
+)
 
 
 def _pad_vjp(r, g):
@@ -216,7 +341,19 @@ def _pad_vjp(r, g):
     return (g_operand.astype(r.in_avals[0].dtype) if r.needs[0] else None, g_value)
 
 
-defrule("pad", _pad_vjp)
+defrule(
+    "pad",
+    _pad_vjp,
+    table=(
+        TableEntry(
+            "pad",
+            # (x + 0 * v: jax.grad itself cannot transpose pad w.r.t. the padding
+            # value alone when the operand is a constant)
+            lambda x, v: lax.pad(x + 0.0 * v, v, ((1, 2, 1), (-1, 1, 0))) ** 2,
+            lambda r: [Sample((normal(r, 3, 4), normal(r)), diff=(0, 1))],
+        ),
+    ),
+)
 
 
 def _slice_vjp(r, g):
@@ -233,7 +370,17 @@ def _slice_vjp(r, g):
     return (lax.pad(g, jnp.zeros((), g.dtype), cfg),)
 
 
-defrule("slice", _slice_vjp)
+defrule(
+    "slice",
+    _slice_vjp,
+    table=(
+        TableEntry(
+            "slice",
+            lambda x: x[1:3, ::2] ** 2 + lax.slice(x, (0, 1), (3, 4), (2, 2)).sum(),
+            unary_samples([(4, 5)]),
+        ),
+    ),
+)
 
 
 def _dynamic_slice_vjp(r, g):
@@ -243,7 +390,18 @@ def _dynamic_slice_vjp(r, g):
     return (lax.dynamic_update_slice(z, g, idx),) + (None,) * len(idx)
 
 
-defrule("dynamic_slice", _dynamic_slice_vjp, lambda needs: (tuple(range(1, len(needs))), ()))
+defrule(
+    "dynamic_slice",
+    _dynamic_slice_vjp,
+    lambda needs: (tuple(range(1, len(needs))), ()),
+    table=(
+        TableEntry(
+            "dynamic_slice",
+            lambda x, i: lax.dynamic_slice(x, (i[0], i[1]), (2, 3)) ** 2,
+            lambda r: [Sample((normal(r, 4, 5), np.array([1, 1], np.int32)))],
+        ),
+    ),
+)
 
 
 def _dynamic_update_slice_vjp(r, g):
@@ -254,7 +412,18 @@ def _dynamic_update_slice_vjp(r, g):
     return (g_op, g_up) + (None,) * len(idx)
 
 
-defrule("dynamic_update_slice", _dynamic_update_slice_vjp, lambda needs: (tuple(range(2, len(needs))), ()))
+defrule(
+    "dynamic_update_slice",
+    _dynamic_update_slice_vjp,
+    lambda needs: (tuple(range(2, len(needs))), ()),
+    table=(
+        TableEntry(
+            "dynamic_update_slice",
+            lambda x, u, i: lax.dynamic_update_slice(x, u * 3.0, (i[0], i[1])) ** 2,
+            lambda r: [Sample((normal(r, 4, 5), normal(r, 2, 3), np.array([2, 1], np.int32)), diff=(0, 1))],
+        ),
+    ),
+)
 
 
 def _stack_vjp(r, g):
@@ -265,7 +434,17 @@ def _stack_vjp(r, g):
     )
 
 
-defrule("stack", _stack_vjp)
+defrule(
+    "stack",
+    _stack_vjp,
+    table=(
+        TableEntry(
+            "stack",
+            lambda x, y: jnp.stack([x, y * 2.0, x], axis=1) ** 2,
+            lambda r: [Sample((normal(r, 3, 4), normal(r, 3, 4)), diff=(0, 1))],
+        ),
+    ),
+)
 
 
 # -- sharding annotations -----------------------------------------------------------
@@ -281,5 +460,32 @@ def _sharding_constraint_vjp(r, g):
     return (r._step.prim.bind(g, **dict(r.p)),)
 
 
-defrule("reshard", _reshard_vjp)
-defrule("sharding_constraint", _sharding_constraint_vjp)
+@functools.cache
+def _mesh1(axis_type: AxisType = AxisType.Explicit) -> jax.sharding.Mesh:
+    """A one-device mesh for the table's sharding programs (built on first use;
+    tests/_sharded_cases.py runs them on 8 devices)."""
+    return jax.make_mesh((1,), ("x",), axis_types=(axis_type,), devices=jax.devices()[:1])
+
+
+defrule(
+    "reshard",
+    _reshard_vjp,
+    table=(
+        TableEntry(
+            "reshard",
+            lambda x: jnp.sin(jax.sharding.reshard(x, NamedSharding(_mesh1(), P()))) * x,
+            unary_samples(),
+        ),
+    ),
+)
+defrule(
+    "sharding_constraint",
+    _sharding_constraint_vjp,
+    table=(
+        TableEntry(
+            "sharding_constraint",
+            lambda x: jnp.sin(lax.with_sharding_constraint(x, NamedSharding(_mesh1(AxisType.Auto), P()))) * x,
+            unary_samples(),
+        ),
+    ),
+)

@@ -67,7 +67,10 @@ def op(
     return deco
 
 
-# -- sample generators (numpy, float64; the table casts) ----------------------
+# -- sample generators (numpy, float64; the tables cast) ----------------------
+# Shared by the fused ops' declarations and the primitive rules' table entries
+# (``defrule(table=...)`` in ``rumus_fx/lift/rules_<family>.py``). Each is a
+# function of a ``np.random.Generator``: nothing is built at import.
 
 
 def normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -78,13 +81,54 @@ def positive(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.uniform(0.5, 2.0, shape)
 
 
-def away_from_zero(rng: np.random.Generator, *shape: int) -> np.ndarray:
+def unit(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """Inside (-1, 1), away from its ends (arcsin, arctanh, ...)."""
+    return rng.uniform(-0.8, 0.8, shape)
+
+
+def away_from_zero(rng: np.random.Generator, *shape: int, below: float = 0.1, to: float = 0.5) -> np.ndarray:
+    """Normal values, those of magnitude under ``below`` replaced by ``to``."""
     x = rng.standard_normal(shape)
-    return np.where(np.abs(x) < 0.1, 0.5, x)
+    return np.where(np.abs(x) < below, to, x)
 
 
-def unary_samples(shapes: Any, gen: Callable = normal) -> Callable[[np.random.Generator], list[Sample]]:
+def away(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """``away_from_zero`` with a wider gap (the primitive table's kinks: abs, atan2, 1/x)."""
+    return away_from_zero(rng, *shape, below=0.2, to=0.7)
+
+
+def distinct(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """Values with no ties (max/min/sort rules are then unambiguous)."""
+    n = int(np.prod(shape)) if shape else 1
+    return (rng.permutation(n).reshape(shape) / n * 4 - 2 + rng.uniform(0, 0.01, shape)).astype(np.float64)
+
+
+def wellcond(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """A normal matrix plus ``n I``: far from singular."""
+    n = shape[-1]
+    return rng.standard_normal(shape) + n * np.eye(*shape[-2:])
+
+
+def spd(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """``A A^T + n I``: symmetric positive definite, well conditioned."""
+    a = rng.standard_normal(shape)
+    return a @ np.swapaxes(a, -1, -2) + shape[-1] * np.eye(shape[-1])
+
+
+UNARY_SHAPES = ((3, 4), (2, 3, 5))
+BINARY_SHAPES = (((3, 4), (3, 4)), ((2, 3), ()))
+
+
+def unary_samples(shapes: Any = UNARY_SHAPES, gen: Callable = normal) -> Callable[[np.random.Generator], list[Sample]]:
+    """One sample per shape: one array from ``gen``, differentiable."""
     return lambda rng: [Sample((gen(rng, *s),)) for s in shapes]
+
+
+def binary_samples(
+    gen0: Callable = normal, gen1: Callable = normal, shapes: Any = BINARY_SHAPES
+) -> Callable[[np.random.Generator], list[Sample]]:
+    """One sample per pair of shapes: two arrays (from ``gen0``, ``gen1``), both differentiable."""
+    return lambda rng: [Sample((gen0(rng, *a), gen1(rng, *b)), diff=(0, 1)) for a, b in shapes]
 
 
 def ranked(f: Callable) -> Callable:

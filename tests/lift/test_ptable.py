@@ -20,11 +20,10 @@ import rumus_fx as rf
 from rumus_fx.lift.rules import RULES
 from rumus_fx.testing import check_fd
 
-from .ptable import ENTRIES
-from .ptable_base import PInfo, PSample
+from .ptable import ENTRIES, Sample, TableEntry
 
 
-def _samples(info: PInfo) -> list[PSample]:
+def _samples(info: TableEntry) -> list[Sample]:
     return info.samples(np.random.default_rng(zlib.crc32(info.name.encode())))
 
 
@@ -40,7 +39,7 @@ FD = [pytest.param(info, 0, id=info.name) for info in ENTRIES if info.fd]
 VMAP = [pytest.param(info, 0, id=info.name) for info in ENTRIES if info.vmap]
 
 
-def _setup(info: PInfo, k: int, dtype):
+def _setup(info: TableEntry, k: int, dtype):
     sample = _samples(info)[k]
     args = [jnp.asarray(a, dtype) if np.asarray(a).dtype.kind == "f" else jnp.asarray(a) for a in sample.args]
     out = jax.eval_shape(info.fun, *args)
@@ -186,5 +185,6 @@ def test_every_rule_is_exercised():
 
 # rules for primitives that no public jax function emits in a forward program
 UNEMITTED = {"add_any", "copy", "copy_p", "real", "expand_dims", "checkpoint", "custom_vjp_call_jaxpr"}
-# while: its reverse raises by design (tests/lift/test_programs.py checks both ways)
+# while: its reverse raises by design (a declared error case of its rule, run by
+# tests/test_errors_audit.py; tests/lift/test_programs.py checks the forward)
 UNEMITTED |= {"while"}

@@ -186,9 +186,48 @@ def test_sample_is_the_registry_sample():
     assert F(2).make().requires_grad
 
 
-def test_rules_declared_with_a_table_entry_reach_the_primitive_table():
+def test_the_primitive_table_is_the_rules_table_entries():
     from ..lift import ptable
 
-    declared = {e.name for d in registry.declarations("primitive") for e in d.extra["table"]}
-    assert {"exp2", "log1p", "expm1", "cbrt", "square"} <= declared
-    assert declared <= {info.name for info in ptable.ENTRIES}
+    declared = [e.name for d in registry.declarations("primitive") for e in d.extra["table"]]
+    assert {"exp2", "log1p", "expm1", "cbrt", "square", "scan", "gather_embedding", "det"} <= set(declared)
+    assert [info.name for info in ptable.ENTRIES] == declared
+    assert len(set(declared)) == len(declared), "two table entries share a name"
+    for d in registry.declarations("primitive"):
+        for e in d.extra["table"]:
+            assert d.module.startswith("rumus_fx.lift.rules_"), (e.name, d.module)
+
+
+def test_a_declared_primitive_rule_reaches_the_table_and_the_audit():
+    """A rule declared the way rumus_fx/lift/rules_<family>.py declares one, with
+    a table entry and an error case, reaches the primitive table and the audit."""
+    from rumus_fx.autograd.registry import BadProgram, TableEntry
+    from rumus_fx.lift.rules import RULES, defrule
+
+    from .. import test_errors_audit as audit
+    from ..lift import ptable
+
+    def vjp(r, g):
+        return (g,)
+
+    defrule(
+        "throwaway_prim",
+        vjp,
+        table=(TableEntry("throwaway_sin", jnp.sin, unary_samples([(3,)]), prims=("sin",)),),
+        errors=lambda: [
+            BadProgram(
+                "fft", lambda x: jnp.fft.fft(x).real, (jnp.ones(4),), rf.AutogradError, names=("rf.lift", "'fft'")
+            )
+        ],
+    )
+    try:
+        decl = registry.lookup("primitive", "throwaway_prim")
+        (entry,) = [e for e in ptable.entries() if e.name == "throwaway_sin"]
+        assert entry.prims == ("sin",) and entry.fun is jnp.sin
+        params = [p for p in audit._program_params() if p.values[0] is decl]
+        assert [p.id for p in params] == ["throwaway_prim-fft"]
+        audit.run_bad_program(decl, params[0].values[1])
+    finally:
+        RULES.pop("throwaway_prim", None)
+        registry.undeclare("primitive", "throwaway_prim")
+    assert all(e.name != "throwaway_sin" for e in ptable.entries())
