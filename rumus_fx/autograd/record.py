@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -66,7 +67,7 @@ class VersionSnapshot:
 
     @classmethod
     def of(cls, grad_id: int | None, storage: StorageHandle) -> VersionSnapshot:
-        return cls(grad_id, storage.downgrade(), storage.version)
+        return cls(grad_id, storage.downgrade(), storage._cell.value)
 
     def check(self, op: str | None = None) -> None:
         found = self.weak_storage.version
@@ -348,6 +349,58 @@ def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str,
         elif value is not None and id(value) in known:
             out.append((name, None, known[id(value)]))
     return tuple(out)
+
+
+class Provenance(Sequence):
+    """``provenance_of(rec, known)`` computed on first use: ``record()`` (in
+    rumus_fx/ops/_core.py) keeps only the ``(id(value), grad id)`` pairs of the
+    op's inputs and output, flat, since only ``backward(create_graph=True)``
+    reads a provenance (Note [Eager fast path] in rumus_fx/ops/_core.py).
+
+    Computing it later gives the same answer: the record (built before
+    ``record()`` ran) keeps its saved arrays alive, so an id among the pairs --
+    taken while those values were alive too -- matches a saved array exactly
+    when that array *is* the value it was taken of."""
+
+    __slots__ = ("_done", "_pairs", "_rec")
+
+    def __init__(self, rec: Record, pairs: tuple[Any, ...]):
+        self._rec: Record | None = rec
+        self._pairs = pairs
+        self._done: tuple[tuple[str, int | None, int | None], ...] | None = None
+
+    def _items(self) -> tuple[tuple[str, int | None, int | None], ...]:
+        done = self._done
+        if done is None:
+            known: dict[int, int | None] = {}
+            pairs = self._pairs
+            for k in range(0, len(pairs), 2):
+                known.setdefault(pairs[k], pairs[k + 1])
+            assert self._rec is not None
+            done = self._done = provenance_of(self._rec, known)
+            self._rec = None
+            self._pairs = ()
+        return done
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._items()[i]
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __iter__(self) -> Iterator[tuple[str, int | None, int | None]]:
+        return iter(self._items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Provenance):
+            other = other._items()
+        return self._items() == other
+
+    def __hash__(self) -> int:
+        return hash(self._items())
+
+    def __repr__(self) -> str:
+        return repr(self._items())
 
 
 def exact_value(saved: Any, recomputed: Any) -> Any:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd.record import Aval, VersionSnapshot, provenance_of
+from ..autograd.record import Aval, Provenance, VersionSnapshot
 from ..autograd.tape import Tape, current_tape
 from ..eager import eager_jit as eager_jit
 from ..errors import ShapeError
@@ -117,30 +117,32 @@ def new_output(value: Array, tape: Tape | None) -> Tensor:
 
 
 def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
-    """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
+    """Append ``op`` (the record of the op that produced ``out``) to ``tape``
+    (Note [Eager fast path])."""
     ids = []
     avals = []
-    sharded = None
-    known: dict[int, int | None] = {id(out._storage._buffer): out._gid}
-    for k, x in enumerate(inputs):
+    sharded = False
+    # (id(value), grad id) of the output and each input, for the provenance
+    pairs = [id(out._storage._buffer), out._gid]
+    for x in inputs:
         if isinstance(x, Tensor):
             gid = x._gid
             value = x.value
-            known.setdefault(id(value), gid)
+            pairs += (id(value), gid)
             ids.append(gid)
             avals.append(Aval(x.shape, x.dtype))
-            if gid is not None and sharding_of(value) is not None:
-                sharded = k
+            if gid is not None and not sharded and sharding_of(value) is not None:
+                sharded = True
         else:
             if x is not None:
-                known.setdefault(id(x), None)
+                pairs += (id(x), None)
             ids.append(None)
             avals.append(aval_of(x))
     shardings = ()
-    if sharded is not None:
+    if sharded:
         shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
     out_aval = (Aval(out.shape, out.dtype),)
-    tape.append(op, tuple(ids), (out._gid,), tuple(avals), out_aval, shardings, provenance_of(op, known))
+    tape.append(op, tuple(ids), (out._gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)))
     return out
 
 
