@@ -147,14 +147,25 @@ def _field_kinds(cls: type) -> dict[str, str]:
 _PLAIN = frozenset({int, float, bool, str, type(None), np.dtype})
 
 
+# types whose values are never arrays (extended as they are met: for anything
+# but a tracer, which ``isinstance(v, jax.Array)`` also answers per value, being
+# an array is a property of the type); tuples and lists are looked into instead
+_NEVER_ARRAY: set[type] = set(_PLAIN)
+
+
 def _holds_array(value: Any) -> bool:
     """An array (jax, numpy or a tracer), or a tuple/list holding one."""
-    if type(value) in _PLAIN:
+    tp = type(value)
+    if tp in _NEVER_ARRAY:
+        return False
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if type(v) not in _NEVER_ARRAY and _holds_array(v):
+                return True
         return False
     if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
         return True
-    if isinstance(value, (tuple, list)):
-        return any(_holds_array(v) for v in value)
+    _NEVER_ARRAY.add(tp)
     return False
 
 
@@ -292,6 +303,59 @@ def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
             else:
                 aux.append(value)
     return children, tuple(aux)
+
+
+_LEAF = 0  # structure_key of an array or python scalar child
+
+
+def _child_key(c: Any) -> Any:
+    """The pytree structure of a record's child, cheaply for the usual ones (an
+    array: ``_LEAF``, None, tuples of those); ``_TRACED`` for a traced value."""
+    if c is None:
+        return None
+    if type(c) is tuple:
+        return tuple(_child_key(v) for v in c)
+    if isinstance(c, jax.core.Tracer):
+        return _TRACED
+    if type(c) in _LEAF_TYPES:
+        return _LEAF
+    if isinstance(c, jax.Array) or type(c) in (float, int, bool, complex):
+        _LEAF_TYPES.add(type(c))
+        return _LEAF
+    leaves, treedef = jax.tree_util.tree_flatten(c)
+    if any(isinstance(v, jax.core.Tracer) for v in leaves):
+        return _TRACED
+    return treedef
+
+
+_TRACED = object()
+_LEAF_TYPES: set[type] = set()
+
+
+def structure_key(rec: Record) -> tuple[Any, list[Any]] | None:
+    """``(key, children)`` of a record: ``children`` its pytree children
+    (``_flatten_record``) and ``key`` as much as its treedef says -- the record
+    type, the static aux data and the structure of each child -- so that equal
+    keys mean equal treedefs; None when a child is traced. What the whole-tape
+    signature is built of (autograd/whole_tape.py), rebuilt by
+    ``from_structure``."""
+    children, aux = _flatten_record(rec)
+    kinds = []
+    for c in children:
+        k = _child_key(c)
+        if k is _TRACED or (type(k) is tuple and _traced_in(k)):
+            return None
+        kinds.append(k)
+    return (type(rec), aux, tuple(kinds)), children
+
+
+def _traced_in(key: tuple) -> bool:
+    return any(k is _TRACED or (type(k) is tuple and _traced_in(k)) for k in key)
+
+
+def from_structure(key: Any, children: list[Any]) -> Record:
+    """The record of ``structure_key``'s ``key`` with these children."""
+    return _unflatten_record(key[0], key[1], children)
 
 
 def _unflatten_record(cls: type, aux: tuple, children: list[Any]) -> Record:
