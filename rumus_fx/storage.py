@@ -126,7 +126,7 @@ class StorageHandle:
         self._weak: WeakStorageHandle | None = None  # made by the first downgrade()
         self._buffer = buffer
         self._cell = _VersionCell()
-        self._trace = _current_trace()
+        self._trace = None if _get_opaque_trace_state is None else _get_opaque_trace_state(convention="rumus_fx")
         # (weak reference, family) of the tensors viewing this storage; only
         # filled once a second tensor (a view) appears, so plain tensors pay
         # nothing. See Note [Aliases and in-place writes].

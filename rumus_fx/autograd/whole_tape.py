@@ -141,12 +141,27 @@ def _signature(
         if isinstance(v, tracer):
             return None
     keep_ids = None if keep is None else tuple(sorted(local[k] for k in keep if k in local))
-    sig = (tuple(parts), tuple(seed_ids), keep_ids)
     try:
-        hash(sig)
+        sig = _Key((tuple(parts), tuple(seed_ids), keep_ids))
     except TypeError:  # a record with an unhashable static field
         return None
     return sig, leaves_of, local
+
+
+class _Key(tuple):
+    """A signature that hashes once (a cache lookup and its insertion would
+    each hash the whole tape's worth of parts again)."""
+
+    __slots__ = ()
+
+    def __new__(cls, sig: tuple) -> _Key:
+        return tuple.__new__(cls, (hash(sig), sig))
+
+    def __hash__(self) -> int:
+        return self[0]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self[0] == other[0] and self[1] == other[1]
 
 
 def run(
@@ -212,7 +227,7 @@ def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int
 
 
 def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type) -> _Compiled:
-    parts, seed_ids, keep_ids = sig
+    parts, seed_ids, keep_ids = sig[1]
     keep = None if keep_ids is None else set(keep_ids)
 
     def program(leaves_of: list[list[Any]], seed_values: list[jax.Array]) -> dict[int, jax.Array]:
