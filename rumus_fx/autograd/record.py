@@ -235,8 +235,22 @@ class Record:
         return tuple(out)
 
     def check_versions(self) -> None:
-        for snap in self.snapshots():
-            snap.check(self.name)
+        """``VersionMismatch`` when a storage this record reads was written
+        since (each snapshot in field order, as ``snapshots()``)."""
+        cls = type(self)
+        if cls.__dict__.get("_snapshot_fields") is None:
+            cls._classify_fields()
+        for name in cls._snapshot_fields:
+            value = getattr(self, name)
+            if type(value) is VersionSnapshot:  # the usual field: one snapshot, unchanged
+                if value.weak_storage.version != value.recorded_version:
+                    value.check(self.name)
+            elif isinstance(value, VersionSnapshot):
+                value.check(self.name)
+            elif isinstance(value, tuple):
+                for v in value:
+                    if isinstance(v, VersionSnapshot):
+                        v.check(self.name)
 
     def saved_arrays(self) -> dict[str, Any]:
         """The arrays this record keeps for backward, by field name."""
@@ -342,6 +356,9 @@ def structure_key(rec: Record) -> tuple[Any, list[Any]] | None:
     children, aux = _flatten_record(rec)
     kinds = []
     for c in children:
+        if type(c) in _LEAF_TYPES:  # an array: the usual child
+            kinds.append(_LEAF)
+            continue
         k = _child_key(c)
         if k is _TRACED or (type(k) is tuple and _traced_in(k)):
             return None
