@@ -52,12 +52,23 @@ def eager_jit(fun: Callable[..., Any] | None = None, *, static_argnums: Sequence
     if fun is None:
         return lambda f: eager_jit(f, static_argnums=static_argnums)
     nums = tuple(static_argnums)
+    jitted: list[Any] = []  # the shared cached jax.jit, looked up on the first eager call
 
     def call(*args: Any) -> Any:
+        # Note [Eager fast path] (rumus_fx/ops/_core.py): flat arguments are
+        # checked one by one, the jitted function is bound once, so an eager
+        # call is one C++ jit dispatch
         dynamic = [a for i, a in enumerate(args) if i not in nums] if nums else args
-        if has_tracer(dynamic):
-            return fun(*args)
-        return compiled(fun, nums)(*args)
+        for a in dynamic:
+            if isinstance(a, _Tracer):
+                return fun(*args)
+            if isinstance(a, (tuple, list, dict)):
+                if has_tracer(dynamic):
+                    return fun(*args)
+                break
+        if not jitted:
+            jitted.append(compiled(fun, nums))
+        return jitted[0](*args)
 
     call.__wrapped__ = fun  # type: ignore[attr-defined]
     call.__name__ = getattr(fun, "__name__", "eager")

@@ -58,6 +58,8 @@ _ArrayImpl: list[type] = []  # the concrete array class, found on first use: mak
 def sharding_of(x: Any) -> NamedSharding | None:
     """The sharding of ``x`` when it is sharded over *Explicit* mesh axes (the
     sharding is in its type), else None (Auto axes, no mesh, python scalars)."""
+    if _ArrayImpl and type(x) is _ArrayImpl[0] and type(x.sharding) is _SingleDevice:  # the common eager case, first
+        return None
     if x is None or isinstance(x, (int, float, complex, bool)):
         return None
     value = x if isinstance(x, jax.Array) else getattr(x, "value", x)  # an rf.Tensor: its array

@@ -41,13 +41,15 @@ except ImportError:  # pragma: no cover - older/newer jax without the helper
 
 _Tracer = jax.core.Tracer
 
-_LIVE: weakref.WeakSet[StorageHandle] = weakref.WeakSet()
+# storages alive right now: one more in StorageHandle.__init__, one less in
+# __del__ (cheaper per op than a WeakSet, whose callbacks run in Python)
+_ALIVE = [0]
 _families = itertools.count(1)  # detach() families of views (0: the original one)
 
 
 def live_storage_count() -> int:
     """Number of storages alive right now."""
-    return len(_LIVE)
+    return _ALIVE[0]
 
 
 def current_trace_state() -> Any:
@@ -117,17 +119,21 @@ class StorageHandle:
     at 0 and grows by one per in-place write.
     """
 
-    __slots__ = ("__weakref__", "_buffer", "_cell", "_trace", "_views")
+    __slots__ = ("__weakref__", "_buffer", "_cell", "_trace", "_views", "_weak")
 
     def __init__(self, buffer: jax.Array):
+        _ALIVE[0] += 1
+        self._weak: WeakStorageHandle | None = None  # made by the first downgrade()
         self._buffer = buffer
         self._cell = _VersionCell()
-        self._trace = _current_trace()
+        self._trace = None if _get_opaque_trace_state is None else _get_opaque_trace_state(convention="rumus_fx")
         # (weak reference, family) of the tensors viewing this storage; only
         # filled once a second tensor (a view) appears, so plain tensors pay
         # nothing. See Note [Aliases and in-place writes].
         self._views: list[tuple[weakref.ref, int]] | None = None
-        _LIVE.add(self)
+
+    def __del__(self) -> None:
+        _ALIVE[0] -= 1
 
     @property
     def version(self) -> int:
@@ -143,7 +149,12 @@ class StorageHandle:
         return nbytes_of(self._buffer)
 
     def downgrade(self) -> WeakStorageHandle:
-        return WeakStorageHandle(self)
+        """A weak handle (one per storage, made once: it only reads the
+        storage's fixed version cell and a weak reference)."""
+        weak = self._weak
+        if weak is None:
+            weak = self._weak = WeakStorageHandle(self)
+        return weak
 
     def read(self, layout: Layout) -> jax.Array:
         """Materialise the view ``layout`` of this storage."""

@@ -237,3 +237,40 @@ def test_backward_with_keep_drops_intermediate_gradients():
     kept = run_backward(tape.entries, dict(seeds), keep={w.grad_id})
     assert h.grad_id in full and set(kept) == {w.grad_id}
     np.testing.assert_array_equal(kept[w.grad_id], full[w.grad_id])
+
+
+def _fields(rec):
+    return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+
+
+@pytest.mark.parametrize("kind", ["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("scalar", [2.0, 3])
+def test_scalar_fast_path_records_what_the_general_path_does(kind, scalar):
+    """Note [Eager fast path]: ``t <op> python scalar`` skips broadcasting; its
+    record, entry and provenance are those of the general path (a numpy scalar
+    operand takes the general path)."""
+    from rumus_fx.autograd.record import provenance_of
+    from rumus_fx.ops import elementwise
+
+    op = getattr(rf, kind)
+    for shape in [(3, 2), ()]:
+        with rf.Tape() as tape:
+            x = rf.tensor(np.full(shape, 1.5, np.float32), requires_grad=True)
+            fast = op(x, scalar)
+            slow = op(x, np.float32(scalar))
+        e_fast, e_slow = tape.entries
+        av, bv = x.value, scalar
+        general = elementwise.binary_record(kind, x, scalar, av, bv, tuple(np.shape(np.empty(shape))))
+        assert type(e_fast.op) is type(general) and type(e_fast.op) is type(e_slow.op)
+        for name, value in _fields(general).items():
+            got = _fields(e_fast.op)[name]
+            if name.endswith("_version"):
+                assert (got is None) == (value is None)
+            else:
+                assert got == value or got is value, (name, got, value)
+        assert e_fast.inputs == (x.grad_id, None) and e_fast.outputs == (fast.grad_id,)
+        assert e_fast.input_avals == e_slow.input_avals[:1] + (None,)
+        assert e_fast.output_avals == e_slow.output_avals
+        known = {id(fast.value): fast.grad_id, id(x.value): x.grad_id, id(scalar): None}
+        assert tuple(e_fast.provenance) == provenance_of(e_fast.op, known)
+        np.testing.assert_array_equal(fast.value, slow.value)

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -66,7 +67,7 @@ class VersionSnapshot:
 
     @classmethod
     def of(cls, grad_id: int | None, storage: StorageHandle) -> VersionSnapshot:
-        return cls(grad_id, storage.downgrade(), storage.version)
+        return cls(grad_id, storage.downgrade(), storage._cell.value)
 
     def check(self, op: str | None = None) -> None:
         found = self.weak_storage.version
@@ -146,14 +147,25 @@ def _field_kinds(cls: type) -> dict[str, str]:
 _PLAIN = frozenset({int, float, bool, str, type(None), np.dtype})
 
 
+# types whose values are never arrays (extended as they are met: for anything
+# but a tracer, which ``isinstance(v, jax.Array)`` also answers per value, being
+# an array is a property of the type); tuples and lists are looked into instead
+_NEVER_ARRAY: set[type] = set(_PLAIN)
+
+
 def _holds_array(value: Any) -> bool:
     """An array (jax, numpy or a tracer), or a tuple/list holding one."""
-    if type(value) in _PLAIN:
+    tp = type(value)
+    if tp in _NEVER_ARRAY:
+        return False
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if type(v) not in _NEVER_ARRAY and _holds_array(v):
+                return True
         return False
     if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
         return True
-    if isinstance(value, (tuple, list)):
-        return any(_holds_array(v) for v in value)
+    _NEVER_ARRAY.add(tp)
     return False
 
 
@@ -223,8 +235,22 @@ class Record:
         return tuple(out)
 
     def check_versions(self) -> None:
-        for snap in self.snapshots():
-            snap.check(self.name)
+        """``VersionMismatch`` when a storage this record reads was written
+        since (each snapshot in field order, as ``snapshots()``)."""
+        cls = type(self)
+        if cls.__dict__.get("_snapshot_fields") is None:
+            cls._classify_fields()
+        for name in cls._snapshot_fields:
+            value = getattr(self, name)
+            if type(value) is VersionSnapshot:  # the usual field: one snapshot, unchanged
+                if value.weak_storage.version != value.recorded_version:
+                    value.check(self.name)
+            elif isinstance(value, VersionSnapshot):
+                value.check(self.name)
+            elif isinstance(value, tuple):
+                for v in value:
+                    if isinstance(v, VersionSnapshot):
+                        v.check(self.name)
 
     def saved_arrays(self) -> dict[str, Any]:
         """The arrays this record keeps for backward, by field name."""
@@ -293,6 +319,62 @@ def _flatten_record(rec: Record) -> tuple[list[Any], tuple]:
     return children, tuple(aux)
 
 
+_LEAF = 0  # structure_key of an array or python scalar child
+
+
+def _child_key(c: Any) -> Any:
+    """The pytree structure of a record's child, cheaply for the usual ones (an
+    array: ``_LEAF``, None, tuples of those); ``_TRACED`` for a traced value."""
+    if c is None:
+        return None
+    if type(c) is tuple:
+        return tuple(_child_key(v) for v in c)
+    if isinstance(c, jax.core.Tracer):
+        return _TRACED
+    if type(c) in _LEAF_TYPES:
+        return _LEAF
+    if isinstance(c, jax.Array) or type(c) in (float, int, bool, complex):
+        _LEAF_TYPES.add(type(c))
+        return _LEAF
+    leaves, treedef = jax.tree_util.tree_flatten(c)
+    if any(isinstance(v, jax.core.Tracer) for v in leaves):
+        return _TRACED
+    return treedef
+
+
+_TRACED = object()
+_LEAF_TYPES: set[type] = set()
+
+
+def structure_key(rec: Record) -> tuple[Any, list[Any]] | None:
+    """``(key, children)`` of a record: ``children`` its pytree children
+    (``_flatten_record``) and ``key`` as much as its treedef says -- the record
+    type, the static aux data and the structure of each child -- so that equal
+    keys mean equal treedefs; None when a child is traced. What the whole-tape
+    signature is built of (autograd/whole_tape.py), rebuilt by
+    ``from_structure``."""
+    children, aux = _flatten_record(rec)
+    kinds = []
+    for c in children:
+        if type(c) in _LEAF_TYPES:  # an array: the usual child
+            kinds.append(_LEAF)
+            continue
+        k = _child_key(c)
+        if k is _TRACED or (type(k) is tuple and _traced_in(k)):
+            return None
+        kinds.append(k)
+    return (type(rec), aux, tuple(kinds)), children
+
+
+def _traced_in(key: tuple) -> bool:
+    return any(k is _TRACED or (type(k) is tuple and _traced_in(k)) for k in key)
+
+
+def from_structure(key: Any, children: list[Any]) -> Record:
+    """The record of ``structure_key``'s ``key`` with these children."""
+    return _unflatten_record(key[0], key[1], children)
+
+
 def _unflatten_record(cls: type, aux: tuple, children: list[Any]) -> Record:
     rec = object.__new__(cls)
     it = iter(children)
@@ -348,6 +430,58 @@ def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str,
         elif value is not None and id(value) in known:
             out.append((name, None, known[id(value)]))
     return tuple(out)
+
+
+class Provenance(Sequence):
+    """``provenance_of(rec, known)`` computed on first use: ``record()`` (in
+    rumus_fx/ops/_core.py) keeps only the ``(id(value), grad id)`` pairs of the
+    op's inputs and output, flat, since only ``backward(create_graph=True)``
+    reads a provenance (Note [Eager fast path] in rumus_fx/ops/_core.py).
+
+    Computing it later gives the same answer: the record (built before
+    ``record()`` ran) keeps its saved arrays alive, so an id among the pairs --
+    taken while those values were alive too -- matches a saved array exactly
+    when that array *is* the value it was taken of."""
+
+    __slots__ = ("_done", "_pairs", "_rec")
+
+    def __init__(self, rec: Record, pairs: tuple[Any, ...]):
+        self._rec: Record | None = rec
+        self._pairs = pairs
+        self._done: tuple[tuple[str, int | None, int | None], ...] | None = None
+
+    def _items(self) -> tuple[tuple[str, int | None, int | None], ...]:
+        done = self._done
+        if done is None:
+            known: dict[int, int | None] = {}
+            pairs = self._pairs
+            for k in range(0, len(pairs), 2):
+                known.setdefault(pairs[k], pairs[k + 1])
+            assert self._rec is not None
+            done = self._done = provenance_of(self._rec, known)
+            self._rec = None
+            self._pairs = ()
+        return done
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._items()[i]
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __iter__(self) -> Iterator[tuple[str, int | None, int | None]]:
+        return iter(self._items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Provenance):
+            other = other._items()
+        return self._items() == other
+
+    def __hash__(self) -> int:
+        return hash(self._items())
+
+    def __repr__(self) -> str:
+        return repr(self._items())
 
 
 def exact_value(saved: Any, recomputed: Any) -> Any:

@@ -45,6 +45,19 @@ class TapeEntry:
     replay: tuple[Any, ...] = ()
 
 
+_ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(TapeEntry))
+_new_object = object.__new__
+
+
+def new_entry(*values: Any) -> TapeEntry:
+    """``TapeEntry(*values)`` (all eight fields, in order) without the frozen
+    dataclass's per-field ``object.__setattr__``: the entry's ``__dict__`` is
+    filled in one call (Note [Eager fast path] in rumus_fx/ops/_core.py)."""
+    entry = _new_object(TapeEntry)
+    entry.__dict__.update(zip(_ENTRY_FIELDS, values))
+    return entry
+
+
 class Tape:
     """Records one ``TapeEntry`` per differentiable op run inside ``with Tape():``.
 
@@ -88,9 +101,7 @@ class Tape:
         of each input, or ()) lets the engine check that the record's gradients
         keep their inputs' explicit shardings; ``provenance``/``replay``: see
         ``TapeEntry``."""
-        self._entries.append(
-            TapeEntry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay)
-        )
+        self._entries.append(new_entry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay))
 
     # -- inspection ----------------------------------------------------------
     @property

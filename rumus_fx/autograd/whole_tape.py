@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from .record import from_structure, structure_key
+
 if TYPE_CHECKING:  # typing only: tape.py builds on the engine, which uses this module
     from .tape import TapeEntry
 
@@ -97,44 +99,69 @@ class _Compiled(_Seen):
         self.timed: list[float] = []
 
 
-class _Renumber(dict):
-    def __missing__(self, gid: int) -> int:
-        n = self[gid] = len(self)
-        return n
-
-
 def _signature(
     entries: Sequence[TapeEntry], seeds: dict[int, Any], keep: set[int] | None
-) -> tuple[Any, list[list[Any]], _Renumber] | None:
-    """(hashable signature, each record's pytree leaves, global -> local ids);
-    None when this tape must be walked rule by rule."""
-    local = _Renumber()
+) -> tuple[Any, list[list[Any]], dict[int, int]] | None:
+    """(hashable signature, each record's pytree children, global -> local
+    ids); None when this tape must be walked rule by rule."""
+    local: dict[int, int] = {}
     parts: list[Any] = []
     leaves_of: list[list[Any]] = []
-    flatten = jax.tree_util.tree_flatten
     tracer = jax.core.Tracer
     for e in entries:
         if e.input_shardings:
             return None
-        leaves, treedef = flatten(e.op)
-        for leaf in leaves:
-            if isinstance(leaf, tracer):
-                return None
-        leaves_of.append(leaves)
-        ins = tuple(None if i is None else local[i] for i in e.inputs)
-        outs = tuple(local[o] for o in e.outputs)
-        parts.append((treedef, ins, outs, e.input_avals))
-    seed_ids = tuple(local[s] for s in seeds)
+        found = structure_key(e.op)
+        if found is None:
+            return None
+        key, children = found
+        leaves_of.append(children)
+        ins = []
+        for i in e.inputs:
+            if i is not None:
+                n = local.get(i)
+                if n is None:
+                    n = local[i] = len(local)
+                i = n
+            ins.append(i)
+        outs = []
+        for o in e.outputs:
+            n = local.get(o)
+            if n is None:
+                n = local[o] = len(local)
+            outs.append(n)
+        parts.append((key, tuple(ins), tuple(outs), e.input_avals))
+    seed_ids = []
+    for s in seeds:
+        n = local.get(s)
+        if n is None:
+            n = local[s] = len(local)
+        seed_ids.append(n)
     for v in seeds.values():
         if isinstance(v, tracer):
             return None
     keep_ids = None if keep is None else tuple(sorted(local[k] for k in keep if k in local))
-    sig = (tuple(parts), seed_ids, keep_ids)
     try:
-        hash(sig)
+        sig = _Key((tuple(parts), tuple(seed_ids), keep_ids))
     except TypeError:  # a record with an unhashable static field
         return None
     return sig, leaves_of, local
+
+
+class _Key(tuple):
+    """A signature that hashes once (a cache lookup and its insertion would
+    each hash the whole tape's worth of parts again)."""
+
+    __slots__ = ()
+
+    def __new__(cls, sig: tuple) -> _Key:
+        return tuple.__new__(cls, (hash(sig), sig))
+
+    def __hash__(self) -> int:
+        return self[0]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self[0] == other[0] and self[1] == other[1]
 
 
 def run(
@@ -200,14 +227,13 @@ def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int
 
 
 def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type) -> _Compiled:
-    parts, seed_ids, keep_ids = sig
-    treedefs = [p[0] for p in parts]
+    parts, seed_ids, keep_ids = sig[1]
     keep = None if keep_ids is None else set(keep_ids)
 
     def program(leaves_of: list[list[Any]], seed_values: list[jax.Array]) -> dict[int, jax.Array]:
         traced = [
-            entry_type(td.unflatten(leaves), ins, outs, avals)
-            for td, leaves, (_, ins, outs, avals) in zip(treedefs, leaves_of, parts)
+            entry_type(from_structure(key, children), ins, outs, avals)
+            for children, (key, ins, outs, avals) in zip(leaves_of, parts)
         ]
         return walk(traced, dict(zip(seed_ids, seed_values)), keep, None)
 

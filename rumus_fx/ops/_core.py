@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd.record import Aval, VersionSnapshot, provenance_of
-from ..autograd.tape import Tape, current_tape
+from ..autograd.record import Aval, Provenance, VersionSnapshot
+from ..autograd.tape import Tape, current_tape, new_entry
 from ..eager import eager_jit as eager_jit
 from ..errors import ShapeError
 from ..kernels.precision import is_low_precision as is_low_precision
@@ -42,6 +42,14 @@ def value_of(x: Any, op: str, what: str = "input") -> Any:
 
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(getattr(x, "shape", ()))
+
+
+def _aval(shape_and_dtype: tuple[tuple[int, ...], Any]) -> Aval:
+    """``Aval(shape, dtype)`` in one C call (NamedTuple's ``__new__`` is Python)."""
+    return _tuple_new(Aval, shape_and_dtype)
+
+
+_tuple_new = tuple.__new__
 
 
 def aval_of(x: Any) -> Aval | None:
@@ -95,6 +103,28 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
 # recording
 # ---------------------------------------------------------------------------
 
+# Note [Eager fast path]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# An eager op on a small tensor costs what Python does around one dispatch of
+# its jitted forward (Note [Eager compilation] in rumus_fx/eager.py), so the
+# per-op path does only what the semantics need, once:
+#
+# * the forward is one call of a jax.jit bound at the first eager call
+#   (``eager_jit``): flat arguments are checked for tracers one by one, no
+#   pytree flattening and no cache lookup per call, so JAX's C++ fast path
+#   dispatches it;
+# * ``t <op> python scalar`` (``elementwise._binary``) skips broadcasting and
+#   rank alignment, which a scalar never needs, and builds the same record;
+# * a storage costs a version cell, its trace token and a counter (no WeakSet);
+#   its weak handle, which every version snapshot holds, is made once;
+# * ``record()`` keeps the (id, grad id) pairs of the op's values and the
+#   provenance is computed from them on first use (``record.Provenance``: only
+#   ``backward(create_graph=True)`` reads it); the entry is filled in one call
+#   (``tape.new_entry``).
+#
+# What stays per op: the grad id, the version snapshots of what the record
+# reads, the avals and the explicit-sharding check of every tracked input.
+
 
 def tape_for(*xs: Any) -> Tape | None:
     """The tape to record on: the active one, if any operand is tracked."""
@@ -117,30 +147,34 @@ def new_output(value: Array, tape: Tape | None) -> Tensor:
 
 
 def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
-    """Append ``op`` (the record of the op that produced ``out``) to ``tape``."""
+    """Append ``op`` (the record of the op that produced ``out``) to ``tape``
+    (Note [Eager fast path])."""
     ids = []
     avals = []
-    sharded = None
-    known: dict[int, int | None] = {id(out._storage._buffer): out._gid}
-    for k, x in enumerate(inputs):
+    sharded = False
+    buffer = out._storage._buffer
+    # (id(value), grad id) of the output and each input, for the provenance
+    pairs = [id(buffer), out._gid]
+    for x in inputs:
         if isinstance(x, Tensor):
             gid = x._gid
             value = x.value
-            known.setdefault(id(value), gid)
+            pairs += (id(value), gid)
             ids.append(gid)
-            avals.append(Aval(x.shape, x.dtype))
-            if gid is not None and sharding_of(value) is not None:
-                sharded = k
+            avals.append(_aval((x.shape, x._storage._buffer.dtype)))
+            if gid is not None and not sharded and sharding_of(value) is not None:
+                sharded = True
         else:
             if x is not None:
-                known.setdefault(id(x), None)
+                pairs += (id(x), None)
             ids.append(None)
             avals.append(aval_of(x))
     shardings = ()
-    if sharded is not None:
+    if sharded:
         shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
-    out_aval = (Aval(out.shape, out.dtype),)
-    tape.append(op, tuple(ids), (out._gid,), tuple(avals), out_aval, shardings, provenance_of(op, known))
+    out_aval = (_aval((out.shape, buffer.dtype)),)
+    entry = new_entry(op, tuple(ids), (out._gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)), ())
+    tape._entries.append(entry)
     return out
 
 
@@ -201,10 +235,14 @@ def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def broadcast_info(x: Any, out_shape: tuple[int, ...]) -> BroadcastInfo | None:
-    aval = aval_of(x)
-    if aval is None:
+    shape = getattr(x, "shape", None)
+    if shape is None:
         return None
-    shape = aval.shape
+    shape = tuple(shape)
+    if shape == out_shape:  # not broadcast (``t * 2.0``)
+        return _tuple_new(BroadcastInfo, (shape, x.dtype, ()))
+    aval = aval_of(x)
+    assert aval is not None
     lead = len(out_shape) - len(shape)
     axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and out_shape[lead + i] != 1)
     return BroadcastInfo(shape, aval.dtype, axes)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record, VersionSnapshot
 from ..errors import ShapeError
-from ..tensor import Tensor
+from ..recording import current_tape
+from ..tensor import Tensor, next_grad_id
 from ._core import (
     BroadcastInfo,
     acc_sum,
@@ -22,7 +23,6 @@ from ._core import (
     broadcast_shapes,
     cast,
     eager_jit,
-    is_tracked,
     new_output,
     reads,
     record,
@@ -226,6 +226,7 @@ class AddBiasBackward(Record):
 _FORWARD = {
     k: eager_jit(f) for k, f in (("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide))
 }
+_PY_SCALARS = (int, float)  # by exact type: not bool, not numpy scalars (value_of converts those)
 _negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
 
 
@@ -242,8 +243,9 @@ def binary_record(
     """The record of ``a <kind> b``. In-place ops pass as ``*_private`` the
     pre-write value of operands living in the storage being written: that buffer
     is private to the record, so it needs no snapshot."""
-    need_a, need_b = is_tracked(a), is_tracked(b)
-    same = shape_of(av) == shape_of(bv) == out_shape
+    need_a = isinstance(a, Tensor) and a._gid is not None
+    need_b = isinstance(b, Tensor) and b._gid is not None
+    same = tuple(getattr(av, "shape", ())) == tuple(getattr(bv, "shape", ())) == out_shape
     if kind in ("add", "sub"):
         if same:
             cls = AddBackward if kind == "add" else SubBackward
@@ -273,6 +275,14 @@ def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
 
 
 def _binary(kind: str, a: Any, b: Any) -> Tensor:
+    if type(b) in _PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
+        av = a.value
+        out = _FORWARD[kind](av, b)
+        tape = current_tape() if a._gid is not None else None
+        if tape is None:
+            return Tensor._wrap(out)
+        res = Tensor._wrap(out, next_grad_id())
+        return record(tape, binary_record(kind, a, b, av, b, res.shape), (a, b), res)
     av = value_of(a, kind, "lhs")
     bv = value_of(b, kind, "rhs")
     out_shape = broadcast_shapes(kind, shape_of(av), shape_of(bv))
