@@ -199,20 +199,25 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 
 # Note [Convolution formulations]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Each of conv2d's three products (y, dx, dw) has two formulations that give
-# the same numbers (up to float summation order):
+# Each of conv2d's three products (y, dx, dw) has formulations that give the
+# same numbers (up to float summation order):
 #
 # * "conv": one ``lax.conv_general_dilated`` (dx the transposed convolution,
 #   dw the input/gradient correlation).
 # * "dot": im2col as K*K strided slices of the (padded) input, then one
 #   ``dot_general`` against the weight as an ``[O, C*K*K]`` matrix; dx is the
 #   dot's transpose followed by col2im (K*K placements, see ``_col2im``).
+# * "bdot" (dw only): the same im2col, one product per sample contracting the
+#   positions, summed over the batch.
 #
 # XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
 # slow for few input channels, where a dot with a short contraction is fast.
 # ``_conv_plan`` picks per product from (C_in, C_out, K, stride); its thresholds
-# come from the timed grid in ``benchmarks/conv_grid.py`` (RESULTS.md records the
-# measurements). Inputs sharded over Explicit mesh axes always take "conv".
+# come from the timed grid in ``benchmarks/conv_grid.py`` and, for the
+# few-channel layers, from the CNN step of ``benchmarks/models.py``: a product
+# timed alone misses what its layout costs the fusions XLA builds around it
+# (RESULTS.md records both). Inputs sharded over Explicit mesh axes always take
+# "conv".
 
 
 def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
@@ -220,15 +225,23 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
     formulations]). From the grid: a 1x1 kernel is a plain dot for all three
     products at every channel count; for larger kernels the im2col dot wins the
     forward product and dx while the contraction ``C_in*K*K`` is at most 27
-    (C_in <= 3 at K=3, C_in = 1 at K=5) and loses beyond. dw: "dot" for 1x1,
-    "bdot" (per-sample products summed) where the forward is a dot, else the
-    convolution (timed in the CNN step, where it saves XLA a transposed copy
-    of the output gradient)."""
+    (C_in <= 3 at K=3, C_in = 1 at K=5) and loses beyond. dw: "bdot"
+    (per-sample products, summed) for 1x1 kernels up to 32 input channels
+    (0.06-0.46 of the convolution's time, the plain dot 0.18-0.90) and for 3x3
+    kernels up to 16 (0.48-0.59 at 16 channels; at 1-8 channels it is 0.8-1.5x
+    the convolution alone, but the CNN step is faster with it: it reads x and
+    dy in place where the convolution needs both transposed); "dot" for wider
+    1x1 kernels, the convolution otherwise."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
-    dw = "dot" if k == 1 else "bdot" if small else "conv"
+    if k == 1:
+        dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
+    else:
+        dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 else "conv"
     return ("dot" if small else "conv"), ("dot" if small else "conv"), dw
 
 
+_BDOT_MAX_C_1X1 = 32
+_BDOT_MAX_C_3X3 = 16
 _DOT_MAX_CKK = 27
 
 
