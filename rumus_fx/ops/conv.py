@@ -270,10 +270,10 @@ def conv_dot_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Ar
 
 def _dot_forward_nchw(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
     """``y[b] = w @ im2col(x[b])``: ``[O, C*K*K]`` times ``[C*K*K, OH*OW]`` per
-    sample, batched, so ``y`` comes out NCHW. In a model this beats the
-    channels-last product that is faster alone: the batch norm, relu and pool
-    fusions XLA builds behind the convolution read ``y`` in NCHW order, and
-    from a channels-last ``y`` every one of them reads through a transpose
+    sample, batched, so ``y`` comes out NCHW. In the CNN step this beats the
+    channels-last product chosen from timings alone: the batch norm, relu and
+    pool fusions XLA builds behind the convolution read ``y`` in NCHW order,
+    and from a channels-last ``y`` every one of them reads through a transpose
     (RESULTS.md, issue 16)."""
     b, c, h, w = xv.shape
     o, _, k, _ = wv.shape
@@ -644,8 +644,9 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
     """(max of each window, its argmax as the window offset kh*K + kw)."""
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
     # the K*K strided window slices stacked on a new leading axis and reduced
-    # over it: XLA:CPU runs this 1.1-1.3x faster in the CNN step than the
-    # reduction over the minor [.., K, .., K] axes of the window view
+    # over it: the CNN step of benchmarks/models.py takes 8% less CPU time than
+    # with the reduction over the minor [.., K, .., K] axes of the window view;
+    # elementwise formulations lose there (RESULTS.md, issue 16)
     neg = np.array(-np.inf, xv.dtype)
     xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
     win = jnp.stack(_window_slices(xp, k, s, oh, ow))  # [K*K, ..., C, OH, OW]
