@@ -6,10 +6,17 @@ Usage: ``python -m benchmarks.conv_grid [--ynn] [--quick]``
 For every shape of the grid (input channels 1..256, kernel 1/3/5, stride 1/2,
 padding ``K // 2``) it times each of conv2d's three products -- the forward ``y``,
 ``dx`` and ``dw`` -- in both formulations ("conv": one ``lax.conv_general_dilated``;
-"dot": im2col slices + one ``dot_general``), each as its own compiled program, in
-alternating blocks (medians of several rounds), and prints the ratio dot / conv
-(below 1.00 the dot is faster) next to what ``_conv_plan`` chooses. ``--ynn``
-compiles with ``rf.CPU_COMPILER_OPTIONS`` instead of XLA's defaults.
+"dot": im2col slices + one ``dot_general``; for dw also "bdot": one product per
+sample, summed), each as its own compiled program, in alternating blocks (medians
+of several rounds), and prints the ratio dot / conv (below 1.00 the dot is faster)
+next to what ``_conv_plan`` chooses. ``--ynn`` compiles with
+``rf.CPU_COMPILER_OPTIONS`` instead of XLA's defaults.
+
+A product timed alone is not the whole story: XLA fuses the consumers of a
+product's result (batch norm, relu, pooling) and reads it in their order, so the
+layout a formulation produces changes the cost of the fusions behind it. The
+plan's choices for the few-channel layers (the NCHW forward dot, "bdot" for dw)
+come from timing the CNN step of ``benchmarks/models.py`` (RESULTS.md, issue 16).
 """
 
 from __future__ import annotations
@@ -78,6 +85,11 @@ def products(c_in: int, k: int, s: int) -> dict[str, tuple[Callable, Callable, t
             lambda x, g: C.conv_dot_dw(x, g, k, s, p, f32),
             (x, g),
         ),
+        "dw bdot": (
+            lambda x, g: C.conv_conv_dw(x, g, k, s, p, f32),
+            lambda x, g: C.conv_bdot_dw(x, g, k, s, p, f32),
+            (x, g),
+        ),
     }
 
 
@@ -108,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         channels = (1, 16, 64)
     print(f"jax {jax.__version__}; compile options: {options or 'XLA defaults'}")
     print("ratio dot / conv per product (< 1.00: the dot formulation is faster); conv ms in brackets; plan = chosen")
-    print("| C_in | C_out | K | stride | B, HxW | y | dx | dw | plan (y, dx, dw) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| C_in | C_out | K | stride | B, HxW | y | dx | dw | dw bdot | plan (y, dx, dw) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c_in in channels:
         b, hw, c_out = shape_for(c_in)
         for k in KERNELS:

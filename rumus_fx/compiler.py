@@ -4,8 +4,10 @@
 or ``jax.jit(f).lower(...).compile(compiler_options=...)`` for a program compiled
 for XLA:CPU. It restricts XLA:CPU's YNNPACK fusions (on by default in jax 0.10) to
 single dots and reductions, so convolutions run through XLA's own (Eigen) kernels,
-which are 2-3x faster than YNNPACK's for the few-channel convolutions of small
-CNNs; dense models (MLP, transformer) compile to the same program either way.
+which were 2-3x faster than YNNPACK's for the few-channel convolutions of small
+CNNs before conv2d ran those as dots; the benchmark CNN's step is now slower with
+it (14.5 against 11.3 ms), and dense models (MLP, transformer) compile to the same
+program either way.
 The library sets no process-wide XLA flag: this is opt-in, per compiled function.
 Measurements with and without it are in ``benchmarks/RESULTS.md``.
 """

@@ -264,12 +264,15 @@ def batch_norm_train_bwd_reference(x, weight, mean, rstd, g, *, has_bias: bool):
     """Training-mode gradients (the statistics depend on x)."""
     xf, gf = upcast(x), upcast(g)
     xhat = (xf - _chan(mean)) * _chan(rstd)
-    dxhat = gf * _chan(upcast(weight)) if weight is not None else gf
-    c1 = jnp.mean(dxhat, axis=_AXES, keepdims=True)
-    c2 = jnp.mean(dxhat * xhat, axis=_AXES, keepdims=True)
-    dx = (_chan(rstd) * (dxhat - c1 - xhat * c2)).astype(x.dtype)
-    dw = jnp.sum(gf * xhat, axis=_AXES).astype(weight.dtype) if weight is not None else None
-    db = jnp.sum(gf, axis=_AXES).astype(g.dtype) if has_bias else None
+    # two reductions over the activation: with dxhat = g * w per channel,
+    # mean(dxhat) = w * sum(g) / n and mean(dxhat * xhat) = w * sum(g * xhat) / n
+    sum_g = jnp.sum(gf, axis=_AXES)
+    sum_gx = jnp.sum(gf * xhat, axis=_AXES)
+    inv_n = 1.0 / (x.shape[0] * x.shape[2] * x.shape[3])
+    scale = rstd * upcast(weight) if weight is not None else rstd
+    dx = (_chan(scale) * (gf - _chan(sum_g * inv_n) - xhat * _chan(sum_gx * inv_n))).astype(x.dtype)
+    dw = sum_gx.astype(weight.dtype) if weight is not None else None
+    db = sum_g.astype(g.dtype) if has_bias else None
     return dx, dw, db
 
 

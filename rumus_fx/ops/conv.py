@@ -199,33 +199,49 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 
 # Note [Convolution formulations]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Each of conv2d's three products (y, dx, dw) has two formulations that give
-# the same numbers (up to float summation order):
+# Each of conv2d's three products (y, dx, dw) has formulations that give the
+# same numbers (up to float summation order):
 #
 # * "conv": one ``lax.conv_general_dilated`` (dx the transposed convolution,
 #   dw the input/gradient correlation).
 # * "dot": im2col as K*K strided slices of the (padded) input, then one
 #   ``dot_general`` against the weight as an ``[O, C*K*K]`` matrix; dx is the
 #   dot's transpose followed by col2im (K*K placements, see ``_col2im``).
+# * "bdot" (dw only): the same im2col, one product per sample contracting the
+#   positions, summed over the batch.
 #
 # XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
 # slow for few input channels, where a dot with a short contraction is fast.
 # ``_conv_plan`` picks per product from (C_in, C_out, K, stride); its thresholds
-# come from the timed grid in ``benchmarks/conv_grid.py`` (RESULTS.md records the
-# measurements). Inputs sharded over Explicit mesh axes always take "conv".
+# come from the timed grid in ``benchmarks/conv_grid.py`` and, for the
+# few-channel layers, from the CNN step of ``benchmarks/models.py``: a product
+# timed alone misses what its layout costs the fusions XLA builds around it
+# (RESULTS.md records both). Inputs sharded over Explicit mesh axes always take
+# "conv".
 
 
 def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
-    """("conv" | "dot") for the forward product, dx and dw (Note [Convolution
+    """The formulation of the forward product, dx and dw (Note [Convolution
     formulations]). From the grid: a 1x1 kernel is a plain dot for all three
     products at every channel count; for larger kernels the im2col dot wins the
     forward product and dx while the contraction ``C_in*K*K`` is at most 27
-    (C_in <= 3 at K=3, C_in = 1 at K=5) and loses beyond; dw stays a
-    convolution for K > 1 (its im2col dot is 1.3-3x slower there)."""
+    (C_in <= 3 at K=3, C_in = 1 at K=5) and loses beyond. dw: "bdot"
+    (per-sample products, summed) for 1x1 kernels up to 32 input channels
+    (0.06-0.46 of the convolution's time, the plain dot 0.18-0.90) and for 3x3
+    kernels up to 16 (0.48-0.59 at 16 channels; at 1-8 channels it is 0.8-1.5x
+    the convolution alone, but the CNN step is faster with it: it reads x and
+    dy in place where the convolution needs both transposed); "dot" for wider
+    1x1 kernels, the convolution otherwise."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
-    return ("dot" if small else "conv"), ("dot" if small else "conv"), ("dot" if k == 1 else "conv")
+    if k == 1:
+        dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
+    else:
+        dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 else "conv"
+    return ("dot" if small else "conv"), ("dot" if small else "conv"), dw
 
 
+_BDOT_MAX_C_1X1 = 32
+_BDOT_MAX_C_3X3 = 16
 _DOT_MAX_CKK = 27
 
 
@@ -244,9 +260,34 @@ def _cols(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
 
 
 def conv_dot_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
-    """``conv2d(x, w)`` as im2col + one dot (the "dot" formulation), laid out as
-    one plain matrix product: channels-last patches ``[B*OH*OW, K*K*C]`` (the K*K
-    strided slices of the NHWC input side by side) times ``[K*K*C, O]``."""
+    """``conv2d(x, w)`` as im2col + one dot (the "dot" formulation): a 1x1
+    kernel as one channels-last matrix product (``_dot_forward_nhwc``), larger
+    kernels as one product per sample in NCHW (``_dot_forward_nchw``)."""
+    if wv.shape[2] == 1:
+        return _dot_forward_nhwc(xv, wv, s, p, out_dtype)
+    return _dot_forward_nchw(xv, wv, s, p, out_dtype)
+
+
+def _dot_forward_nchw(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
+    """``y[b] = w @ im2col(x[b])``: ``[O, C*K*K]`` times ``[C*K*K, OH*OW]`` per
+    sample, batched, so ``y`` comes out NCHW. In the CNN step this beats the
+    channels-last product chosen from timings alone: the batch norm, relu and
+    pool fusions XLA builds behind the convolution read ``y`` in NCHW order,
+    and from a channels-last ``y`` every one of them reads through a transpose
+    (RESULTS.md, issue 16)."""
+    b, c, h, w = xv.shape
+    o, _, k, _ = wv.shape
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
+    wb = jnp.broadcast_to(wv.reshape(1, o, c * k * k), (b, o, c * k * k))
+    y = lax.dot_general(wb, cols, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_pref(out_dtype))
+    return y.reshape(b, o, oh, ow).astype(out_dtype)
+
+
+def _dot_forward_nhwc(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
+    """One plain matrix product, laid out channels-last: patches
+    ``[B*OH*OW, K*K*C]`` (the K*K strided slices of the NHWC input side by
+    side) times ``[K*K*C, O]``."""
     b, c, h, w = xv.shape
     o, _, k, _ = wv.shape
     oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
@@ -273,6 +314,18 @@ def conv_dot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> 
         g.reshape(b, o, oh * ow), cols, (((0, 2), (0, 2)), ((), ())), preferred_element_type=_pref(out_dtype)
     )  # [O, CKK]
     return dw.reshape(o, c, k, k).astype(out_dtype)
+
+
+def conv_bdot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
+    """``dw`` as one batched product per sample (``g[b]`` against the im2col
+    of ``x[b]``, both NCHW, contracting the positions) summed over the batch."""
+    b, o, oh, ow = g.shape
+    c = xv.shape[1]
+    cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
+    dw = lax.dot_general(
+        g.reshape(b, o, oh * ow), cols, (((2,), (2,)), ((0,), (0,))), preferred_element_type=_pref(out_dtype)
+    )  # [B, O, CKK]
+    return jnp.sum(dw, axis=0).reshape(o, c, k, k).astype(out_dtype)
 
 
 def conv_dot_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: Any) -> Array:
@@ -368,6 +421,8 @@ class Conv2dBackward(Record):
         if needs[1]:
             if plan_dw == "dot":
                 dw = conv_dot_dw(self.input, g, k, s, p, self.weight_dtype)
+            elif plan_dw == "bdot":
+                dw = conv_bdot_dw(self.input, g, k, s, p, self.weight_dtype)
             else:
                 dw = conv_conv_dw(self.input, g, k, s, p, self.weight_dtype, self.weight_sharding)
         if len(needs) > 2 and needs[2]:
@@ -587,19 +642,15 @@ def _max_argmax(win: Array, index: Array, dims: tuple[int, ...]) -> tuple[Array,
 @eager_jit(static_argnums=(1, 2, 3, 4, 5))
 def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
     """(max of each window, its argmax as the window offset kh*K + kw)."""
-    *lead, c, _, _ = xv.shape
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
-    if s == k and p == 0:  # tiling windows: reduce the [.., OH, K, OW, K] view in place
-        xc = xv[..., : oh * k, : ow * k]
-        nd = len(lead) + 1
-        win = shd.reshape(xc, (*lead, c, oh, k, ow, k))
-        kh = lax.broadcasted_iota(idx_dtype, win.shape, nd + 1)
-        kw = lax.broadcasted_iota(idx_dtype, win.shape, nd + 3)
-        return _max_argmax(win, kh * np.array(k, idx_dtype) + kw, (nd + 1, nd + 3))
+    # the K*K strided window slices stacked on a new leading axis and reduced
+    # over it: the CNN step of benchmarks/models.py takes 8% less CPU time than
+    # with the reduction over the minor [.., K, .., K] axes of the window view;
+    # elementwise formulations lose there (RESULTS.md, issue 16)
     neg = np.array(-np.inf, xv.dtype)
     xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
-    win = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-1)  # [..., C, OH, OW, K*K]
-    return _max_argmax(win, lax.broadcasted_iota(idx_dtype, win.shape, win.ndim - 1), (win.ndim - 1,))
+    win = jnp.stack(_window_slices(xp, k, s, oh, ow))  # [K*K, ..., C, OH, OW]
+    return _max_argmax(win, lax.broadcasted_iota(idx_dtype, win.shape, 0), (0,))
 
 
 def ref_max_pool2d(x: Any, k: int, stride: int | None = None, padding: int = 0) -> Array:
