@@ -27,7 +27,8 @@ same tape every step, so here the whole walk is compiled once and replayed:
   1.5-2x slower as one program than rule by rule). So the second and third
   sightings walk rule by rule again (their rules compiled by the first), timed,
   the fourth compiles the walk, the fifth and sixth run it timed (each timed
-  call waits for its results), and a signature whose compiled walk (the faster
+  walk first waits for the forward's pending work, which is not its own, and
+  then for its results), and a signature whose compiled walk (the faster
   of its two calls) took more than ``KEEP_IF_FASTER`` times the rule-by-rule walk
   (the faster of two) goes back to rule by rule for good.
 
