@@ -274,3 +274,39 @@ def test_scalar_fast_path_records_what_the_general_path_does(kind, scalar):
         known = {id(fast.value): fast.grad_id, id(x.value): x.grad_id, id(scalar): None}
         assert tuple(e_fast.provenance) == provenance_of(e_fast.op, known)
         np.testing.assert_array_equal(fast.value, slow.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32"])
+@pytest.mark.parametrize("scalar", [2.0, 3, 1e30, -0.0, float("nan")])
+def test_cached_scalar_operand_is_what_jit_makes_of_the_scalar(dtype, scalar):
+    """Note [Eager fast path]: ``t <op> python scalar`` passes a cached device
+    array for the scalar; the result (value, dtype, weak type, placement) is
+    that of the jitted op given the python scalar itself, with and without
+    x64, under another default device, and recorded or not."""
+    from rumus_fx.ops._core import scalar_operand
+
+    def check():
+        x = rf.tensor(jnp.arange(4).astype(dtype))
+        with jax.numpy_dtype_promotion("standard"):
+            for kind, ref in (("mul", jnp.multiply), ("add", jnp.add), ("div", jnp.divide)):
+                got = getattr(rf, kind)(x, scalar).value
+                want = jax.jit(ref)(x.value, scalar)
+                assert got.dtype == want.dtype and got.weak_type == want.weak_type, kind
+                assert got.sharding == want.sharding and got.committed == want.committed, kind
+                np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+        cached = scalar_operand(scalar)
+        if not scalar or scalar != scalar:
+            assert cached is scalar  # zeros and nan are never cached
+        else:
+            assert cached is scalar_operand(scalar)
+            assert cached.aval == jnp.asarray(scalar).aval
+
+    check()
+    with jax.enable_x64(True):
+        check()
+    with jax.default_device(jax.devices()[-1]):
+        check()
+    with rf.Tape():
+        x = rf.tensor(jnp.ones(3), requires_grad=True)
+        y = x * 2.0
+    np.testing.assert_array_equal(y.value, jnp.full(3, 2.0))

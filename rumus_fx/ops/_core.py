@@ -40,6 +40,41 @@ def value_of(x: Any, op: str, what: str = "input") -> Any:
     raise TypeError(f"{op}: {what} must be an rf.Tensor, a jax/numpy array or a python scalar, got {type(x).__name__}")
 
 
+# python scalar operand -> the weakly typed device array jit makes of it (see
+# ``scalar_operand``), per (type, value, x64, default device, abstract mesh)
+_SCALAR_ARRAYS: dict[tuple[Any, ...], Array] = {}
+_SCALAR_ARRAYS_MAX = 256  # distinct scalars kept (a changing scalar, say a
+# scheduled learning rate, then goes back to a conversion per call)
+
+
+def scalar_operand(v: int | float) -> Any:
+    """The python scalar ``v`` (exactly an int or a float) as the array a jitted
+    call would convert it to on every dispatch -- ``jnp.asarray(v)``: weakly
+    typed, of the x64 mode's dtype, uncommitted on the default device (under
+    the current abstract mesh) -- made once and cached on all of those, so an
+    eager ``t * 2.0`` pays no host-to-device transfer (Note [Eager fast path]).
+    Only for concrete calls: under a trace the scalar stays a literal. Zeros
+    and nan are passed through (``0.0 == -0.0`` and ``nan != nan`` as keys),
+    as is anything the conversion refuses (jit then raises its own error)."""
+    if not v or v != v:
+        return v
+    config = jax.config
+    key = (type(v), v, config.jax_enable_x64, config.jax_default_device, _abstract_mesh())
+    arr = _SCALAR_ARRAYS.get(key)
+    if arr is None:
+        if len(_SCALAR_ARRAYS) >= _SCALAR_ARRAYS_MAX:
+            return v
+        try:
+            arr = jnp.asarray(v)
+        except (OverflowError, TypeError, ValueError):
+            return v
+        _SCALAR_ARRAYS[key] = arr
+    return arr
+
+
+_abstract_mesh = jax.sharding.get_abstract_mesh
+
+
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(getattr(x, "shape", ()))
 

@@ -26,6 +26,7 @@ from ._core import (
     new_output,
     reads,
     record,
+    scalar_operand,
     shape_of,
     snapshot,
     sum_to,
@@ -277,7 +278,7 @@ def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
 def _binary(kind: str, a: Any, b: Any) -> Tensor:
     if type(b) in _PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
         av = a.value
-        out = _FORWARD[kind](av, b)
+        out = _FORWARD[kind](av, b if isinstance(av, jax.core.Tracer) else scalar_operand(b))
         tape = current_tape() if a._gid is not None else None
         if tape is None:
             return Tensor._wrap(out)
