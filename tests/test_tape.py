@@ -310,3 +310,31 @@ def test_cached_scalar_operand_is_what_jit_makes_of_the_scalar(dtype, scalar):
         x = rf.tensor(jnp.ones(3), requires_grad=True)
         y = x * 2.0
     np.testing.assert_array_equal(y.value, jnp.full(3, 2.0))
+
+
+def _entry_fields(e):
+    return (e.op, e.inputs, e.outputs, e.input_avals, e.output_avals, e.input_shardings, tuple(e.provenance), e.replay)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_record_fast_path_records_what_the_general_path_does(dtype, layout):
+    """Note [Eager fast path]: ``record`` of ``f(t)`` and ``t <op> python
+    scalar`` (t tracked, not explicitly sharded) appends the entry the general
+    loop (``record_general``) appends for the same record, inputs and output."""
+    from rumus_fx.ops._core import record_general
+
+    with rf.Tape() as tape:
+        base = rf.tensor(jnp.arange(6.0, dtype=dtype).reshape(2, 3), requires_grad=True)
+        x = base if layout == "contiguous" else base.T
+        outs = [rf.tanh(x), rf.relu(x), rf.exp(x), x * 1.5, x + 2, x - 0.5, x / 4.0, rf.sigmoid(x)]
+    entries = [e for e in tape.entries if e.outputs[0] in {o.grad_id for o in outs}]
+    assert len(entries) == len(outs)
+    scalars = [None, None, None, 1.5, 2, 0.5, 4.0, None]
+    for e, out, scalar in zip(entries, outs, scalars):
+        assert (len(e.inputs) == 2) == (scalar is not None)
+        inputs = (x,) if scalar is None else (x, scalar)
+        scratch = rf.Tape()
+        record_general(scratch, e.op, inputs, out)
+        (general,) = scratch.entries
+        assert _entry_fields(e) == _entry_fields(general), e.op.name

@@ -67,7 +67,16 @@ class VersionSnapshot:
 
     @classmethod
     def of(cls, grad_id: int | None, storage: StorageHandle) -> VersionSnapshot:
-        return cls(grad_id, storage.downgrade(), storage._cell.value)
+        """``cls(grad_id, storage.downgrade(), storage's version)``, filling the
+        frozen instance's ``__dict__`` directly (one per recorded read; Note
+        [Eager fast path] in rumus_fx/ops/_core.py)."""
+        snap = _new_object(cls)
+        d = snap.__dict__
+        d["grad_id"] = grad_id
+        weak = storage._weak
+        d["weak_storage"] = storage.downgrade() if weak is None else weak
+        d["recorded_version"] = storage._cell.value
+        return snap
 
     def check(self, op: str | None = None) -> None:
         found = self.weak_storage.version
@@ -75,6 +84,8 @@ class VersionSnapshot:
             raise VersionMismatch(self.grad_id, self.recorded_version, found, op)
 
 
+assert tuple(f.name for f in dataclasses.fields(VersionSnapshot)) == ("grad_id", "weak_storage", "recorded_version")
+_new_object = object.__new__
 _RECORD_TYPES: list[type[Record]] = []
 
 _KIND = "rumus_fx_kind"  # the dataclass field-metadata key naming a field's kind
@@ -150,7 +161,7 @@ _PLAIN = frozenset({int, float, bool, str, type(None), np.dtype})
 # types whose values are never arrays (extended as they are met: for anything
 # but a tracer, which ``isinstance(v, jax.Array)`` also answers per value, being
 # an array is a property of the type); tuples and lists are looked into instead
-_NEVER_ARRAY: set[type] = set(_PLAIN)
+_NEVER_ARRAY: set[type] = set(_PLAIN) | {Aval}  # an Aval: a shape of ints and a dtype
 
 
 def _holds_array(value: Any) -> bool:

@@ -13,6 +13,7 @@ import numpy as np
 from ..autograd.record import Aval, Provenance, VersionSnapshot
 from ..autograd.tape import Tape, current_tape, new_entry
 from ..eager import eager_jit as eager_jit
+from ..eager import scalar_operand as scalar_operand
 from ..errors import ShapeError
 from ..kernels.precision import is_low_precision as is_low_precision
 from ..sharding import sharding_of
@@ -38,41 +39,6 @@ def value_of(x: Any, op: str, what: str = "input") -> Any:
     if isinstance(x, _SCALARS) and not isinstance(x, bool):
         return x
     raise TypeError(f"{op}: {what} must be an rf.Tensor, a jax/numpy array or a python scalar, got {type(x).__name__}")
-
-
-# python scalar operand -> the weakly typed device array jit makes of it (see
-# ``scalar_operand``), per (type, value, x64, default device, abstract mesh)
-_SCALAR_ARRAYS: dict[tuple[Any, ...], Array] = {}
-_SCALAR_ARRAYS_MAX = 256  # distinct scalars kept (a changing scalar, say a
-# scheduled learning rate, then goes back to a conversion per call)
-
-
-def scalar_operand(v: int | float) -> Any:
-    """The python scalar ``v`` (exactly an int or a float) as the array a jitted
-    call would convert it to on every dispatch -- ``jnp.asarray(v)``: weakly
-    typed, of the x64 mode's dtype, uncommitted on the default device (under
-    the current abstract mesh) -- made once and cached on all of those, so an
-    eager ``t * 2.0`` pays no host-to-device transfer (Note [Eager fast path]).
-    Only for concrete calls: under a trace the scalar stays a literal. Zeros
-    and nan are passed through (``0.0 == -0.0`` and ``nan != nan`` as keys),
-    as is anything the conversion refuses (jit then raises its own error)."""
-    if not v or v != v:
-        return v
-    config = jax.config
-    key = (type(v), v, config.jax_enable_x64, config.jax_default_device, _abstract_mesh())
-    arr = _SCALAR_ARRAYS.get(key)
-    if arr is None:
-        if len(_SCALAR_ARRAYS) >= _SCALAR_ARRAYS_MAX:
-            return v
-        try:
-            arr = jnp.asarray(v)
-        except (OverflowError, TypeError, ValueError):
-            return v
-        _SCALAR_ARRAYS[key] = arr
-    return arr
-
-
-_abstract_mesh = jax.sharding.get_abstract_mesh
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
@@ -184,19 +150,46 @@ def new_output(value: Array, tape: Tape | None) -> Tensor:
 def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     """Append ``op`` (the record of the op that produced ``out``) to ``tape``
     (Note [Eager fast path])."""
+    buffer = out._storage._buffer
+    out_gid = out._gid
+    n = len(inputs)
+    if 0 < n <= 2:  # the common ops: ``f(t)`` and ``t <op> python scalar``, t tracked
+        x = inputs[0]
+        other = inputs[1] if n == 2 else None
+        if (
+            isinstance(x, Tensor)
+            and (n == 1 or type(other) in _SCALARS)
+            and x._gid is not None
+            and sharding_of(value := x.value) is None
+        ):
+            gid = x._gid
+            in_aval = _tuple_new(Aval, (x.shape, x._storage._buffer.dtype))
+            if n == 1:
+                ids, avals, pairs = (gid,), (in_aval,), (id(buffer), out_gid, id(value), gid)
+            else:
+                ids, avals, pairs = (gid, None), (in_aval, None), (id(buffer), out_gid, id(value), gid, id(other), None)
+            out_aval = (_tuple_new(Aval, (out.shape, buffer.dtype)),)
+            tape._entries.append(new_entry(op, ids, (out_gid,), avals, out_aval, (), Provenance(op, pairs), ()))
+            return out
+    return record_general(tape, op, inputs, out)
+
+
+def record_general(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
+    """``record`` for any inputs (what its fast path records, for every op)."""
+    buffer = out._storage._buffer
+    out_gid = out._gid
     ids = []
     avals = []
     sharded = False
-    buffer = out._storage._buffer
     # (id(value), grad id) of the output and each input, for the provenance
-    pairs = [id(buffer), out._gid]
+    pairs = [id(buffer), out_gid]
     for x in inputs:
         if isinstance(x, Tensor):
             gid = x._gid
             value = x.value
             pairs += (id(value), gid)
             ids.append(gid)
-            avals.append(_aval((x.shape, x._storage._buffer.dtype)))
+            avals.append(_tuple_new(Aval, (x.shape, x._storage._buffer.dtype)))
             if gid is not None and not sharded and sharding_of(value) is not None:
                 sharded = True
         else:
@@ -207,9 +200,10 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     shardings = ()
     if sharded:
         shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
-    out_aval = (_aval((out.shape, buffer.dtype)),)
-    entry = new_entry(op, tuple(ids), (out._gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)), ())
-    tape._entries.append(entry)
+    out_aval = (_tuple_new(Aval, (out.shape, buffer.dtype)),)
+    tape._entries.append(
+        new_entry(op, tuple(ids), (out_gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)), ())
+    )
     return out
 
 
