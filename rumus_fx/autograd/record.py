@@ -363,18 +363,31 @@ def structure_key(rec: Record) -> tuple[Any, list[Any]] | None:
     type, the static aux data and the structure of each child -- so that equal
     keys mean equal treedefs; None when a child is traced. What the whole-tape
     signature is built of (autograd/whole_tape.py), rebuilt by
-    ``from_structure``."""
-    children, aux = _flatten_record(rec)
-    kinds = []
-    for c in children:
-        if type(c) in _LEAF_TYPES:  # an array: the usual child
+    ``from_structure``. One pass over the fields, as ``_flatten_record`` walks
+    them (once per entry of every repeated tape)."""
+    cls = type(rec)
+    plan = cls.__dict__.get("_flatten_plan_cache") or _flatten_plan(cls)
+    children: list[Any] = []
+    aux: list[Any] = []
+    kinds: list[Any] = []
+    for name, kind in plan:
+        if kind is SNAPSHOT:
+            aux.append(None)
+            continue
+        value = getattr(rec, name)
+        if kind is not SAVED and not _holds_array(value):  # static metadata
+            aux.append(value)
+            continue
+        children.append(value)
+        aux.append(_CHILD)
+        if type(value) in _LEAF_TYPES:  # an array: the usual child
             kinds.append(_LEAF)
             continue
-        k = _child_key(c)
+        k = _child_key(value)
         if k is _TRACED or (type(k) is tuple and _traced_in(k)):
             return None
         kinds.append(k)
-    return (type(rec), aux, tuple(kinds)), children
+    return (cls, tuple(aux), tuple(kinds)), children
 
 
 def _traced_in(key: tuple) -> bool:

@@ -109,6 +109,7 @@ def _signature(
     parts: list[Any] = []
     leaves_of: list[list[Any]] = []
     tracer = jax.core.Tracer
+    number = local.setdefault  # an id's local number: the next one at its first appearance
     for e in entries:
         if e.input_shardings:
             return None
@@ -119,18 +120,10 @@ def _signature(
         leaves_of.append(children)
         ins = []
         for i in e.inputs:
-            if i is not None:
-                n = local.get(i)
-                if n is None:
-                    n = local[i] = len(local)
-                i = n
-            ins.append(i)
+            ins.append(None if i is None else number(i, len(local)))
         outs = []
         for o in e.outputs:
-            n = local.get(o)
-            if n is None:
-                n = local[o] = len(local)
-            outs.append(n)
+            outs.append(number(o, len(local)))
         parts.append((key, tuple(ins), tuple(outs), e.input_avals))
     seed_ids = []
     for s in seeds:

@@ -265,6 +265,28 @@ def binary_record(
     return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
 
 
+def _scalar_rhs_record(kind: str, a: Tensor, b: int | float, av: Any) -> Record:
+    """``binary_record(kind, a, b, av, b, a.shape)`` for a tracked ``a`` and a
+    python scalar ``b``, built directly (Note [Eager fast path]): the output has
+    ``a``'s shape, so ``a`` broadcasts over no axis, ``b`` has no shape, and
+    only ``a`` needs a gradient (mul and div save ``b``, never ``a``). A 0-d
+    ``a`` (equal shapes: the plain records) takes ``binary_record``."""
+    shape = tuple(av.shape)
+    if not shape:
+        return binary_record(kind, a, b, av, b, shape)
+    info = _tuple_new(BroadcastInfo, (shape, av.dtype, ()))
+    if kind == "add":
+        return BroadcastAddBackward(info, None)
+    if kind == "sub":
+        return BroadcastSubBackward(info, None)
+    if kind == "mul":
+        return BroadcastMulBackward(None, None, b, None, info, None)
+    return DivBackward(None, None, b, None, info, None)
+
+
+_tuple_new = tuple.__new__
+
+
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
     if not needed:
         return None, None
@@ -283,7 +305,7 @@ def _binary(kind: str, a: Any, b: Any) -> Tensor:
         if tape is None:
             return Tensor._wrap(out)
         res = Tensor._wrap(out, next_grad_id())
-        return record(tape, binary_record(kind, a, b, av, b, res.shape), (a, b), res)
+        return record(tape, _scalar_rhs_record(kind, a, b, av), (a, b), res)
     av = value_of(a, kind, "lhs")
     bv = value_of(b, kind, "rhs")
     out_shape = broadcast_shapes(kind, shape_of(av), shape_of(bv))
