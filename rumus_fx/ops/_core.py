@@ -115,16 +115,29 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
 #   pytree flattening and no cache lookup per call, so JAX's C++ fast path
 #   dispatches it;
 # * ``t <op> python scalar`` (``elementwise._binary``) skips broadcasting and
-#   rank alignment, which a scalar never needs, and builds the same record;
+#   rank alignment, which a scalar never needs, and builds the record
+#   ``binary_record`` would directly (``_scalar_rhs_record``); the scalar goes
+#   to the forward as a cached device array (``eager.scalar_operand``: per
+#   type, value, x64 mode, default device and abstract mesh; zeros and nan are
+#   never cached), which jit would otherwise transfer afresh on every call.
+#   The compiled whole-tape walk gets the records' saved scalars the same way;
 # * a storage costs a version cell, its trace token and a counter (no WeakSet);
 #   its weak handle, which every version snapshot holds, is made once;
 # * ``record()`` keeps the (id, grad id) pairs of the op's values and the
 #   provenance is computed from them on first use (``record.Provenance``: only
-#   ``backward(create_graph=True)`` reads it); the entry is filled in one call
-#   (``tape.new_entry``).
+#   ``backward(create_graph=True)`` reads it); ``f(t)`` and ``t <op> python
+#   scalar`` (``t`` tracked, not explicitly sharded) take a path without the
+#   general loop (``record_general``, which records the same entry: see
+#   tests/test_tape.py); entries and version snapshots fill their
+#   ``__dict__`` directly (``tape.new_entry``, ``VersionSnapshot.of``).
 #
 # What stays per op: the grad id, the version snapshots of what the record
 # reads, the avals and the explicit-sharding check of every tracked input.
+# Measured in CPU time, an op's Python costs more between dispatches than
+# alone in a loop: a recorded ``rf.tanh`` took 6.8 µs without its dispatch and
+# 7.4 µs of dispatch alone, 18.8 µs together; in the chain, removing
+# ``record()``'s entry building saves about 5 µs per op where a loop of
+# ``record()`` alone takes under 2.
 
 
 def tape_for(*xs: Any) -> Tape | None:
