@@ -254,7 +254,7 @@ class Record:
         for name in cls._snapshot_fields:
             value = getattr(self, name)
             if type(value) is VersionSnapshot:  # the usual field: one snapshot, unchanged
-                if value.weak_storage.version != value.recorded_version:
+                if value.weak_storage._cell.value != value.recorded_version:  # its version, read directly
                     value.check(self.name)
             elif isinstance(value, VersionSnapshot):
                 value.check(self.name)

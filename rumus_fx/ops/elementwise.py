@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record, VersionSnapshot
+from ..eager import compiled
 from ..errors import ShapeError
 from ..recording import current_tape
 from ..tensor import Tensor, next_grad_id
@@ -227,6 +228,7 @@ class AddBiasBackward(Record):
 _FORWARD = {
     k: eager_jit(f) for k, f in (("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide))
 }
+_JITTED = {k: compiled(f.__wrapped__) for k, f in _FORWARD.items()}  # the jax.jit each one calls eagerly
 _PY_SCALARS = (int, float)  # by exact type: not bool, not numpy scalars (value_of converts those)
 _negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
 
@@ -300,7 +302,10 @@ def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
 def _binary(kind: str, a: Any, b: Any) -> Tensor:
     if type(b) in _PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
         av = a.value
-        out = _FORWARD[kind](av, b if isinstance(av, jax.core.Tracer) else scalar_operand(b))
+        if isinstance(av, jax.core.Tracer):
+            out = _FORWARD[kind](av, b)  # traced inline (Note [Eager compilation])
+        else:  # no tracer among the operands: eager_jit's own compiled call, directly
+            out = _JITTED[kind](av, scalar_operand(b))
         tape = current_tape() if a._gid is not None else None
         if tape is None:
             return Tensor._wrap(out)
