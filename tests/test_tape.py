@@ -338,3 +338,26 @@ def test_record_fast_path_records_what_the_general_path_does(dtype, layout):
         record_general(scratch, e.op, inputs, out)
         (general,) = scratch.entries
         assert _entry_fields(e) == _entry_fields(general), e.op.name
+
+
+def test_recorded_avals_are_the_tensors_shapes_and_dtypes():
+    """Note [Eager fast path]: an entry's avals (kept on the storage once read)
+    are ``(t.shape, t.dtype)`` of its input and output, also for a view and
+    after an in-place write."""
+    from rumus_fx.ops._core import tensor_aval
+
+    with rf.Tape() as tape:
+        x = rf.tensor(jnp.arange(6.0).reshape(2, 3), requires_grad=True)
+        y = rf.tanh(x)
+        with rf.no_grad():
+            y.mul_(2.0)
+        z = rf.relu(y.T)
+        w = rf.exp(y) * 2.0
+    for t in (x, y, y.T, z, w):
+        assert tensor_aval(t) == (t.shape, t.dtype)
+    for e in tape.entries:
+        assert all(a is None or len(a) == 2 for a in e.input_avals)
+    by_out = {e.outputs[0]: e for e in tape.entries}
+    assert by_out[z.grad_id].input_avals == ((y.T.shape, y.dtype),)
+    assert by_out[z.grad_id].output_avals == ((z.shape, z.dtype),)
+    assert by_out[w.grad_id].input_avals == ((w.shape, w.dtype), None)

@@ -53,6 +53,21 @@ def _aval(shape_and_dtype: tuple[tuple[int, ...], Any]) -> Aval:
 _tuple_new = tuple.__new__
 
 
+def tensor_aval(x: Tensor) -> Aval:
+    """``Aval(x.shape, x.dtype)``, kept on the storage for a tensor viewing all
+    of it: one recorded op's output is the next one's input (Note [Eager fast
+    path]). An in-place write keeps a buffer's shape and dtype, and resets it
+    anyway."""
+    storage = x._storage
+    if x._layout is not None:
+        return _tuple_new(Aval, (x._layout.shape, storage._buffer.dtype))
+    aval = storage._aval
+    if aval is None:
+        buffer = storage._buffer
+        aval = storage._aval = _tuple_new(Aval, (tuple(buffer.shape), buffer.dtype))
+    return aval
+
+
 def aval_of(x: Any) -> Aval | None:
     """Shape and dtype of a Tensor/array operand; None for python scalars."""
     if isinstance(x, Tensor):
@@ -176,12 +191,14 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
             and sharding_of(value := x.value) is None
         ):
             gid = x._gid
-            in_aval = _tuple_new(Aval, (x.shape, x._storage._buffer.dtype))
+            in_aval = x._storage._aval if x._layout is None else None
+            if in_aval is None:
+                in_aval = tensor_aval(x)
             if n == 1:
                 ids, avals, pairs = (gid,), (in_aval,), (id(buffer), out_gid, id(value), gid)
             else:
                 ids, avals, pairs = (gid, None), (in_aval, None), (id(buffer), out_gid, id(value), gid, id(other), None)
-            out_aval = (_tuple_new(Aval, (out.shape, buffer.dtype)),)
+            out_aval = (tensor_aval(out),)
             tape._entries.append(new_entry(op, ids, (out_gid,), avals, out_aval, (), Provenance(op, pairs), ()))
             return out
     return record_general(tape, op, inputs, out)
@@ -202,7 +219,7 @@ def record_general(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> T
             value = x.value
             pairs += (id(value), gid)
             ids.append(gid)
-            avals.append(_tuple_new(Aval, (x.shape, x._storage._buffer.dtype)))
+            avals.append(tensor_aval(x))
             if gid is not None and not sharded and sharding_of(value) is not None:
                 sharded = True
         else:
@@ -213,7 +230,7 @@ def record_general(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> T
     shardings = ()
     if sharded:
         shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
-    out_aval = (_tuple_new(Aval, (out.shape, buffer.dtype)),)
+    out_aval = (tensor_aval(out),)
     tape._entries.append(
         new_entry(op, tuple(ids), (out_gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)), ())
     )
