@@ -164,6 +164,14 @@ _PLAIN = frozenset({int, float, bool, str, type(None), np.dtype})
 _NEVER_ARRAY: set[type] = set(_PLAIN) | {Aval}  # an Aval: a shape of ints and a dtype
 
 
+def metadata_type(tp: type) -> type:
+    """Declare that values of ``tp`` (a NamedTuple of shapes, dtypes and axes,
+    such as ``Aval``) never hold an array, so a static record field holding
+    one is aux data without looking inside (Note [Record fields])."""
+    _NEVER_ARRAY.add(tp)
+    return tp
+
+
 def _holds_array(value: Any) -> bool:
     """An array (jax, numpy or a tracer), or a tuple/list holding one."""
     tp = type(value)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..autograd.record import Aval, Provenance, VersionSnapshot
+from ..autograd.record import Aval, Provenance, VersionSnapshot, metadata_type
 from ..autograd.tape import Tape, current_tape, new_entry
 from ..eager import eager_jit as eager_jit
 from ..eager import scalar_operand as scalar_operand
@@ -259,6 +259,7 @@ def reads(x: Any, needed: bool) -> tuple[Any, VersionSnapshot | None]:
 # ---------------------------------------------------------------------------
 
 
+@metadata_type
 class BroadcastInfo(NamedTuple):
     """How one operand was broadcast to the output: its own shape and dtype and
     the output axes its gradient is summed over."""
