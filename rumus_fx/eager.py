@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 _Tracer = jax.core.Tracer
+_TRACER_OR_CONTAINER = (_Tracer, tuple, list, dict)
 
 # (function, static argnums, static argnames) -> its jax.jit
 _COMPILED: dict[tuple[Any, tuple[int, ...], tuple[str, ...]], Callable[..., Any]] = {}
@@ -52,25 +54,62 @@ def eager_jit(fun: Callable[..., Any] | None = None, *, static_argnums: Sequence
     if fun is None:
         return lambda f: eager_jit(f, static_argnums=static_argnums)
     nums = tuple(static_argnums)
-    jitted: list[Any] = []  # the shared cached jax.jit, looked up on the first eager call
+    jitted = None  # the shared cached jax.jit, looked up on the first eager call
 
     def call(*args: Any) -> Any:
         # Note [Eager fast path] (rumus_fx/ops/_core.py): flat arguments are
-        # checked one by one, the jitted function is bound once, so an eager
-        # call is one C++ jit dispatch
+        # checked one by one (one isinstance each for the usual arrays and
+        # scalars), the jitted function is bound once, so an eager call is one
+        # C++ jit dispatch
+        nonlocal jitted
         dynamic = [a for i, a in enumerate(args) if i not in nums] if nums else args
         for a in dynamic:
-            if isinstance(a, _Tracer):
-                return fun(*args)
-            if isinstance(a, (tuple, list, dict)):
-                if has_tracer(dynamic):
+            if isinstance(a, _TRACER_OR_CONTAINER):
+                if isinstance(a, _Tracer) or has_tracer(dynamic):
                     return fun(*args)
                 break
-        if not jitted:
-            jitted.append(compiled(fun, nums))
-        return jitted[0](*args)
+        if jitted is None:
+            jitted = compiled(fun, nums)
+        return jitted(*args)
 
     call.__wrapped__ = fun  # type: ignore[attr-defined]
     call.__name__ = getattr(fun, "__name__", "eager")
     call.__doc__ = getattr(fun, "__doc__", None)
     return call
+
+
+# python scalar operand -> the weakly typed device array jit makes of it (see
+# ``scalar_operand``), per (type, value, x64, default device, abstract mesh)
+_SCALAR_ARRAYS: dict[tuple[Any, ...], jax.Array] = {}
+_SCALAR_ARRAYS_MAX = 256  # distinct scalars kept (a changing scalar, say a
+# scheduled learning rate, then goes back to a conversion per call)
+
+
+def scalar_operand(v: int | float) -> Any:
+    """The python scalar ``v`` (exactly an int or a float) as the array a jitted
+    call would convert it to on every dispatch -- ``jnp.asarray(v)``: weakly
+    typed, of the x64 mode's dtype, uncommitted on the default device (under
+    the current abstract mesh) -- made once and cached on all of those, so an
+    eager ``t * 2.0``, or a whole-tape backward over records that saved python
+    scalars, pays no host-to-device transfer per scalar (Note [Eager fast path]
+    in rumus_fx/ops/_core.py).
+    Only for concrete calls: under a trace the scalar stays a literal. Zeros
+    and nan are passed through (``0.0 == -0.0`` and ``nan != nan`` as keys),
+    as is anything the conversion refuses (jit then raises its own error)."""
+    if not v or v != v:
+        return v
+    config = jax.config
+    key = (type(v), v, config.jax_enable_x64, config.jax_default_device, _abstract_mesh())
+    arr = _SCALAR_ARRAYS.get(key)
+    if arr is None:
+        if len(_SCALAR_ARRAYS) >= _SCALAR_ARRAYS_MAX:
+            return v
+        try:
+            arr = jnp.asarray(v)
+        except (OverflowError, TypeError, ValueError):
+            return v
+        _SCALAR_ARRAYS[key] = arr
+    return arr
+
+
+_abstract_mesh = jax.sharding.get_abstract_mesh

@@ -119,12 +119,15 @@ class StorageHandle:
     at 0 and grows by one per in-place write.
     """
 
-    __slots__ = ("__weakref__", "_buffer", "_cell", "_trace", "_views", "_weak")
+    __slots__ = ("__weakref__", "_aval", "_buffer", "_cell", "_trace", "_views", "_weak")
 
     def __init__(self, buffer: jax.Array):
         _ALIVE[0] += 1
         self._weak: WeakStorageHandle | None = None  # made by the first downgrade()
         self._buffer = buffer
+        # (shape, dtype) of the buffer, kept by the recorder that reads it first
+        # (``ops._core.tensor_aval``); a write resets it
+        self._aval: Any = None
         self._cell = _VersionCell()
         self._trace = None if _get_opaque_trace_state is None else _get_opaque_trace_state(convention="rumus_fx")
         # (weak reference, family) of the tensors viewing this storage; only
@@ -165,6 +168,7 @@ class StorageHandle:
         if isinstance(value, _Tracer) and _trace_of(value) != self._trace:
             raise AutogradError(TRACER_LEAK_MESSAGE)
         self._buffer = write_layout(self._buffer, layout, value)
+        self._aval = None
         self._cell.value += 1
 
     def _tensors(self) -> list:

@@ -274,3 +274,90 @@ def test_scalar_fast_path_records_what_the_general_path_does(kind, scalar):
         known = {id(fast.value): fast.grad_id, id(x.value): x.grad_id, id(scalar): None}
         assert tuple(e_fast.provenance) == provenance_of(e_fast.op, known)
         np.testing.assert_array_equal(fast.value, slow.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32"])
+@pytest.mark.parametrize("scalar", [2.0, 3, 1e30, -0.0, float("nan")])
+def test_cached_scalar_operand_is_what_jit_makes_of_the_scalar(dtype, scalar):
+    """Note [Eager fast path]: ``t <op> python scalar`` passes a cached device
+    array for the scalar; the result (value, dtype, weak type, placement) is
+    that of the jitted op given the python scalar itself, with and without
+    x64, under another default device, and recorded or not."""
+    from rumus_fx.ops._core import scalar_operand
+
+    def check():
+        x = rf.tensor(jnp.arange(4).astype(dtype))
+        with jax.numpy_dtype_promotion("standard"):
+            for kind, ref in (("mul", jnp.multiply), ("add", jnp.add), ("div", jnp.divide)):
+                got = getattr(rf, kind)(x, scalar).value
+                want = jax.jit(ref)(x.value, scalar)
+                assert got.dtype == want.dtype and got.weak_type == want.weak_type, kind
+                assert got.sharding == want.sharding and got.committed == want.committed, kind
+                np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+        cached = scalar_operand(scalar)
+        if not scalar or scalar != scalar:
+            assert cached is scalar  # zeros and nan are never cached
+        else:
+            assert cached is scalar_operand(scalar)
+            assert cached.aval == jnp.asarray(scalar).aval
+
+    check()
+    with jax.enable_x64(True):
+        check()
+    with jax.default_device(jax.devices()[-1]):
+        check()
+    with rf.Tape():
+        x = rf.tensor(jnp.ones(3), requires_grad=True)
+        y = x * 2.0
+    np.testing.assert_array_equal(y.value, jnp.full(3, 2.0))
+
+
+def _entry_fields(e):
+    return (e.op, e.inputs, e.outputs, e.input_avals, e.output_avals, e.input_shardings, tuple(e.provenance), e.replay)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_record_fast_path_records_what_the_general_path_does(dtype, layout):
+    """Note [Eager fast path]: ``record`` of ``f(t)`` and ``t <op> python
+    scalar`` (t tracked, not explicitly sharded) appends the entry the general
+    loop (``record_general``) appends for the same record, inputs and output."""
+    from rumus_fx.ops._core import record_general
+
+    with rf.Tape() as tape:
+        base = rf.tensor(jnp.arange(6.0, dtype=dtype).reshape(2, 3), requires_grad=True)
+        x = base if layout == "contiguous" else base.T
+        outs = [rf.tanh(x), rf.relu(x), rf.exp(x), x * 1.5, x + 2, x - 0.5, x / 4.0, rf.sigmoid(x)]
+    entries = [e for e in tape.entries if e.outputs[0] in {o.grad_id for o in outs}]
+    assert len(entries) == len(outs)
+    scalars = [None, None, None, 1.5, 2, 0.5, 4.0, None]
+    for e, out, scalar in zip(entries, outs, scalars):
+        assert (len(e.inputs) == 2) == (scalar is not None)
+        inputs = (x,) if scalar is None else (x, scalar)
+        scratch = rf.Tape()
+        record_general(scratch, e.op, inputs, out)
+        (general,) = scratch.entries
+        assert _entry_fields(e) == _entry_fields(general), e.op.name
+
+
+def test_recorded_avals_are_the_tensors_shapes_and_dtypes():
+    """Note [Eager fast path]: an entry's avals (kept on the storage once read)
+    are ``(t.shape, t.dtype)`` of its input and output, also for a view and
+    after an in-place write."""
+    from rumus_fx.ops._core import tensor_aval
+
+    with rf.Tape() as tape:
+        x = rf.tensor(jnp.arange(6.0).reshape(2, 3), requires_grad=True)
+        y = rf.tanh(x)
+        with rf.no_grad():
+            y.mul_(2.0)
+        z = rf.relu(y.T)
+        w = rf.exp(y) * 2.0
+    for t in (x, y, y.T, z, w):
+        assert tensor_aval(t) == (t.shape, t.dtype)
+    for e in tape.entries:
+        assert all(a is None or len(a) == 2 for a in e.input_avals)
+    by_out = {e.outputs[0]: e for e in tape.entries}
+    assert by_out[z.grad_id].input_avals == ((y.T.shape, y.dtype),)
+    assert by_out[z.grad_id].output_avals == ((z.shape, z.dtype),)
+    assert by_out[w.grad_id].input_avals == ((w.shape, w.dtype), None)

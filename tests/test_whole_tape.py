@@ -56,3 +56,23 @@ def test_version_check_still_runs_on_the_compiled_path(monkeypatch):
                 tape.backward(loss)
     (state,) = whole_tape._CACHE.values()
     assert isinstance(state, whole_tape._Compiled) and not state.rules
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_compiled_walk_reads_saved_python_scalars_as_their_values(monkeypatch, x64):
+    """Note [Eager fast path]: the compiled walk gets a record's saved python
+    scalar (``t * s``) as its cached device array; the gradient follows each
+    step's scalar (zero and -0.0 included: they stay python scalars), in the
+    dtype the rules give, with and without x64."""
+    monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", float("inf"))
+    whole_tape.clear_cache()
+    with jax.enable_x64(x64):
+        w = jnp.linspace(-1.0, 1.0, 5)
+        vg = rf.value_and_grad(lambda w, s: rf.sum(rf.tanh(w * s) * 3))
+        for step, s in enumerate([2.0, 2.0, 2.0, 2.0, 2.0, 0.5, 0.0, -0.0, 3, 2.0]):
+            _, g = vg(w, s)
+            want = jax.grad(lambda w, s: jnp.sum(jnp.tanh(w * s) * 3))(w, s)
+            assert g.dtype == want.dtype, step
+            np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+        compiled = [v for v in whole_tape._CACHE.values() if isinstance(v, whole_tape._Compiled)]
+        assert compiled and not any(v.rules for v in compiled)

@@ -67,7 +67,16 @@ class VersionSnapshot:
 
     @classmethod
     def of(cls, grad_id: int | None, storage: StorageHandle) -> VersionSnapshot:
-        return cls(grad_id, storage.downgrade(), storage._cell.value)
+        """``cls(grad_id, storage.downgrade(), storage's version)``, filling the
+        frozen instance's ``__dict__`` directly (one per recorded read; Note
+        [Eager fast path] in rumus_fx/ops/_core.py)."""
+        snap = _new_object(cls)
+        d = snap.__dict__
+        d["grad_id"] = grad_id
+        weak = storage._weak
+        d["weak_storage"] = storage.downgrade() if weak is None else weak
+        d["recorded_version"] = storage._cell.value
+        return snap
 
     def check(self, op: str | None = None) -> None:
         found = self.weak_storage.version
@@ -75,6 +84,8 @@ class VersionSnapshot:
             raise VersionMismatch(self.grad_id, self.recorded_version, found, op)
 
 
+assert tuple(f.name for f in dataclasses.fields(VersionSnapshot)) == ("grad_id", "weak_storage", "recorded_version")
+_new_object = object.__new__
 _RECORD_TYPES: list[type[Record]] = []
 
 _KIND = "rumus_fx_kind"  # the dataclass field-metadata key naming a field's kind
@@ -150,7 +161,15 @@ _PLAIN = frozenset({int, float, bool, str, type(None), np.dtype})
 # types whose values are never arrays (extended as they are met: for anything
 # but a tracer, which ``isinstance(v, jax.Array)`` also answers per value, being
 # an array is a property of the type); tuples and lists are looked into instead
-_NEVER_ARRAY: set[type] = set(_PLAIN)
+_NEVER_ARRAY: set[type] = set(_PLAIN) | {Aval}  # an Aval: a shape of ints and a dtype
+
+
+def metadata_type(tp: type) -> type:
+    """Declare that values of ``tp`` (a NamedTuple of shapes, dtypes and axes,
+    such as ``Aval``) never hold an array, so a static record field holding
+    one is aux data without looking inside (Note [Record fields])."""
+    _NEVER_ARRAY.add(tp)
+    return tp
 
 
 def _holds_array(value: Any) -> bool:
@@ -243,7 +262,7 @@ class Record:
         for name in cls._snapshot_fields:
             value = getattr(self, name)
             if type(value) is VersionSnapshot:  # the usual field: one snapshot, unchanged
-                if value.weak_storage.version != value.recorded_version:
+                if value.weak_storage._cell.value != value.recorded_version:  # its version, read directly
                     value.check(self.name)
             elif isinstance(value, VersionSnapshot):
                 value.check(self.name)
@@ -352,18 +371,31 @@ def structure_key(rec: Record) -> tuple[Any, list[Any]] | None:
     type, the static aux data and the structure of each child -- so that equal
     keys mean equal treedefs; None when a child is traced. What the whole-tape
     signature is built of (autograd/whole_tape.py), rebuilt by
-    ``from_structure``."""
-    children, aux = _flatten_record(rec)
-    kinds = []
-    for c in children:
-        if type(c) in _LEAF_TYPES:  # an array: the usual child
+    ``from_structure``. One pass over the fields, as ``_flatten_record`` walks
+    them (once per entry of every repeated tape)."""
+    cls = type(rec)
+    plan = cls.__dict__.get("_flatten_plan_cache") or _flatten_plan(cls)
+    children: list[Any] = []
+    aux: list[Any] = []
+    kinds: list[Any] = []
+    for name, kind in plan:
+        if kind is SNAPSHOT:
+            aux.append(None)
+            continue
+        value = getattr(rec, name)
+        if kind is not SAVED and not _holds_array(value):  # static metadata
+            aux.append(value)
+            continue
+        children.append(value)
+        aux.append(_CHILD)
+        if type(value) in _LEAF_TYPES:  # an array: the usual child
             kinds.append(_LEAF)
             continue
-        k = _child_key(c)
+        k = _child_key(value)
         if k is _TRACED or (type(k) is tuple and _traced_in(k)):
             return None
         kinds.append(k)
-    return (type(rec), aux, tuple(kinds)), children
+    return (cls, tuple(aux), tuple(kinds)), children
 
 
 def _traced_in(key: tuple) -> bool:

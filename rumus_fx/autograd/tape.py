@@ -46,15 +46,35 @@ class TapeEntry:
 
 
 _ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(TapeEntry))
+assert _ENTRY_FIELDS == (
+    "op", "inputs", "outputs", "input_avals", "output_avals", "input_shardings", "provenance", "replay"
+)  # fmt: skip
 _new_object = object.__new__
 
 
-def new_entry(*values: Any) -> TapeEntry:
-    """``TapeEntry(*values)`` (all eight fields, in order) without the frozen
+def new_entry(
+    op: Record,
+    inputs: tuple,
+    outputs: tuple,
+    input_avals: tuple,
+    output_avals: tuple,
+    input_shardings: tuple,
+    provenance: Any,
+    replay: tuple,
+) -> TapeEntry:
+    """``TapeEntry(...)`` (all eight fields, in order) without the frozen
     dataclass's per-field ``object.__setattr__``: the entry's ``__dict__`` is
-    filled in one call (Note [Eager fast path] in rumus_fx/ops/_core.py)."""
+    filled directly (Note [Eager fast path] in rumus_fx/ops/_core.py)."""
     entry = _new_object(TapeEntry)
-    entry.__dict__.update(zip(_ENTRY_FIELDS, values))
+    d = entry.__dict__
+    d["op"] = op
+    d["inputs"] = inputs
+    d["outputs"] = outputs
+    d["input_avals"] = input_avals
+    d["output_avals"] = output_avals
+    d["input_shardings"] = input_shardings
+    d["provenance"] = provenance
+    d["replay"] = replay
     return entry
 
 

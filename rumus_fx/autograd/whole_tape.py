@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from ..eager import scalar_operand
 from .record import from_structure, structure_key
 
 if TYPE_CHECKING:  # typing only: tape.py builds on the engine, which uses this module
@@ -109,6 +110,7 @@ def _signature(
     parts: list[Any] = []
     leaves_of: list[list[Any]] = []
     tracer = jax.core.Tracer
+    number = local.setdefault  # an id's local number: the next one at its first appearance
     for e in entries:
         if e.input_shardings:
             return None
@@ -119,18 +121,10 @@ def _signature(
         leaves_of.append(children)
         ins = []
         for i in e.inputs:
-            if i is not None:
-                n = local.get(i)
-                if n is None:
-                    n = local[i] = len(local)
-                i = n
-            ins.append(i)
+            ins.append(None if i is None else number(i, len(local)))
         outs = []
         for o in e.outputs:
-            n = local.get(o)
-            if n is None:
-                n = local[o] = len(local)
-            outs.append(n)
+            outs.append(number(o, len(local)))
         parts.append((key, tuple(ins), tuple(outs), e.input_avals))
     seed_ids = []
     for s in seeds:
@@ -195,21 +189,36 @@ def run(
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):
         hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]))
-        out = hit.fn(leaves_of, list(seeds.values()))
+        out = hit.fn(_arguments(leaves_of), list(seeds.values()))
     elif len(hit.timed) < TIMED:
         jax.block_until_ready((leaves_of, seeds))
         t0 = time.perf_counter()
-        out = jax.block_until_ready(hit.fn(leaves_of, list(seeds.values())))
+        out = jax.block_until_ready(hit.fn(_arguments(leaves_of), list(seeds.values())))
         hit.timed.append(time.perf_counter() - t0)
         if len(hit.timed) == TIMED:
             hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)
     else:
-        out = hit.fn(leaves_of, list(seeds.values()))
+        out = hit.fn(_arguments(leaves_of), list(seeds.values()))
     back = {v: k for k, v in local.items()}
     if foreign is not None:
         for lid in hit.foreign:
             foreign(back[lid])
     return {back[lid]: g for lid, g in out.items()}
+
+
+_PY_SCALARS = (int, float)  # by exact type: not bool
+
+
+def _arguments(leaves_of: list[list[Any]]) -> list[list[Any]]:
+    """The records' children as the compiled walk's arguments: a saved python
+    scalar (the ``1.01`` of ``t * 1.01``) as its cached device array
+    (``eager.scalar_operand``: the same weakly typed aval, so the same program),
+    which jit would otherwise convert afresh on every call."""
+    for children in leaves_of:
+        for k, c in enumerate(children):
+            if type(c) in _PY_SCALARS:
+                children[k] = scalar_operand(c)
+    return leaves_of
 
 
 def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int, jax.Array]:

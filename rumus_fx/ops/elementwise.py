@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record, VersionSnapshot
+from ..eager import compiled
 from ..errors import ShapeError
 from ..recording import current_tape
 from ..tensor import Tensor, next_grad_id
@@ -26,6 +27,7 @@ from ._core import (
     new_output,
     reads,
     record,
+    scalar_operand,
     shape_of,
     snapshot,
     sum_to,
@@ -226,6 +228,7 @@ class AddBiasBackward(Record):
 _FORWARD = {
     k: eager_jit(f) for k, f in (("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide))
 }
+_JITTED = {k: compiled(f.__wrapped__) for k, f in _FORWARD.items()}  # the jax.jit each one calls eagerly
 _PY_SCALARS = (int, float)  # by exact type: not bool, not numpy scalars (value_of converts those)
 _negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
 
@@ -264,6 +267,28 @@ def binary_record(
     return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
 
 
+def _scalar_rhs_record(kind: str, a: Tensor, b: int | float, av: Any) -> Record:
+    """``binary_record(kind, a, b, av, b, a.shape)`` for a tracked ``a`` and a
+    python scalar ``b``, built directly (Note [Eager fast path]): the output has
+    ``a``'s shape, so ``a`` broadcasts over no axis, ``b`` has no shape, and
+    only ``a`` needs a gradient (mul and div save ``b``, never ``a``). A 0-d
+    ``a`` (equal shapes: the plain records) takes ``binary_record``."""
+    shape = tuple(av.shape)
+    if not shape:
+        return binary_record(kind, a, b, av, b, shape)
+    info = _tuple_new(BroadcastInfo, (shape, av.dtype, ()))
+    if kind == "add":
+        return BroadcastAddBackward(info, None)
+    if kind == "sub":
+        return BroadcastSubBackward(info, None)
+    if kind == "mul":
+        return BroadcastMulBackward(None, None, b, None, info, None)
+    return DivBackward(None, None, b, None, info, None)
+
+
+_tuple_new = tuple.__new__
+
+
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
     if not needed:
         return None, None
@@ -277,12 +302,15 @@ def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
 def _binary(kind: str, a: Any, b: Any) -> Tensor:
     if type(b) in _PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
         av = a.value
-        out = _FORWARD[kind](av, b)
+        if isinstance(av, jax.core.Tracer):
+            out = _FORWARD[kind](av, b)  # traced inline (Note [Eager compilation])
+        else:  # no tracer among the operands: eager_jit's own compiled call, directly
+            out = _JITTED[kind](av, scalar_operand(b))
         tape = current_tape() if a._gid is not None else None
         if tape is None:
             return Tensor._wrap(out)
         res = Tensor._wrap(out, next_grad_id())
-        return record(tape, binary_record(kind, a, b, av, b, res.shape), (a, b), res)
+        return record(tape, _scalar_rhs_record(kind, a, b, av), (a, b), res)
     av = value_of(a, kind, "lhs")
     bv = value_of(b, kind, "rhs")
     out_shape = broadcast_shapes(kind, shape_of(av), shape_of(bv))
