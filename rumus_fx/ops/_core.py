@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..autograd.record import Aval, Provenance, VersionSnapshot, metadata_type
-from ..autograd.tape import Tape, current_tape, new_entry
+from ..autograd.tape import Tape, current_tape
 from ..eager import eager_jit as eager_jit
 from ..eager import scalar_operand as scalar_operand
 from ..errors import ShapeError
@@ -144,7 +144,8 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
 #   scalar`` (``t`` tracked, not explicitly sharded) take a path without the
 #   general loop (``record_general``, which records the same entry: see
 #   tests/test_tape.py); entries and version snapshots fill their
-#   ``__dict__`` directly (``tape.new_entry``, ``VersionSnapshot.of``).
+#   ``__dict__`` directly (``Tape.append`` through ``tape.new_entry``, the one
+#   way an entry is made; ``VersionSnapshot.of``).
 #
 # What stays per op: the grad id, the version snapshots of what the record
 # reads, the avals and the explicit-sharding check of every tracked input.
@@ -199,7 +200,7 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
             else:
                 ids, avals, pairs = (gid, None), (in_aval, None), (id(buffer), out_gid, id(value), gid, id(other), None)
             out_aval = (tensor_aval(out),)
-            tape._entries.append(new_entry(op, ids, (out_gid,), avals, out_aval, (), Provenance(op, pairs), ()))
+            tape.append(op, ids, (out_gid,), avals, out_aval, (), Provenance(op, pairs))
             return out
     return record_general(tape, op, inputs, out)
 
@@ -231,9 +232,7 @@ def record_general(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> T
     if sharded:
         shardings = tuple(sharding_of(x.value) if is_tracked(x) else None for x in inputs)
     out_aval = (tensor_aval(out),)
-    tape._entries.append(
-        new_entry(op, tuple(ids), (out_gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)), ())
-    )
+    tape.append(op, tuple(ids), (out_gid,), tuple(avals), out_aval, shardings, Provenance(op, tuple(pairs)))
     return out
 
 
