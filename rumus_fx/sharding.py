@@ -74,6 +74,22 @@ def sharding_of(x: Any) -> NamedSharding | None:
     return explicit(sharding)
 
 
+def on_mesh(x: Any) -> bool:
+    """Whether ``x`` lives (or is traced) on a mesh of more than one device,
+    with Explicit or Auto axes. Under Auto axes the spec is not in the type, but
+    the mesh is, on every value computed from the arguments."""
+    if x is None or isinstance(x, (int, float, complex, bool)):
+        return False
+    value = x if isinstance(x, jax.Array) else getattr(x, "value", x)
+    if _ArrayImpl and type(value) is _ArrayImpl[0] and type(value.sharding) is _SingleDevice:
+        return False
+    try:
+        mesh = jax.typeof(value).sharding.mesh
+    except (AttributeError, TypeError):
+        return False
+    return not getattr(mesh, "empty", True) and mesh.size > 1
+
+
 def explicit(sharding: Any) -> NamedSharding | None:
     """``sharding`` (an aval's, say a jaxpr variable's ``aval.sharding``) when it
     is a ``NamedSharding`` over a mesh with Explicit axes, else None."""

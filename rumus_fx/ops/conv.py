@@ -216,8 +216,11 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 # come from the timed grid in ``benchmarks/conv_grid.py`` and, for the
 # few-channel layers, from the CNN step of ``benchmarks/models.py``: a product
 # timed alone misses what its layout costs the fusions XLA builds around it
-# (RESULTS.md records both). Inputs sharded over Explicit mesh axes always take
-# "conv".
+# (RESULTS.md records both). Inputs on a multi-device mesh (Explicit or Auto
+# axes) always take "conv": XLA's partitioner shards the dot formulations'
+# products by other dimensions than the convolution's (with the weight's
+# output channels sharded, "bdot"'s dw came out sharded on its input channels),
+# and each gradient must keep its parameter's sharding (SPEC section 10).
 
 
 def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
@@ -410,7 +413,7 @@ class Conv2dBackward(Record):
         s, p = self.stride, self.padding
         _, c, h, w = self.input_shape
         o, _, k, _ = self.weight_shape
-        sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding))
+        sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding)) or shd.on_mesh(g)
         _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s)
         dx = dw = db = None
         if needs[0]:
@@ -435,7 +438,7 @@ def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> A
     out_dtype = jnp.result_type(xv, wv)
     out_sharding = _conv_out_sharding(xv, wv)
     o, c, k, _ = wv.shape
-    if out_sharding is None and _conv_plan(c, o, k, s)[0] == "dot":
+    if out_sharding is None and _conv_plan(c, o, k, s)[0] == "dot" and not shd.on_mesh(xv):
         y = conv_dot_forward(xv, wv, s, p, out_dtype)
     else:
         y = conv_conv_forward(xv, wv, s, p, out_dtype, out_sharding)
