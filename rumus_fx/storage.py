@@ -129,7 +129,7 @@ class StorageHandle:
         # (``ops._core.tensor_aval``); a write resets it
         self._aval: Any = None
         self._cell = _VersionCell()
-        self._trace = None if _get_opaque_trace_state is None else _get_opaque_trace_state(convention="rumus_fx")
+        self._trace = _current_trace()
         # (weak reference, family) of the tensors viewing this storage; only
         # filled once a second tensor (a view) appears, so plain tensors pay
         # nothing. See Note [Aliases and in-place writes].

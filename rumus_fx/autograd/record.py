@@ -73,13 +73,12 @@ class VersionSnapshot:
         snap = _new_object(cls)
         d = snap.__dict__
         d["grad_id"] = grad_id
-        weak = storage._weak
-        d["weak_storage"] = storage.downgrade() if weak is None else weak
+        d["weak_storage"] = storage.downgrade()
         d["recorded_version"] = storage._cell.value
         return snap
 
     def check(self, op: str | None = None) -> None:
-        found = self.weak_storage.version
+        found = self.weak_storage._cell.value  # ``.version``, read directly (once per read, every backward)
         if found != self.recorded_version:
             raise VersionMismatch(self.grad_id, self.recorded_version, found, op)
 
@@ -261,10 +260,7 @@ class Record:
             cls._classify_fields()
         for name in cls._snapshot_fields:
             value = getattr(self, name)
-            if type(value) is VersionSnapshot:  # the usual field: one snapshot, unchanged
-                if value.weak_storage._cell.value != value.recorded_version:  # its version, read directly
-                    value.check(self.name)
-            elif isinstance(value, VersionSnapshot):
+            if isinstance(value, VersionSnapshot):
                 value.check(self.name)
             elif isinstance(value, tuple):
                 for v in value:
