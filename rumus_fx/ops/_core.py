@@ -45,12 +45,7 @@ def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(getattr(x, "shape", ()))
 
 
-def _aval(shape_and_dtype: tuple[tuple[int, ...], Any]) -> Aval:
-    """``Aval(shape, dtype)`` in one C call (NamedTuple's ``__new__`` is Python)."""
-    return _tuple_new(Aval, shape_and_dtype)
-
-
-_tuple_new = tuple.__new__
+_tuple_new = tuple.__new__  # a NamedTuple in one C call (its ``__new__`` is Python)
 
 
 def tensor_aval(x: Tensor) -> Aval:
@@ -192,9 +187,7 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
             and sharding_of(value := x.value) is None
         ):
             gid = x._gid
-            in_aval = x._storage._aval if x._layout is None else None
-            if in_aval is None:
-                in_aval = tensor_aval(x)
+            in_aval = tensor_aval(x)
             if n == 1:
                 ids, avals, pairs = (gid,), (in_aval,), (id(buffer), out_gid, id(value), gid)
             else:

@@ -276,7 +276,7 @@ def _scalar_rhs_record(kind: str, a: Tensor, b: int | float, av: Any) -> Record:
     shape = tuple(av.shape)
     if not shape:
         return binary_record(kind, a, b, av, b, shape)
-    info = _tuple_new(BroadcastInfo, (shape, av.dtype, ()))
+    info = broadcast_info(av, shape)
     if kind == "add":
         return BroadcastAddBackward(info, None)
     if kind == "sub":
@@ -285,8 +285,6 @@ def _scalar_rhs_record(kind: str, a: Tensor, b: int | float, av: Any) -> Record:
         return BroadcastMulBackward(None, None, b, None, info, None)
     return DivBackward(None, None, b, None, info, None)
 
-
-_tuple_new = tuple.__new__
 
 
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
