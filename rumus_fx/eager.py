@@ -78,6 +78,8 @@ def eager_jit(fun: Callable[..., Any] | None = None, *, static_argnums: Sequence
     return call
 
 
+PY_SCALARS = (int, float)  # python scalars, tested by exact type (not bool, not numpy scalars)
+
 # python scalar operand -> the weakly typed device array jit makes of it (see
 # ``scalar_operand``), per (type, value, x64, default device, abstract mesh)
 _SCALAR_ARRAYS: dict[tuple[Any, ...], jax.Array] = {}

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ..eager import scalar_operand
+from ..eager import PY_SCALARS, scalar_operand
 from .record import from_structure, structure_key
 
 if TYPE_CHECKING:  # typing only: tape.py builds on the engine, which uses this module
@@ -126,12 +126,7 @@ def _signature(
         for o in e.outputs:
             outs.append(number(o, len(local)))
         parts.append((key, tuple(ins), tuple(outs), e.input_avals))
-    seed_ids = []
-    for s in seeds:
-        n = local.get(s)
-        if n is None:
-            n = local[s] = len(local)
-        seed_ids.append(n)
+    seed_ids = [number(s, len(local)) for s in seeds]
     for v in seeds.values():
         if isinstance(v, tracer):
             return None
@@ -206,9 +201,6 @@ def run(
     return {back[lid]: g for lid, g in out.items()}
 
 
-_PY_SCALARS = (int, float)  # by exact type: not bool
-
-
 def _arguments(leaves_of: list[list[Any]]) -> list[list[Any]]:
     """The records' children as the compiled walk's arguments: a saved python
     scalar (the ``1.01`` of ``t * 1.01``) as its cached device array
@@ -216,7 +208,7 @@ def _arguments(leaves_of: list[list[Any]]) -> list[list[Any]]:
     which jit would otherwise convert afresh on every call."""
     for children in leaves_of:
         for k, c in enumerate(children):
-            if type(c) in _PY_SCALARS:
+            if type(c) in PY_SCALARS:
                 children[k] = scalar_operand(c)
     return leaves_of
 

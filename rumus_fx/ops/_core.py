@@ -12,6 +12,7 @@ import numpy as np
 
 from ..autograd.record import Aval, Provenance, VersionSnapshot, metadata_type
 from ..autograd.tape import Tape, current_tape
+from ..eager import PY_SCALARS
 from ..eager import eager_jit as eager_jit
 from ..eager import scalar_operand as scalar_operand
 from ..errors import ShapeError
@@ -20,7 +21,6 @@ from ..sharding import sharding_of
 from ..tensor import Tensor, next_grad_id
 
 Array = jax.Array
-_SCALARS = (int, float)
 
 
 # ---------------------------------------------------------------------------
@@ -36,7 +36,7 @@ def value_of(x: Any, op: str, what: str = "input") -> Any:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
         return jnp.asarray(x)
-    if isinstance(x, _SCALARS) and not isinstance(x, bool):
+    if isinstance(x, PY_SCALARS) and not isinstance(x, bool):
         return x
     raise TypeError(f"{op}: {what} must be an rf.Tensor, a jax/numpy array or a python scalar, got {type(x).__name__}")
 
@@ -182,7 +182,7 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
         other = inputs[1] if n == 2 else None
         if (
             isinstance(x, Tensor)
-            and (n == 1 or type(other) in _SCALARS)
+            and (n == 1 or type(other) in PY_SCALARS)
             and x._gid is not None
             and sharding_of(value := x.value) is None
         ):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..autograd.record import Aval, Record, VersionSnapshot
-from ..eager import compiled
+from ..eager import PY_SCALARS, compiled
 from ..errors import ShapeError
 from ..recording import current_tape
 from ..tensor import Tensor, next_grad_id
@@ -229,7 +229,6 @@ _FORWARD = {
     k: eager_jit(f) for k, f in (("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide))
 }
 _JITTED = {k: compiled(f.__wrapped__) for k, f in _FORWARD.items()}  # the jax.jit each one calls eagerly
-_PY_SCALARS = (int, float)  # by exact type: not bool, not numpy scalars (value_of converts those)
 _negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
 
 
@@ -263,7 +262,9 @@ def binary_record(
     if kind == "mul":
         if same:
             return MulBackward(lhs, lhs_v, rhs, rhs_v, aval_of(av), aval_of(bv))
-        return BroadcastMulBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
+        return BroadcastMulBackward(
+            lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape)
+        )
     return DivBackward(lhs, lhs_v, rhs, rhs_v, broadcast_info(av, out_shape), broadcast_info(bv, out_shape))
 
 
@@ -286,7 +287,6 @@ def _scalar_rhs_record(kind: str, a: Tensor, b: int | float, av: Any) -> Record:
     return DivBackward(None, None, b, None, info, None)
 
 
-
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
     if not needed:
         return None, None
@@ -298,7 +298,7 @@ def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
 
 
 def _binary(kind: str, a: Any, b: Any) -> Tensor:
-    if type(b) in _PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
+    if type(b) in PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
         av = a.value
         if isinstance(av, jax.core.Tracer):
             out = _FORWARD[kind](av, b)  # traced inline (Note [Eager compilation])
