@@ -87,7 +87,7 @@ def products(c_in: int, k: int, s: int) -> dict[str, tuple[Callable, Callable, t
         ),
         "dw bdot": (
             lambda x, g: C.conv_conv_dw(x, g, k, s, p, f32),
-            lambda x, g: C.conv_bdot_dw(x, g, k, s, p, f32),
+            lambda x, g: C.conv_dot_dw(x, g, k, s, p, f32, per_sample=True),
             (x, g),
         ),
     }

@@ -308,27 +308,19 @@ def _dot_forward_nhwc(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> A
     return jnp.transpose(y.reshape(b, oh, ow, o), (0, 3, 1, 2)).astype(out_dtype)
 
 
-def conv_dot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
-    """``dw[o, c, kh, kw]`` as ``g`` contracted with the im2col of ``x`` over batch and positions."""
+def conv_dot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any, per_sample: bool = False) -> Array:
+    """``dw[o, c, kh, kw]`` as ``g`` contracted with the im2col of ``x``: over
+    batch and positions in one product ("dot"), or with ``per_sample`` one
+    batched product per sample (``g[b]`` against the im2col of ``x[b]``, both
+    NCHW, contracting the positions) summed over the batch ("bdot")."""
     b, o, oh, ow = g.shape
     c = xv.shape[1]
     cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
-    dw = lax.dot_general(
-        g.reshape(b, o, oh * ow), cols, (((0, 2), (0, 2)), ((), ())), preferred_element_type=_pref(out_dtype)
-    )  # [O, CKK]
+    dims = (((2,), (2,)), ((0,), (0,))) if per_sample else (((0, 2), (0, 2)), ((), ()))
+    dw = lax.dot_general(g.reshape(b, o, oh * ow), cols, dims, preferred_element_type=_pref(out_dtype))
+    if per_sample:  # [B, O, CKK]
+        dw = jnp.sum(dw, axis=0)
     return dw.reshape(o, c, k, k).astype(out_dtype)
-
-
-def conv_bdot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
-    """``dw`` as one batched product per sample (``g[b]`` against the im2col
-    of ``x[b]``, both NCHW, contracting the positions) summed over the batch."""
-    b, o, oh, ow = g.shape
-    c = xv.shape[1]
-    cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
-    dw = lax.dot_general(
-        g.reshape(b, o, oh * ow), cols, (((2,), (2,)), ((0,), (0,))), preferred_element_type=_pref(out_dtype)
-    )  # [B, O, CKK]
-    return jnp.sum(dw, axis=0).reshape(o, c, k, k).astype(out_dtype)
 
 
 def conv_dot_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: Any) -> Array:
@@ -422,10 +414,8 @@ class Conv2dBackward(Record):
             else:
                 dx = conv_conv_dx(self.weight, g, h, w, s, p, self.input_dtype, self.input_sharding)
         if needs[1]:
-            if plan_dw == "dot":
-                dw = conv_dot_dw(self.input, g, k, s, p, self.weight_dtype)
-            elif plan_dw == "bdot":
-                dw = conv_bdot_dw(self.input, g, k, s, p, self.weight_dtype)
+            if plan_dw in ("dot", "bdot"):
+                dw = conv_dot_dw(self.input, g, k, s, p, self.weight_dtype, per_sample=plan_dw == "bdot")
             else:
                 dw = conv_conv_dw(self.input, g, k, s, p, self.weight_dtype, self.weight_sharding)
         if len(needs) > 2 and needs[2]:
@@ -461,6 +451,13 @@ def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0)
         Sample((normal(r, 2, 3, 7, 8), normal(r, 5, 3, 3, 3), None, 2, 1), diff=(0, 1)),
         Sample((normal(r, 1, 2, 6, 5), normal(r, 3, 2, 2, 2), normal(r, 3), 3, 0), diff=(0, 1, 2)),
         Sample((normal(r, 2, 1, 5, 5), normal(r, 2, 1, 5, 5), None, 1, 2), diff=(0, 1)),
+        # one sample per formulation of _conv_plan not taken above (Note [Convolution formulations])
+        Sample(
+            (normal(r, 2, 4, 5, 5), normal(r, 3, 4, 1, 1), normal(r, 3), 2, 0), diff=(0, 1, 2)
+        ),  # 1x1: y/dx dot, dw bdot
+        Sample((normal(r, 1, 33, 3, 3), normal(r, 2, 33, 1, 1)), diff=(0, 1)),  # wide 1x1: dw dot
+        Sample((normal(r, 1, 8, 5, 5), normal(r, 2, 8, 3, 3), None, 1, 1), diff=(0, 1)),  # y/dx conv, dw bdot
+        Sample((normal(r, 1, 17, 4, 4), normal(r, 2, 17, 3, 3), None, 1, 1), diff=(0, 1)),  # all three conv
     ],
     errors=lambda: [
         BadInput("channels differ", (F(2, 3, 6, 6), F(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),

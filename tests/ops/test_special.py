@@ -229,3 +229,19 @@ def test_numpy_scalars_are_accepted_as_static_arguments():
         rf.sum(x, keepdims="no")
     with pytest.raises(ValueError, match="dropout"):
         rf.dropout(x, True, jax.random.key(0))
+
+
+def test_conv2d_samples_take_every_formulation():
+    """conv2d picks a formulation per product (Note [Convolution formulations]
+    in rumus_fx/ops/conv.py); the op table checks gradients only of what its
+    samples take, so between them they take every one for y, dx and dw."""
+    from rumus_fx.autograd.registry import lookup
+    from rumus_fx.ops.conv import _conv_plan
+
+    taken = [set(), set(), set()]
+    for sample in lookup("op", "conv2d").samples(np.random.default_rng(0)):
+        x, w = sample.args[:2]
+        stride = sample.args[3] if len(sample.args) > 3 else 1
+        for k, plan in enumerate(_conv_plan(x.shape[1], w.shape[0], w.shape[2], stride)):
+            taken[k].add(plan)
+    assert taken == [{"dot", "conv"}, {"dot", "conv"}, {"dot", "bdot", "conv"}]
