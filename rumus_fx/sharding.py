@@ -58,36 +58,34 @@ _ArrayImpl: list[type] = []  # the concrete array class, found on first use: mak
 def sharding_of(x: Any) -> NamedSharding | None:
     """The sharding of ``x`` when it is sharded over *Explicit* mesh axes (the
     sharding is in its type), else None (Auto axes, no mesh, python scalars)."""
-    if _ArrayImpl and type(x) is _ArrayImpl[0] and type(x.sharding) is _SingleDevice:  # the common eager case, first
-        return None
-    if x is None or isinstance(x, (int, float, complex, bool)):
-        return None
-    value = x if isinstance(x, jax.Array) else getattr(x, "value", x)  # an rf.Tensor: its array
-    if not _ArrayImpl and isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-        _ArrayImpl.append(type(value))
-    if _ArrayImpl and type(value) is _ArrayImpl[0] and type(value.sharding) is _SingleDevice:  # the common eager case
-        return None
-    try:
-        sharding = jax.typeof(value).sharding
-    except (AttributeError, TypeError):
-        return None
-    return explicit(sharding)
+    return explicit(_type_sharding(x))
 
 
 def on_mesh(x: Any) -> bool:
     """Whether ``x`` lives (or is traced) on a mesh of more than one device,
     with Explicit or Auto axes. Under Auto axes the spec is not in the type, but
     the mesh is, on every value computed from the arguments."""
+    mesh = getattr(_type_sharding(x), "mesh", None)
+    return mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1
+
+
+def _type_sharding(x: Any) -> Any:
+    """The sharding in the type of ``x`` (an array, a tracer or an rf.Tensor's
+    value): ``jax.typeof(x).sharding``; None for python scalars, non-arrays and
+    the common eager case of a single-device array, answered first."""
+    if _ArrayImpl and type(x) is _ArrayImpl[0] and type(x.sharding) is _SingleDevice:
+        return None
     if x is None or isinstance(x, (int, float, complex, bool)):
-        return False
-    value = x if isinstance(x, jax.Array) else getattr(x, "value", x)
+        return None
+    value = x if isinstance(x, jax.Array) else getattr(x, "value", x)  # an rf.Tensor: its array
+    if not _ArrayImpl and isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        _ArrayImpl.append(type(value))
     if _ArrayImpl and type(value) is _ArrayImpl[0] and type(value.sharding) is _SingleDevice:
-        return False
+        return None
     try:
-        mesh = jax.typeof(value).sharding.mesh
+        return jax.typeof(value).sharding
     except (AttributeError, TypeError):
-        return False
-    return not getattr(mesh, "empty", True) and mesh.size > 1
+        return None
 
 
 def explicit(sharding: Any) -> NamedSharding | None:
