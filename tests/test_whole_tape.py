@@ -27,7 +27,8 @@ def test_repeated_tape_gives_the_same_gradients_compiled_or_not(monkeypatch, kee
     w = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
     want = jax.grad(_loss_jax)(w, jnp.ones((2, 4)))
     vg = rf.value_and_grad(_loss)
-    for step in range(8):  # rules (1-3), compile (4), timed compiled calls (5-6), then the choice
+    # rules (1, 2 timed), compile (3), timed compiled and rule walks in turn (4 to 2 + 2 * TIMED), the choice
+    for step in range(2 + 2 * whole_tape.TIMED + 2):
         x = jnp.full((2, 4), 1.0 + 0.0 * step)
         value, g = vg(w, x)
         np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
@@ -40,16 +41,17 @@ def test_version_check_still_runs_on_the_compiled_path(monkeypatch):
     monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", float("inf"))
     whole_tape.clear_cache()
     w0 = jnp.ones((3,))
-    for step in range(7):
+    last = 2 + 2 * whole_tape.TIMED  # the first step after the choice runs the compiled walk
+    for step in range(last + 1):
         with rf.Tape() as tape:
             w = rf.tensor(w0, requires_grad=True)
             y = w * 1.0
             z = rf.tanh(y)
             loss = rf.sum(z * z)
-            if step == 6:
+            if step == last:
                 with rf.no_grad():
                     z.add_(1.0)  # z is saved by z * z: its backward must refuse
-        if step < 6:
+        if step < last:
             tape.backward(loss)
         else:
             with pytest.raises(rf.VersionMismatch):
@@ -76,3 +78,21 @@ def test_compiled_walk_reads_saved_python_scalars_as_their_values(monkeypatch, x
             np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
         compiled = [v for v in whole_tape._CACHE.values() if isinstance(v, whole_tape._Compiled)]
         assert compiled and not any(v.rules for v in compiled)
+
+
+def test_timed_walks_take_turns_before_the_choice(monkeypatch):
+    """The rule-by-rule and compiled walks are timed in turn (a burst of load on
+    a shared machine then slows both, not one): after each step, how many timed
+    rule walks and timed compiled calls the signature has, and its choice."""
+    monkeypatch.setattr(whole_tape, "TIMED", 3)
+    whole_tape.clear_cache()
+    w, x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.ones((2, 4))
+    vg = rf.value_and_grad(_loss)
+    seen = []
+    for _ in range(10):
+        vg(w, x)
+        (state,) = whole_tape._CACHE.values()
+        timed = state.timed if isinstance(state, whole_tape._Compiled) else None
+        seen.append((len(state.seconds), None if timed is None else len(timed)))
+    assert seen == [(0, None), (1, None), (1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3), (3, 3), (3, 3)]
+    assert state.rules == (min(state.timed) > whole_tape.KEEP_IF_FASTER * min(state.seconds))
