@@ -78,6 +78,25 @@ def eager_jit(fun: Callable[..., Any] | None = None, *, static_argnums: Sequence
     return call
 
 
+# Layout-only steps that ops take outside their own compiled forward (a bias
+# given leading unit axes, a view materialised, a reshape) and the backward's
+# seed: eagerly, ``jnp.reshape``/``jnp.transpose``/``jnp.ones`` each bind a
+# primitive through JAX's Python dispatch (20-60 µs); these are one cached
+# compiled call each (about 7 µs). Under a trace they are the jnp functions.
+reshape = eager_jit(jnp.reshape, static_argnums=(1,))  # (x, shape: a tuple of ints)
+transpose = eager_jit(jnp.transpose, static_argnums=(1,))  # (x, axes: a tuple of ints)
+_ones = jax.jit(jnp.ones, static_argnums=(0, 1))
+
+
+def ones_like_value(x: Any) -> Any:
+    """``jnp.ones(x.shape, x.dtype)``, a new array every call (the seed of a
+    backward pass: a gradient can be the seed itself and reach the user, who may
+    donate it); one cached compiled call when ``x`` is concrete."""
+    if isinstance(x, _Tracer):
+        return jnp.ones(x.shape, x.dtype)
+    return _ones(tuple(x.shape), x.dtype)
+
+
 PY_SCALARS = (int, float)  # python scalars, tested by exact type (not bool, not numpy scalars)
 
 # python scalar operand -> the weakly typed device array jit makes of it (see

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import eager
 from .errors import SHARDING_HINT, ShardingError
 
 # Called as RESHARD_HOOK(record_name, input_index, found, wanted) whenever the
@@ -152,7 +153,7 @@ def reshape(x: jax.Array, shape: Sequence[int], out_sharding: NamedSharding | No
     if out_sharding is None:
         s = sharding_of(x)
         if s is None:
-            return jnp.reshape(x, shape)
+            return eager.reshape(x, shape)
         out_sharding = with_spec(s, reshape_spec(x.shape, spec_of(x), shape, s.mesh))
     return jnp.reshape(x, shape, out_sharding=out_sharding)
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import eager
 from .errors import AutogradError
 from .sharding import reshape as sharded_reshape
 
@@ -362,7 +363,7 @@ def read_layout(buffer: jax.Array, layout: Layout) -> jax.Array:
         x = sharded_reshape(buffer, [shape[d] for d in order])
         axes = [order.index(d) for d in dims]
         if axes != sorted(axes):
-            x = jnp.transpose(x, axes)
+            x = eager.transpose(x, tuple(axes))
         return sharded_reshape(x, shape)
     # a general strided window (never produced by rumus_fx's own views)
     return buffer.reshape(-1)[_gather_index(layout)]

@@ -48,6 +48,45 @@ def test_lifted_benchmark_models_agree(make):
     assert abs(loss_rf - loss_jax) < 1e-4
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: mlp(batch=16), id="mlp"),
+        pytest.param(lambda: cnn(batch=4), id="cnn"),
+        pytest.param(lambda: tiny_gpt(batch=2, seq=16), id="gpt"),
+        pytest.param(lambda: _chain(), id="chain"),
+    ],
+)
+def test_eager_steps_bind_no_primitive_one_by_one(monkeypatch, make):
+    """An eager step's forward, seed and backward are compiled calls only: a jnp
+    function applied to a concrete array outside them binds its primitive
+    through JAX's Python dispatch (20-60 µs each; rumus_fx/eager.py)."""
+    from jax._src import core
+
+    model = make()
+    vg = rf.value_and_grad(model.loss_rf)
+    for _ in range(3):  # compile the ops' programs and see the tape's signature
+        jax.block_until_ready(vg(model.params, model.batch))
+    bound = []
+    plain = core.EvalTrace.process_primitive
+
+    def spy(self, primitive, *args, **kwargs):
+        bound.append(primitive.name)
+        return plain(self, primitive, *args, **kwargs)
+
+    monkeypatch.setattr(core.EvalTrace, "process_primitive", spy)
+    jax.block_until_ready(vg(model.params, model.batch))
+    monkeypatch.setattr(core.EvalTrace, "process_primitive", plain)
+    assert bound == []
+
+
+def _chain():
+    from benchmarks.models import Model, chain_rf
+
+    x = jax.numpy.linspace(-1.0, 1.0, 8)
+    return Model("chain", lambda x, _: chain_rf(x, 12), None, x, None, None)
+
+
 _ROW = {
     "model": "tiny",
     "jit_rf_ms": 2.0,

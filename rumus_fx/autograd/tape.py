@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ..eager import ones_like_value
 from ..errors import AutogradError
 from ..recording import current_tape as current_tape
 from ..recording import enter_tape, exit_tape
@@ -203,7 +204,7 @@ class Tape:
                     "backward of a non-scalar output needs grad= (a cotangent of its "
                     f"shape); a scalar loss was expected, got shape {loss.shape}"
                 )
-            seed = jnp.ones(loss.shape, loss.dtype)
+            seed = ones_like_value(loss.value)
         else:
             # a tracked cotangent stays tracked when the walk is recorded
             tracked_grad = create_graph and isinstance(grad, Tensor) and grad.grad_id is not None

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import sharding
+from ..eager import ones_like_value
 from ..errors import AutogradError
 from ..tensor import Tensor, is_leaf_id, next_leaf_id
 from .engine import CROSS_TAPE_MESSAGE, gradients
@@ -35,6 +36,8 @@ def _is_tensor(x: Any) -> bool:
 def _leaf_array(x: Any) -> jax.Array:
     if isinstance(x, Tensor):
         return x.value
+    if isinstance(x, jax.Array):  # what ``jnp.asarray`` returns for it, without its Python
+        return x
     return jnp.asarray(x)
 
 
@@ -215,7 +218,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
                 )
             out, aux = out
         value, loss = _scalar_output(out, "grad")
-        seeds = [(loss.grad_id, jnp.ones(loss.shape, loss.dtype))] if loss is not None else []
+        seeds = [(loss.grad_id, ones_like_value(loss.value))] if loss is not None else []
         wrt = [(t, t.value) for tensors, _ in tracked for t in tensors]
         flat = gradients(tape._entries, seeds, wrt, _foreign_check(first))
         tape._entries = []

@@ -14,6 +14,7 @@ from ..autograd.record import Aval, Provenance, VersionSnapshot, metadata_type
 from ..autograd.tape import Tape, current_tape
 from ..eager import PY_SCALARS
 from ..eager import eager_jit as eager_jit
+from ..eager import reshape as eager_reshape
 from ..eager import scalar_operand as scalar_operand
 from ..errors import ShapeError
 from ..kernels.precision import is_low_precision as is_low_precision
@@ -317,7 +318,7 @@ def align_rank(x: Any, ndim: int) -> Any:
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) >= ndim:
         return x
-    return jnp.reshape(x, (1,) * (ndim - len(shape)) + tuple(shape))
+    return eager_reshape(x, (1,) * (ndim - len(shape)) + tuple(shape))
 
 
 def cast(g: Array, dtype: Any) -> Array:

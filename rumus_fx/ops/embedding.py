@@ -14,7 +14,7 @@ from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
 from ..kernels import embedding as kemb
 from ..tensor import Tensor
-from ._core import array_of, check_index_range, new_output, record, require_float, snapshot, tape_for
+from ._core import array_of, check_index_range, eager_jit, new_output, record, require_float, snapshot, tape_for
 from ._declare import A, BadInput, F, I, N, Sample, normal, op
 
 Array = jax.Array
@@ -57,6 +57,16 @@ def _lookup(wv: Array, iv: Array) -> Array:
     return wv.at[iv].get(out_sharding=shd.with_spec(like, out_spec))
 
 
+@eager_jit
+def _embed(iv: Array, wv: Array) -> tuple[Array, Array]:
+    """(the looked-up rows, NaN where an index is out of range; the indices
+    with those replaced by V, so that their lookups scatter nowhere)."""
+    v = wv.shape[0]
+    valid = (iv >= 0) & (iv < v)
+    rows = _lookup(wv, jnp.clip(iv, 0, v - 1))
+    return jnp.where(valid[..., None], rows, np.nan), jnp.where(valid, iv, v)
+
+
 @op(
     records=(EmbeddingBackward,),
     ref=lambda idx, w: jnp.take(w, idx, axis=0),
@@ -87,12 +97,9 @@ def embedding(indices: Any, weight: Any) -> Tensor:
         raise ShapeError(f"{op}: weight must have shape [V, D], got {wv.shape}")
     v, d = wv.shape
     check_index_range(op, iv, v, "index")
-    valid = (iv >= 0) & (iv < v)
-    rows = _lookup(wv, jnp.clip(iv, 0, v - 1))
-    out = jnp.where(valid[..., None], rows, np.nan)
+    out, safe = _embed(iv, wv)
     tape = tape_for(indices, weight)
     if tape is None:
         return Tensor._wrap(out)
-    safe = jnp.where(valid, iv, v)  # out-of-range lookups scatter nowhere
     rec = EmbeddingBackward(safe, snapshot(indices), v, d, iv.size, wv.dtype, shd.sharding_of(wv))
     return record(tape, rec, (indices, weight), new_output(out, tape))

@@ -15,7 +15,18 @@ from ..kernels import batch_norm as kbn
 from ..kernels import layer_norm as kln
 from ..kernels.precision import upcast
 from ..tensor import Tensor
-from ._core import array_of, is_real_scalar, is_tracked, new_output, reads, record, require_float, shape_of, tape_for
+from ._core import (
+    array_of,
+    eager_jit,
+    is_real_scalar,
+    is_tracked,
+    new_output,
+    reads,
+    record,
+    require_float,
+    shape_of,
+    tape_for,
+)
 from ._declare import BadInput, F, N, Sample, normal, op, positive
 
 Array = jax.Array
@@ -292,6 +303,15 @@ def _bn_errors() -> list[BadInput]:
     ]
 
 
+@eager_jit(static_argnums=(4,))
+def _running_stats(rm: Array, rv: Array, mean: Array, var: Array, momentum: float) -> tuple[Array, Array]:
+    """``(1 - momentum) * running + momentum * batch`` for the mean and the variance."""
+    m = jnp.asarray(momentum, rm.dtype)
+    new_mean = ((1 - m) * rm + m * mean.astype(rm.dtype)).astype(rm.dtype)
+    new_var = ((1 - m) * rv + m * var.astype(rv.dtype)).astype(rv.dtype)
+    return new_mean, new_var
+
+
 _TRAIN, _EVAL = {"training": True}, {"training": False}
 _BN_TABLE = dict(records=(BatchNorm2dBackward,), ref=ref_batch_norm, output=lambda out: out[0], rtol32=1e-4, atol32=1e-4)
 
@@ -341,9 +361,7 @@ def batch_norm_2d(
         if b * h * w < 2:
             raise ValueError(f"{op}: training needs more than one value per channel, got x of shape {xv.shape}")
         y, mean, var, rstd = kbn.batch_norm_train_fwd(xv, wv, bv, eps)
-        m = jnp.asarray(momentum, rm.dtype)
-        new_mean = ((1 - m) * rm + m * mean.astype(rm.dtype)).astype(rm.dtype)
-        new_var = ((1 - m) * rv + m * var.astype(rv.dtype)).astype(rv.dtype)
+        new_mean, new_var = _running_stats(rm, rv, mean, var, float(momentum))
         save = (mean, rstd)
     else:
         mean = upcast(rm)

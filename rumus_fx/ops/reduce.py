@@ -13,7 +13,18 @@ from .. import sharding as shd
 from ..autograd.record import Record
 from ..errors import ShapeError
 from ..tensor import Tensor
-from ._core import acc_sum, array_of, cast, is_low_precision, new_output, normalize_axis, record, shape_of, tape_for
+from ._core import (
+    acc_sum,
+    array_of,
+    cast,
+    eager_jit,
+    is_low_precision,
+    new_output,
+    normalize_axis,
+    record,
+    shape_of,
+    tape_for,
+)
 from ._declare import BadInput, F, Sample, normal, op
 
 Array = jax.Array
@@ -68,6 +79,15 @@ class MeanBackward(Record):
         return (cast(_expand(g, self.input_shape, self.axes, self.keepdims, self.sharding), self.dtype),)
 
 
+@eager_jit(static_argnums=(0, 2, 3))
+def _reduce_value(kind: str, xv: Array, axes: tuple[int, ...], keepdims: bool) -> Array:
+    if kind == "sum":
+        return acc_sum(xv, axes, keepdims)
+    if is_low_precision(xv.dtype):
+        return jnp.mean(xv, axis=axes, keepdims=keepdims, dtype=jnp.float32).astype(xv.dtype)
+    return jnp.mean(xv, axis=axes, keepdims=keepdims)
+
+
 def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
     xv = array_of(x, kind)
     if not isinstance(keepdims, (bool, np.bool_)):
@@ -77,12 +97,7 @@ def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
     count = 1
     for a in axes:
         count *= shape[a]
-    if kind == "sum":
-        out = acc_sum(xv, axes, keepdims)
-    elif is_low_precision(xv.dtype):
-        out = jnp.mean(xv, axis=axes, keepdims=keepdims, dtype=jnp.float32).astype(xv.dtype)
-    else:
-        out = jnp.mean(xv, axis=axes, keepdims=keepdims)
+    out = _reduce_value(kind, xv, axes, bool(keepdims))
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)

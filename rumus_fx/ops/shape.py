@@ -17,7 +17,17 @@ from .. import sharding as shd
 from ..autograd.record import Record
 from ..errors import ShapeError
 from ..tensor import Tensor, next_grad_id
-from ._core import array_of, check_index_range, new_output, normalize_axis, record, shape_of, tape_for, value_of
+from ._core import (
+    array_of,
+    check_index_range,
+    eager_reshape,
+    new_output,
+    normalize_axis,
+    record,
+    shape_of,
+    tape_for,
+    value_of,
+)
 from ._declare import A, BadInput, F, Sample, normal, op, unary_samples
 
 Array = jax.Array
@@ -95,7 +105,7 @@ def _reshape_to(x: Any, shape: tuple[int, ...], rec: Record) -> Tensor:
         if layout is not None:
             out = x._view(layout, gid)
         else:  # not expressible as a view: a contiguous copy, as torch.reshape
-            out = Tensor._wrap(x.value.reshape(shape), gid)
+            out = Tensor._wrap(eager_reshape(x.value, tuple(shape)), gid)
     else:
         out = Tensor._wrap(shd.reshape(value_of(x, "reshape"), shape), gid)
     if tape is None:
