@@ -548,6 +548,11 @@ class AddChannelBiasBackward(Record):
         return gx, gb
 
 
+@eager_jit
+def _add_channel_bias(xv: Array, bv: Array) -> Array:
+    return xv + bv.reshape((1,) * (xv.ndim - 2) + (-1, 1))
+
+
 @op(
     records=(AddChannelBiasBackward,),
     ref=lambda x, b: x + b.reshape((1,) * (x.ndim - 2) + (-1, 1)),
@@ -568,7 +573,7 @@ def add_channel_bias(x: Any, b: Any) -> Tensor:
     bv = array_of(b, op, "bias")
     if xv.ndim < 2 or bv.ndim != 1 or xv.shape[-2] != bv.shape[0]:
         raise ShapeError(f"{op}: expects x [..., C, L] and bias [C], got {xv.shape} and {bv.shape}")
-    out = xv + bv.reshape((1,) * (xv.ndim - 2) + (-1, 1))
+    out = _add_channel_bias(xv, bv)
     tape = tape_for(x, b)
     if tape is None:
         return Tensor._wrap(out)

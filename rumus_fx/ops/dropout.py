@@ -12,7 +12,7 @@ import numpy as np
 from ..autograd.record import Record
 from ..sharding import sharding_of
 from ..tensor import Tensor
-from ._core import array_of, is_real_scalar, new_output, record, require_float, tape_for
+from ._core import array_of, eager_jit, is_real_scalar, new_output, record, require_float, tape_for
 from ._declare import KEY, A, BadInput, F, N, Sample, normal, op
 
 Array = jax.Array
@@ -37,6 +37,15 @@ def ref_dropout(x: Any, p: float, key: Any, training: bool = True) -> Array:
         return x
     keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
     return jnp.where(keep, x / (1.0 - p), 0.0)
+
+
+@eager_jit(static_argnums=(2, 3))
+def _dropout(key: Any, xv: Array, p: float, scale: float) -> tuple[Array, Array]:
+    """(the keep mask, ``x`` with the dropped entries zeroed and the kept ones scaled)."""
+    # sharded like x (explicit mesh axes): each device draws its own part of the
+    # mask, the same bits as on one device (jax's partitionable threefry)
+    keep = jax.random.bernoulli(key, 1.0 - p, xv.shape, out_sharding=sharding_of(xv))
+    return keep, jnp.where(keep, xv * scale, 0)
 
 
 @op(
@@ -75,11 +84,8 @@ def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:
         raise TypeError(f"{op}: key must be a jax.random key (jax.random.key(seed)), got {shown}")
     if not training or p == 0:
         return x if isinstance(x, Tensor) else Tensor._wrap(xv)
-    # sharded like x (explicit mesh axes): each device draws its own part of the
-    # mask, the same bits as on one device (jax's partitionable threefry)
-    keep = jax.random.bernoulli(key, 1.0 - p, xv.shape, out_sharding=sharding_of(xv))
     scale = 1.0 / (1.0 - p)
-    out = jnp.where(keep, xv * scale, 0)
+    keep, out = _dropout(key, xv, p, scale)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)

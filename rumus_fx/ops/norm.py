@@ -303,6 +303,19 @@ def _bn_errors() -> list[BadInput]:
     ]
 
 
+@eager_jit(static_argnums=(5,))
+def _normalize_eval(xv: Array, wv: Any, bv: Any, rm: Array, rv: Array, eps: float) -> tuple[Array, Array, Array]:
+    """(y, mean, 1/std) of batch norm with the running statistics."""
+    mean = upcast(rm)
+    rstd = lax.rsqrt(upcast(rv) + eps)
+    yf = (upcast(xv) - _chan(mean)) * _chan(rstd)
+    if wv is not None:
+        yf = yf * _chan(upcast(wv))
+    if bv is not None:
+        yf = yf + _chan(upcast(bv))
+    return yf.astype(xv.dtype), mean, rstd
+
+
 @eager_jit(static_argnums=(4,))
 def _running_stats(rm: Array, rv: Array, mean: Array, var: Array, momentum: float) -> tuple[Array, Array]:
     """``(1 - momentum) * running + momentum * batch`` for the mean and the variance."""
@@ -364,14 +377,7 @@ def batch_norm_2d(
         new_mean, new_var = _running_stats(rm, rv, mean, var, float(momentum))
         save = (mean, rstd)
     else:
-        mean = upcast(rm)
-        rstd = lax.rsqrt(upcast(rv) + eps)
-        yf = (upcast(xv) - _chan(mean)) * _chan(rstd)
-        if wv is not None:
-            yf = yf * _chan(upcast(wv))
-        if bv is not None:
-            yf = yf + _chan(upcast(bv))
-        y = yf.astype(xv.dtype)
+        y, mean, rstd = _normalize_eval(xv, wv, bv, rm, rv, eps)
         new_mean, new_var = rm, rv
         save = (mean, rstd)
     stats = (Tensor._wrap(new_mean), Tensor._wrap(new_var))

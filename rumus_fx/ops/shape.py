@@ -20,6 +20,7 @@ from ..tensor import Tensor, next_grad_id
 from ._core import (
     array_of,
     check_index_range,
+    eager_jit,
     eager_reshape,
     new_output,
     normalize_axis,
@@ -203,6 +204,15 @@ class StackBackward(Record):
         return tuple(out)
 
 
+_stack = eager_jit(jnp.stack, static_argnums=(1,))  # (arrays, axis)
+
+
+@eager_jit
+def _row(xv: Array, index: Any) -> Array:
+    """``xv[index]`` along axis 0 (``0 <= index < n``): one program for every row."""
+    return lax.dynamic_index_in_dim(xv, index, axis=0, keepdims=False)
+
+
 @op(
     records=(StackBackward,),
     call=lambda a, b, c, axis=0: stack([a, b, c], axis=axis),
@@ -233,7 +243,7 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
                 f"{op}: all tensors must have the same shape, got {shape} and {shape_of(v)} (tensors[{i}])"
             )
     ax = normalize_axis(op, axis, len(shape) + 1)
-    out = jnp.stack(values, axis=ax)
+    out = _stack(values, ax)
     tape = tape_for(*tensors)
     if tape is None:
         return Tensor._wrap(out)
@@ -284,7 +294,7 @@ def slice_batch(x: Any, index: int) -> Tensor:
         rows = lax.broadcasted_iota(jnp.int32, xv.shape, 0, out_sharding=shd.sharding_of(xv))
         out = jnp.sum(jnp.where(rows == index, xv, jnp.zeros((), xv.dtype)), axis=0)
     else:
-        out = lax.index_in_dim(xv, index, axis=0, keepdims=False)
+        out = _row(xv, index)
     tape = tape_for(x)
     if tape is None:
         return Tensor._wrap(out)
