@@ -57,27 +57,15 @@ def test_lifted_benchmark_models_agree(make):
         pytest.param(lambda: _chain(), id="chain"),
     ],
 )
-def test_eager_steps_bind_no_primitive_one_by_one(monkeypatch, make):
+def test_eager_steps_bind_no_primitive_one_by_one(make):
     """An eager step's forward, seed and backward are compiled calls only: a jnp
     function applied to a concrete array outside them binds its primitive
     through JAX's Python dispatch (20-60 µs each; rumus_fx/eager.py)."""
-    from jax._src import core
+    from tests._eager import primitives_bound_one_by_one
 
     model = make()
     vg = rf.value_and_grad(model.loss_rf)
-    for _ in range(3):  # compile the ops' programs and see the tape's signature
-        jax.block_until_ready(vg(model.params, model.batch))
-    bound = []
-    plain = core.EvalTrace.process_primitive
-
-    def spy(self, primitive, *args, **kwargs):
-        bound.append(primitive.name)
-        return plain(self, primitive, *args, **kwargs)
-
-    monkeypatch.setattr(core.EvalTrace, "process_primitive", spy)
-    jax.block_until_ready(vg(model.params, model.batch))
-    monkeypatch.setattr(core.EvalTrace, "process_primitive", plain)
-    assert bound == []
+    assert primitives_bound_one_by_one(lambda: vg(model.params, model.batch)) == []
 
 
 def _chain():

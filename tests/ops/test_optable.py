@@ -236,25 +236,14 @@ _BINDS_EAGERLY = {"index"}
 
 
 @pytest.mark.parametrize("info", [pytest.param(info, id=info.name, marks=info.marks) for info in OPS])
-def test_eager_forward_and_backward_are_compiled_calls(monkeypatch, info: OpInfo):
+def test_eager_forward_and_backward_are_compiled_calls(info: OpInfo):
     """Eagerly, an op's forward and its record's backward are cached compiled
     calls (Note [Eager compilation] in rumus_fx/eager.py): no jnp function runs
     on concrete arrays outside them, binding each primitive through JAX's
     Python dispatch (20-60 µs a primitive)."""
-    from jax._src import core
+    from tests._eager import primitives_bound_one_by_one
 
     arrays, fun_rf, _, diff, _, _ = _setup(info, 0, jnp.float32)
     vg = rf.value_and_grad(fun_rf, argnums=diff)
-    for _ in range(3):  # compiles the programs, sees the tape's signature
-        jax.block_until_ready(vg(*arrays))
-    bound = []
-    plain = core.EvalTrace.process_primitive
-
-    def spy(self, primitive, *args, **kwargs):
-        bound.append(primitive.name)
-        return plain(self, primitive, *args, **kwargs)
-
-    monkeypatch.setattr(core.EvalTrace, "process_primitive", spy)
-    jax.block_until_ready(vg(*arrays))
-    monkeypatch.setattr(core.EvalTrace, "process_primitive", plain)
+    bound = primitives_bound_one_by_one(lambda: vg(*arrays))
     assert (bound != []) == (info.name in _BINDS_EAGERLY), bound
