@@ -16,7 +16,8 @@ from jax import lax
 
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
-from ..eager import eager_jit
+from ..compiler import CPU_COMPILER_OPTIONS
+from ..eager import compiled, cpu_options, eager_jit, has_tracer
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor, lifting
@@ -223,7 +224,7 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 # and each gradient must keep its parameter's sharding (SPEC section 10).
 
 
-def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
+def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False) -> tuple[str, str, str]:
     """The formulation of the forward product, dx and dw (Note [Convolution
     formulations]). From the grid: a 1x1 kernel is a plain dot for all three
     products at every channel count; for larger kernels the im2col dot wins the
@@ -234,10 +235,19 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
     kernels up to 16 (0.48-0.59 at 16 channels; at 1-8 channels it is 0.8-1.5x
     the convolution alone, but the CNN step is faster with it: it reads x and
     dy in place where the convolution needs both transposed); "dot" for wider
-    1x1 kernels, the convolution otherwise."""
+    1x1 kernels, the convolution otherwise.
+
+    ``cpu_eager``: the plan of a product compiled on its own for a CPU device
+    with ``CPU_COMPILER_OPTIONS`` (an eager call, Note [Eager compiler
+    options]): there XLA's own convolution computes ``dw`` of a larger kernel
+    in 0.3-0.6 of the time of YNNPACK's and of the per-sample dots at 1-64
+    input channels, stride 1 and 2 (RESULTS.md, issue 16), so it takes
+    "conv"; the rest of the plan is the same."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
     if k == 1:
         dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
+    elif cpu_eager:
+        dw = "conv"
     else:
         dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 else "conv"
     return ("dot" if small else "conv"), ("dot" if small else "conv"), dw
@@ -400,13 +410,20 @@ class Conv2dBackward(Record):
     input_sharding: Any = None  # explicit shardings (rumus_fx/sharding.py)
     weight_sharding: Any = None
     bias_sharding: Any = None
+    # the forward ran eagerly on one CPU device: the rule, compiled on its own,
+    # takes the eager plan with CPU_COMPILER_OPTIONS (``_conv_plan``)
+    cpu_eager: bool = False
+
+    @property
+    def compiler_options(self) -> Any:  # Note [Eager compiler options] (rumus_fx/eager.py)
+        return CPU_COMPILER_OPTIONS if self.cpu_eager else None
 
     def backward(self, g, needs):
         s, p = self.stride, self.padding
         _, c, h, w = self.input_shape
         o, _, k, _ = self.weight_shape
         sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding)) or shd.on_mesh(g)
-        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s)
+        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s, self.cpu_eager)
         dx = dw = db = None
         if needs[0]:
             if plan_dx == "dot":
@@ -423,8 +440,16 @@ class Conv2dBackward(Record):
         return (dx, dw, db)[: len(needs)]
 
 
-@eager_jit(static_argnums=(3, 4))
-def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
+def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int, options: Any) -> Array:
+    """The forward product (plus bias); eagerly one cached compiled call, with
+    ``options`` (``eager.cpu_options``) as its XLA options; traced inline
+    under a trace."""
+    if options is None and (isinstance(xv, jax.core.Tracer) or isinstance(wv, jax.core.Tracer) or has_tracer(bv)):
+        return _conv2d_forward_impl(xv, wv, bv, s, p)
+    return compiled(_conv2d_forward_impl, (3, 4), compiler_options=options)(xv, wv, bv, s, p)
+
+
+def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
     out_dtype = jnp.result_type(xv, wv)
     out_sharding = _conv_out_sharding(xv, wv)
     o, c, k, _ = wv.shape
@@ -500,7 +525,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
     _, s, p = _window_args(op, k, stride, padding)
     _out_size(op, xv.shape[2], k, s, p, "height")
     _out_size(op, xv.shape[3], k, s, p, "width")
-    y = _conv2d_forward(xv, wv, bv, s, p)
+    options = cpu_options(xv, wv, bv)
+    y = _conv2d_forward(xv, wv, bv, s, p, options)
     inputs = (x, weight) if bias is None else (x, weight, bias)
     tape = tape_for(*inputs)
     if tape is None:
@@ -522,6 +548,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
         shd.sharding_of(xv),
         shd.sharding_of(wv),
         shd.sharding_of(bv),
+        options is not None,
     )
     return record(tape, rec, inputs, new_output(y, tape))
 
