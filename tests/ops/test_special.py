@@ -317,3 +317,27 @@ def test_batch_norm_running_update_eager_and_jit(rng, jit):
         want = ref_batch_norm(x, w, b, rm, rv, training=True, momentum=momentum)[1:]
         for g_, w_ in zip(got, want):
             np.testing.assert_allclose(np.asarray(g_), np.asarray(w_), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k, stride, padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1), (2, 3, 0), (3, 3, 1)])
+def test_max_pool_eager_form_equals_the_reduction(rng, k, stride, padding):
+    """max_pool2d's eager (elementwise) forward gives the traced reduction's
+    max and first argmax exactly: ties (relu zeros, repeated integers), NaN
+    (it wins, the first one), -inf and signed zeros included."""
+    from rumus_fx.ops.conv import _max_pool_elementwise, _max_pool_reduce, _out_size
+
+    x = np.maximum(np.round(rng.standard_normal((2, 3, 9, 8)) * 2), 0)
+    x[0, 0, 1, 1] = x[0, 0, 2, 2] = np.nan
+    x[0, 1, :3, :3] = -np.inf
+    x[1, 2, 4:, :] = -0.0
+    x = jnp.asarray(x, jnp.float32)
+    oh, ow = (_out_size("t", n, k, stride, padding, "") for n in x.shape[2:])
+    want = jax.jit(_max_pool_reduce, static_argnums=(1, 2, 3, 4, 5))(x, k, stride, padding, oh, ow)
+    got = jax.jit(_max_pool_elementwise, static_argnums=(1, 2, 3, 4, 5))(x, k, stride, padding, oh, ow)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert got[1].dtype == want[1].dtype and got[0].dtype == want[0].dtype
+    # eagerly max_pool2d takes the elementwise form, traced the reduction; same gradients
+    g_eager = rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5))(x)
+    g_jit = jax.jit(rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5)))(x)
+    np.testing.assert_array_equal(np.asarray(g_eager), np.asarray(g_jit))
