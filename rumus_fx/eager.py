@@ -16,26 +16,73 @@ these.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .compiler import CPU_COMPILER_OPTIONS
+
 _Tracer = jax.core.Tracer
 _TRACER_OR_CONTAINER = (_Tracer, tuple, list, dict)
 
-# (function, static argnums, static argnames) -> its jax.jit
-_COMPILED: dict[tuple[Any, tuple[int, ...], tuple[str, ...]], Callable[..., Any]] = {}
+# (function, static argnums, static argnames, compiler options) -> its jax.jit
+_COMPILED: dict[tuple[Any, tuple[int, ...], tuple[str, ...], Any], Callable[..., Any]] = {}
 
 
-def compiled(fun: Callable[..., Any], static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> Any:
-    """The cached ``jax.jit`` of ``fun`` with these static arguments."""
-    key = (fun, tuple(static_argnums), tuple(static_argnames))
+def compiled(
+    fun: Callable[..., Any],
+    static_argnums: Sequence[int] = (),
+    static_argnames: Sequence[str] = (),
+    compiler_options: Mapping[str, str] | None = None,
+) -> Any:
+    """The cached ``jax.jit`` of ``fun`` with these static arguments (and, when
+    given, these XLA compiler options for this one program: Note [Eager
+    compiler options])."""
+    opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
+    key = (fun, tuple(static_argnums), tuple(static_argnames), opts)
     jitted = _COMPILED.get(key)
     if jitted is None:
-        jitted = _COMPILED[key] = jax.jit(fun, static_argnums=key[1], static_argnames=key[2])
+        options = None if opts is None else dict(opts)
+        jitted = _COMPILED[key] = jax.jit(fun, static_argnums=key[1], static_argnames=key[2], compiler_options=options)
     return jitted
+
+
+# Note [Eager compiler options]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A program that an op runs eagerly is compiled for that op alone, so it can
+# carry XLA options chosen for it without touching anything else: the library
+# sets no process-wide flag, and a user's ``jax.jit`` of a whole step compiles
+# with the options the user gives. The convolutions use this on a single CPU
+# device (``cpu_options``): ``compiler.CPU_COMPILER_OPTIONS`` runs their
+# convolutions through XLA:CPU's own (Eigen) kernels rather than YNNPACK's,
+# which in the benchmark CNN's shapes computed ``dw`` in about half the time of
+# YNNPACK's convolution and of the per-sample dots (RESULTS.md, issue 16).
+
+
+def cpu_options(*arrays: Any) -> Mapping[str, str] | None:
+    """``CPU_COMPILER_OPTIONS`` when every array (None skipped) lives on one and
+    the same CPU device, so the program that reads them compiles for XLA:CPU;
+    None otherwise (another platform, several devices, a tracer)."""
+    device = None
+    for a in arrays:
+        if a is None:
+            continue
+        if isinstance(a, _Tracer):
+            return None
+        devices = getattr(a, "sharding", None)
+        devices = None if devices is None else devices.device_set
+        if devices is None or len(devices) != 1:
+            return None
+        (d,) = devices
+        if device is None:
+            if d.platform != "cpu":
+                return None
+            device = d
+        elif d != device:
+            return None
+    return CPU_COMPILER_OPTIONS if device is not None else None
 
 
 def has_tracer(args: Any) -> bool:

@@ -96,3 +96,30 @@ def test_timed_walks_take_turns_before_the_choice(monkeypatch):
         seen.append((len(state.seconds), None if timed is None else len(timed)))
     assert seen == [(0, None), (1, None), (1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3), (3, 3), (3, 3)]
     assert state.rules == (min(state.timed) > whole_tape.KEEP_IF_FASTER * min(state.seconds))
+
+
+def test_compiled_walk_takes_the_records_compiler_options(monkeypatch):
+    """Note [Eager compiler options]: a tape holding eager conv2d records
+    compiles its whole-tape walk with the options they ask for, and the
+    compiled walk gives jax.grad's gradients."""
+    monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", float("inf"))
+    whole_tape.clear_cache()
+    options = []
+    real = whole_tape._compile
+    monkeypatch.setattr(whole_tape, "_compile", lambda *a: options.append(a[-1]) or real(*a))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 6, 6)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 3, 3, 3)), jnp.float32) / 5
+
+    def loss(w, x):
+        return rf.sum(rf.relu(rf.conv2d(x, w, None, 1, 1)) * 0.5)
+
+    def loss_jax(w, x):
+        return jnp.sum(jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), [(1, 1), (1, 1)])) * 0.5)
+
+    want = jax.grad(loss_jax)(w, x)
+    for _ in range(2 + 2 * whole_tape.TIMED + 1):  # past the choice
+        np.testing.assert_allclose(rf.grad(loss)(w, x), want, rtol=1e-5, atol=1e-5)
+    assert options == [rf.CPU_COMPILER_OPTIONS]
+    (state,) = whole_tape._CACHE.values()
+    assert isinstance(state, whole_tape._Compiled) and not state.rules

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -206,6 +206,10 @@ class Record:
     # inputs ``derive`` reads as tracers of the walk although the record does not
     # save them (their gradients depend only on the saved values)
     derive_inputs: ClassVar[tuple[int, ...]] = ()
+    # XLA options for the program that runs this record's rule eagerly on its
+    # own (and for a whole-tape walk holding it): Note [Eager compiler options]
+    # in rumus_fx/eager.py. A record may make it a property of its fields.
+    compiler_options: ClassVar[Mapping[str, str] | None] = None
     _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
     _array_fields: ClassVar[tuple[str, ...] | None] = None
     _static_fields: ClassVar[tuple[str, ...] | None] = None
@@ -419,8 +423,6 @@ def _call_flat(treedef: Any, leaves: list[Any], g: jax.Array, needs: tuple[bool,
     return treedef.unflatten(leaves).backward(g, needs)
 
 
-
-
 def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
     """``rec.backward(g, needs)``; eagerly as one compiled call per (record type,
     metadata, shapes), which fuses the rule's elementwise work and pays one
@@ -431,11 +433,12 @@ def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tup
     tracer = jax.core.Tracer
     if isinstance(g, tracer) or any(isinstance(c, tracer) for c in leaves):
         return rec.backward(g, needs)
+    opts = rec.compiler_options
     try:
         hash(treedef)
     except TypeError:  # a static field that does not hash: jit flattens the record itself
-        return compiled(_call_backward, (2,))(rec, g, needs)
-    return compiled(_call_flat, (0, 3))(treedef, leaves, g, needs)
+        return compiled(_call_backward, (2,), compiler_options=opts)(rec, g, needs)
+    return compiled(_call_flat, (0, 3), compiler_options=opts)(treedef, leaves, g, needs)
 
 
 def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str, int | None, int | None], ...]:

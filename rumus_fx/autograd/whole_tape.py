@@ -186,7 +186,7 @@ def run(
     for i in hit.live:
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):  # third sighting: compile the walk (not timed)
-        hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]))
+        hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]), _options(entries))
         out = hit.fn(_arguments(leaves_of), list(seeds.values()))
     elif len(hit.timed) < TIMED:
         jax.block_until_ready((leaves_of, seeds))  # the forward's pending work is not the walk's
@@ -242,7 +242,21 @@ def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int
     return grads
 
 
-def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type) -> _Compiled:
+def _options(entries: Sequence[TapeEntry]) -> Any:
+    """The XLA options the records ask for their programs (Note [Eager compiler
+    options] in rumus_fx/eager.py), when they agree; None otherwise. A static
+    field decides a record's options, so they are fixed by the signature."""
+    found = None
+    for e in entries:
+        opts = e.op.compiler_options
+        if opts is not None:
+            if found is not None and opts != found:
+                return None
+            found = opts
+    return found
+
+
+def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type, options: Any = None) -> _Compiled:
     parts, seed_ids, keep_ids = sig[1]
     keep = None if keep_ids is None else set(keep_ids)
 
@@ -253,4 +267,4 @@ def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type) -> _Compiled:
         ]
         return walk(traced, dict(zip(seed_ids, seed_values)), keep, None)
 
-    return _Compiled(seen, jax.jit(program))
+    return _Compiled(seen, jax.jit(program, compiler_options=None if options is None else dict(options)))

@@ -16,7 +16,8 @@ from jax import lax
 
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
-from ..eager import eager_jit
+from ..compiler import CPU_COMPILER_OPTIONS
+from ..eager import compiled, cpu_options, eager_jit, has_tracer
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor, lifting
@@ -223,7 +224,7 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 # and each gradient must keep its parameter's sharding (SPEC section 10).
 
 
-def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
+def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False) -> tuple[str, str, str]:
     """The formulation of the forward product, dx and dw (Note [Convolution
     formulations]). From the grid: a 1x1 kernel is a plain dot for all three
     products at every channel count; for larger kernels the im2col dot wins the
@@ -234,10 +235,19 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int) -> tuple[str, str, str]:
     kernels up to 16 (0.48-0.59 at 16 channels; at 1-8 channels it is 0.8-1.5x
     the convolution alone, but the CNN step is faster with it: it reads x and
     dy in place where the convolution needs both transposed); "dot" for wider
-    1x1 kernels, the convolution otherwise."""
+    1x1 kernels, the convolution otherwise.
+
+    ``cpu_eager``: the plan of a product compiled on its own for a CPU device
+    with ``CPU_COMPILER_OPTIONS`` (an eager call, Note [Eager compiler
+    options]): there XLA's own convolution computes ``dw`` of a larger kernel
+    in 0.3-0.6 of the time of YNNPACK's and of the per-sample dots at 1-64
+    input channels, stride 1 and 2 (RESULTS.md, issue 16), so it takes
+    "conv"; the rest of the plan is the same."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
     if k == 1:
         dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
+    elif cpu_eager:
+        dw = "conv"
     else:
         dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 else "conv"
     return ("dot" if small else "conv"), ("dot" if small else "conv"), dw
@@ -400,13 +410,20 @@ class Conv2dBackward(Record):
     input_sharding: Any = None  # explicit shardings (rumus_fx/sharding.py)
     weight_sharding: Any = None
     bias_sharding: Any = None
+    # the forward ran eagerly on one CPU device: the rule, compiled on its own,
+    # takes the eager plan with CPU_COMPILER_OPTIONS (``_conv_plan``)
+    cpu_eager: bool = False
+
+    @property
+    def compiler_options(self) -> Any:  # Note [Eager compiler options] (rumus_fx/eager.py)
+        return CPU_COMPILER_OPTIONS if self.cpu_eager else None
 
     def backward(self, g, needs):
         s, p = self.stride, self.padding
         _, c, h, w = self.input_shape
         o, _, k, _ = self.weight_shape
         sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding)) or shd.on_mesh(g)
-        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s)
+        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s, self.cpu_eager)
         dx = dw = db = None
         if needs[0]:
             if plan_dx == "dot":
@@ -423,8 +440,16 @@ class Conv2dBackward(Record):
         return (dx, dw, db)[: len(needs)]
 
 
-@eager_jit(static_argnums=(3, 4))
-def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
+def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int, options: Any) -> Array:
+    """The forward product (plus bias); eagerly one cached compiled call, with
+    ``options`` (``eager.cpu_options``) as its XLA options; traced inline
+    under a trace."""
+    if options is None and (isinstance(xv, jax.core.Tracer) or isinstance(wv, jax.core.Tracer) or has_tracer(bv)):
+        return _conv2d_forward_impl(xv, wv, bv, s, p)
+    return compiled(_conv2d_forward_impl, (3, 4), compiler_options=options)(xv, wv, bv, s, p)
+
+
+def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
     out_dtype = jnp.result_type(xv, wv)
     out_sharding = _conv_out_sharding(xv, wv)
     o, c, k, _ = wv.shape
@@ -500,7 +525,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
     _, s, p = _window_args(op, k, stride, padding)
     _out_size(op, xv.shape[2], k, s, p, "height")
     _out_size(op, xv.shape[3], k, s, p, "width")
-    y = _conv2d_forward(xv, wv, bv, s, p)
+    options = cpu_options(xv, wv, bv)
+    y = _conv2d_forward(xv, wv, bv, s, p, options)
     inputs = (x, weight) if bias is None else (x, weight, bias)
     tape = tape_for(*inputs)
     if tape is None:
@@ -522,6 +548,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
         shd.sharding_of(xv),
         shd.sharding_of(wv),
         shd.sharding_of(bv),
+        options is not None,
     )
     return record(tape, rec, inputs, new_output(y, tape))
 
@@ -644,9 +671,41 @@ def _max_argmax(win: Array, index: Array, dims: tuple[int, ...]) -> tuple[Array,
     return lax.reduce((win, index), init, _max_first, dims)
 
 
-@eager_jit(static_argnums=(1, 2, 3, 4, 5))
 def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
-    """(max of each window, its argmax as the window offset kh*K + kw)."""
+    """(max of each window, its argmax as the window offset kh*K + kw): traced
+    inline as one variadic reduction (``_max_pool_reduce``); eagerly one
+    cached compiled call of the elementwise form (``_max_pool_elementwise``)."""
+    if isinstance(xv, jax.core.Tracer):
+        return _max_pool_reduce(xv, k, s, p, oh, ow)
+    return compiled(_max_pool_elementwise, (1, 2, 3, 4, 5))(xv, k, s, p, oh, ow)
+
+
+def _max_pool_elementwise(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
+    """``_max_pool_reduce``'s values, elementwise over the K*K strided window
+    slices: the max as a tree of ``max`` (NaN propagates, as the reduction's
+    and ``reduce_window``'s), then the first offset whose slice equals it (or
+    is NaN where it is NaN). Eagerly the input is a materialised array, and
+    XLA:CPU runs this form 2-4x faster than the reduction (0.6 against 2.3 ms
+    at [64, 16, 28, 28], RESULTS.md, issue 16); under ``jax.jit`` the reduction
+    stays, fused with its producers (batch norm, relu) into one pass."""
+    idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
+    neg = np.array(-np.inf, xv.dtype)
+    xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
+    slices = _window_slices(xp, k, s, oh, ow)
+    level = slices
+    while len(level) > 1:
+        level = [lax.max(a, b) for a, b in zip(level[::2], level[1::2])] + ([level[-1]] if len(level) % 2 else [])
+    m = level[0]
+    nan = m != m
+    idx = jnp.full(m.shape, len(slices) - 1, idx_dtype)
+    for j in range(len(slices) - 2, -1, -1):
+        sj = slices[j]
+        idx = jnp.where((sj == m) | (nan & (sj != sj)), np.array(j, idx_dtype), idx)
+    return m, idx
+
+
+def _max_pool_reduce(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
+    """(max of each window, its argmax) as one variadic reduction."""
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
     # the K*K strided window slices stacked on a new leading axis and reduced
     # over it: the CNN step of benchmarks/models.py takes 8% less CPU time than

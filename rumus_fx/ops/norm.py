@@ -186,6 +186,16 @@ def _chan(v: Array) -> Array:
     return v.reshape(1, -1, 1, 1)
 
 
+@eager_jit(static_argnums=(4,))
+def _running_update(rm: Array, rv: Array, mean: Array, var: Array, momentum: float) -> tuple[Array, Array]:
+    """``(1 - m) * running + m * batch`` for the mean and the variance: eagerly
+    one compiled call, where the dozen tiny ops it is made of cost a dispatch each."""
+    m = jnp.asarray(momentum, rm.dtype)
+    new_mean = ((1 - m) * rm + m * mean.astype(rm.dtype)).astype(rm.dtype)
+    new_var = ((1 - m) * rv + m * var.astype(rv.dtype)).astype(rv.dtype)
+    return new_mean, new_var
+
+
 @frozen
 class BatchNorm2dBackward(Record):
     """``y = (x - mean) * rstd * w + b`` per channel of ``x:[B, C, H, W]``.
@@ -316,17 +326,10 @@ def _normalize_eval(xv: Array, wv: Any, bv: Any, rm: Array, rv: Array, eps: floa
     return yf.astype(xv.dtype), mean, rstd
 
 
-@eager_jit(static_argnums=(4,))
-def _running_stats(rm: Array, rv: Array, mean: Array, var: Array, momentum: float) -> tuple[Array, Array]:
-    """``(1 - momentum) * running + momentum * batch`` for the mean and the variance."""
-    m = jnp.asarray(momentum, rm.dtype)
-    new_mean = ((1 - m) * rm + m * mean.astype(rm.dtype)).astype(rm.dtype)
-    new_var = ((1 - m) * rv + m * var.astype(rv.dtype)).astype(rv.dtype)
-    return new_mean, new_var
-
-
 _TRAIN, _EVAL = {"training": True}, {"training": False}
-_BN_TABLE = dict(records=(BatchNorm2dBackward,), ref=ref_batch_norm, output=lambda out: out[0], rtol32=1e-4, atol32=1e-4)
+_BN_TABLE = dict(
+    records=(BatchNorm2dBackward,), ref=ref_batch_norm, output=lambda out: out[0], rtol32=1e-4, atol32=1e-4
+)
 
 
 @op(name="batch_norm_2d_eval", samples=_bn_samples(False), **_BN_TABLE)
@@ -374,7 +377,7 @@ def batch_norm_2d(
         if b * h * w < 2:
             raise ValueError(f"{op}: training needs more than one value per channel, got x of shape {xv.shape}")
         y, mean, var, rstd = kbn.batch_norm_train_fwd(xv, wv, bv, eps)
-        new_mean, new_var = _running_stats(rm, rv, mean, var, float(momentum))
+        new_mean, new_var = _running_update(rm, rv, mean, var, float(momentum))
         save = (mean, rstd)
     else:
         y, mean, rstd = _normalize_eval(xv, wv, bv, rm, rv, eps)

@@ -238,10 +238,106 @@ def test_conv2d_samples_take_every_formulation():
     from rumus_fx.autograd.registry import lookup
     from rumus_fx.ops.conv import _conv_plan
 
-    taken = [set(), set(), set()]
-    for sample in lookup("op", "conv2d").samples(np.random.default_rng(0)):
-        x, w = sample.args[:2]
-        stride = sample.args[3] if len(sample.args) > 3 else 1
-        for k, plan in enumerate(_conv_plan(x.shape[1], w.shape[0], w.shape[2], stride)):
-            taken[k].add(plan)
-    assert taken == [{"dot", "conv"}, {"dot", "conv"}, {"dot", "bdot", "conv"}]
+    for cpu_eager in (False, True):  # the jit plan and the eager one (Note [Eager compiler options])
+        taken = [set(), set(), set()]
+        for sample in lookup("op", "conv2d").samples(np.random.default_rng(0)):
+            x, w = sample.args[:2]
+            stride = sample.args[3] if len(sample.args) > 3 else 1
+            for k, plan in enumerate(_conv_plan(x.shape[1], w.shape[0], w.shape[2], stride, cpu_eager)):
+                taken[k].add(plan)
+        assert taken == [{"dot", "conv"}, {"dot", "conv"}, {"dot", "bdot", "conv"}], cpu_eager
+
+
+def _conv_loss(x, w, b, stride):
+    return rf.sum(rf.tanh(rf.conv2d(x, w, b, stride, 1)))
+
+
+def _conv_loss_jax(x, w, b, stride):
+    y = jax.lax.conv_general_dilated(x, w, (stride, stride), [(1, 1), (1, 1)]) + b.reshape(1, -1, 1, 1)
+    return jnp.sum(jnp.tanh(y))
+
+
+@pytest.mark.parametrize("c_in, stride", [(1, 1), (16, 1), (16, 2), (64, 2)])
+def test_conv2d_eager_takes_the_cpu_plan_and_options(rng, c_in, stride):
+    """Eagerly on a CPU device conv2d's programs compile with
+    CPU_COMPILER_OPTIONS and its record takes the eager plan (dw as XLA's
+    convolution); traced (jax.jit) neither: the record says which, and both
+    give jax.grad's gradients, each argument alone."""
+    from rumus_fx.ops.conv import _conv_plan
+
+    x = jnp.asarray(rng.standard_normal((3, c_in, 9, 9)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, c_in, 3, 3)) / np.sqrt(9 * c_in), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    seen = []
+
+    def loss(x, w, b):
+        with rf.Tape() as tape:
+            xs, ws, bs = (rf.tensor(a, requires_grad=True) for a in (x, w, b))
+            out = _conv_loss(xs, ws, bs, stride)
+        (entry,) = [e for e in tape.entries if type(e.op).__name__ == "Conv2dBackward"]
+        seen.append((entry.op.cpu_eager, entry.op.compiler_options))
+        return out.value
+
+    loss(x, w, b)
+    jax.jit(loss)(x, w, b)
+    assert seen == [(True, rf.CPU_COMPILER_OPTIONS), (False, None)]
+    assert _conv_plan(c_in, 4, 3, stride, True)[2] == "conv"
+    for argnum in range(3):
+        want = jax.grad(_conv_loss_jax, argnums=argnum)(x, w, b, stride)
+        for fn in (rf.grad(_conv_loss, argnums=argnum), jax.jit(rf.grad(_conv_loss, argnums=argnum), static_argnums=3)):
+            np.testing.assert_allclose(fn(x, w, b, stride), want, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_options_only_for_concrete_arrays_on_one_cpu_device():
+    from rumus_fx.eager import cpu_options
+
+    x = jnp.ones(3)
+    assert cpu_options(x, None, jnp.zeros(2)) is rf.CPU_COMPILER_OPTIONS
+    assert cpu_options() is None and cpu_options(None) is None
+    seen = []
+    jax.jit(lambda a: seen.append(cpu_options(a, x)) or a)(x)
+    assert seen == [None]
+    if len(jax.devices("cpu")) > 1:  # committed to two different devices
+        a, b = (jax.device_put(x, d) for d in jax.devices("cpu")[:2])
+        assert cpu_options(a, b) is None
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_norm_running_update_eager_and_jit(rng, jit):
+    """The running-statistics update runs as one program eagerly and inline
+    under jax.jit; both give the oracle's values, for any momentum."""
+    x, w, b, rm, rv = _bn_inputs(rng)
+    for momentum in (0.0, 0.3, 1.0):
+
+        def stats(x, rm, rv, momentum=momentum):
+            _, m, v = rf.batch_norm_2d(x, w, b, rm, rv, training=True, momentum=momentum)
+            return m.value, v.value
+
+        got = (jax.jit(stats) if jit else stats)(x, rm, rv)
+        want = ref_batch_norm(x, w, b, rm, rv, training=True, momentum=momentum)[1:]
+        for g_, w_ in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g_), np.asarray(w_), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k, stride, padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1), (2, 3, 0), (3, 3, 1)])
+def test_max_pool_eager_form_equals_the_reduction(rng, k, stride, padding):
+    """max_pool2d's eager (elementwise) forward gives the traced reduction's
+    max and first argmax exactly: ties (relu zeros, repeated integers), NaN
+    (it wins, the first one), -inf and signed zeros included."""
+    from rumus_fx.ops.conv import _max_pool_elementwise, _max_pool_reduce, _out_size
+
+    x = np.maximum(np.round(rng.standard_normal((2, 3, 9, 8)) * 2), 0)
+    x[0, 0, 1, 1] = x[0, 0, 2, 2] = np.nan
+    x[0, 1, :3, :3] = -np.inf
+    x[1, 2, 4:, :] = -0.0
+    x = jnp.asarray(x, jnp.float32)
+    oh, ow = (_out_size("t", n, k, stride, padding, "") for n in x.shape[2:])
+    want = jax.jit(_max_pool_reduce, static_argnums=(1, 2, 3, 4, 5))(x, k, stride, padding, oh, ow)
+    got = jax.jit(_max_pool_elementwise, static_argnums=(1, 2, 3, 4, 5))(x, k, stride, padding, oh, ow)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert got[1].dtype == want[1].dtype and got[0].dtype == want[0].dtype
+    # eagerly max_pool2d takes the elementwise form, traced the reduction; same gradients
+    g_eager = rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5))(x)
+    g_jit = jax.jit(rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5)))(x)
+    np.testing.assert_array_equal(np.asarray(g_eager), np.asarray(g_jit))
