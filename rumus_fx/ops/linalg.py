@@ -43,8 +43,8 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
     the partial products instead (an all-reduce, or a reduce-scatter into an
     FSDP-sharded weight). Only with whole rows does the kernel run per shard.
 
-    ``merge_rows``: ``a`` was saved inside a traced program (a user's jit);
-    see Note [Weight gradient as one 2-D dot]."""
+    ``merge_rows``: ``a`` was computed inside a traced program (a user's
+    jit); see Note [Weight gradient as one 2-D dot]."""
     if out_sharding is not None:
         k, n = a.shape[-1], g.shape[-1]
         a2, g2 = shd.reshape(a, (-1, k)), shd.reshape(g, (-1, n))
@@ -87,10 +87,13 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
 #   the copy's strided order: TinyGPT's GELU output, transposed to [512, 1024]
 #   for fc2's weight gradient, made the two largest thunks of the step. The
 #   merged form has no copy: TinyGPT's jit step 27.7 -> 23.8 ms.
+# * ``x`` an argument of the traced program (a jitted function's input fed
+#   straight to ``x @ W``): a plain transpose again; merging made such a
+#   program (forward + backward of an MLP block) 1.05-1.15x slower.
 #
-# So ``matmul`` notes whether it saved ``x`` inside a trace (``merge_rows``),
-# and only then are the rows merged. Under a mesh the leading axes are kept
-# (see ``_contract_rows``).
+# So ``matmul`` notes whether it saved ``x`` computed inside a trace
+# (``merge_rows``), and only then are the rows merged. Under a mesh the
+# leading axes are kept (see ``_contract_rows``).
 
 
 @frozen
@@ -129,7 +132,7 @@ class MatmulBackward(_ProductRecord):
     """``C = A @ B`` for ``A:[..., M, K]``, ``B:[K, N]``: ``dA = dC @ B^T``,
     ``dB = A^T @ dC`` with A's leading axes contracted."""
 
-    merge_rows: bool = False  # A saved inside a trace (Note [Weight gradient as one 2-D dot])
+    merge_rows: bool = False  # A computed inside a trace (Note [Weight gradient as one 2-D dot])
 
 
 @frozen
@@ -157,6 +160,13 @@ def _product_sharding(op: str, av: Array, bv: Array) -> Any:
     return shd.with_spec(shd.sharding_of(av) or shd.sharding_of(bv), (*lead, n))
 
 
+def _computed_in_trace(x: Any) -> bool:
+    """Whether ``x`` is a tracer computed inside the current trace: not a
+    concrete array, and not one of a jitted function's arguments (whose
+    jaxpr tracers have no producing equation, ``parent``)."""
+    return isinstance(x, jax.core.Tracer) and getattr(x, "parent", True) is not None
+
+
 def _product(op: str, a: Any, b: Any) -> Tensor:
     """``matmul`` (2-D rhs) or ``bmm`` (equal batch axes): validate, multiply,
     record the saved operands each needed gradient reads."""
@@ -181,7 +191,7 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     shardings = (shd.sharding_of(av), shd.sharding_of(bv))
     dtypes = (av.dtype, bv.dtype)
     if op == "matmul":
-        rec = MatmulBackward(*saved, *dtypes, *shardings, isinstance(lhs, jax.core.Tracer))
+        rec = MatmulBackward(*saved, *dtypes, *shardings, _computed_in_trace(lhs))
     else:
         rec = BmmBackward(*saved, *dtypes, *shardings)
     return record(tape, rec, (a, b), new_output(out, tape))

@@ -89,13 +89,15 @@ def test_layer_norm_rank3_gradient_keeps_shape():
     assert g.shape == (2, 3, 4)
 
 
+@pytest.mark.parametrize("lhs", ["argument", "computed"])
 @pytest.mark.parametrize("under_mesh", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
-def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, under_mesh, jit):
-    # Note [Weight gradient as one 2-D dot]: an lhs saved inside a trace (jit)
-    # has its leading axes merged before the weight gradient's dot, unless a
-    # mesh is set; eagerly they are contracted as they are. Every path gives
-    # jax.grad's gradients, each argument alone and both together.
+def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_mesh, jit):
+    # Note [Weight gradient as one 2-D dot]: an lhs computed inside a trace
+    # (jit) has its leading axes merged before the weight gradient's dot,
+    # unless a mesh is set; eagerly, or for an argument of the jitted function,
+    # they are contracted as they are. Every path gives jax.grad's gradients,
+    # each argument alone and both together.
     import contextlib
 
     from rumus_fx.ops import linalg
@@ -108,23 +110,26 @@ def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, under_mesh, 
         return real(a, g, *args)
 
     monkeypatch.setattr(linalg, "_contract_rows", spy)
-    x = jnp.asarray(rng.standard_normal((3, 2, 4, 7)), jnp.float32)  # shapes no other test compiles
+    # shapes no other case compiles (the eager rules are cached compiled programs)
+    lead = (3 + 2 * under_mesh + (lhs == "computed"), 2, 4)
+    x = jnp.asarray(rng.standard_normal((*lead, 7)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
-    ct = jnp.asarray(rng.standard_normal((3, 2, 4, 6)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((*lead, 6)), jnp.float32)
+    pre, pre_ref = (rf.tanh, jnp.tanh) if lhs == "computed" else (lambda v: v, lambda v: v)
     ctx = jax.set_mesh(jax.make_mesh((1,), ("data",))) if under_mesh else contextlib.nullcontext()
     with ctx:
         for argnums in (0, 1, (0, 1)):
             rf.testing.check_grads(
-                lambda x, w: rf.sum((x @ w) * ct),
+                lambda x, w: rf.sum((pre(x) @ w) * ct),
                 (x, w),
                 argnums,
-                oracle=lambda x, w: jnp.sum((x @ w) * ct),
+                oracle=lambda x, w: jnp.sum((pre_ref(x) @ w) * ct),
                 jit=jit,
                 atol=1e-4,
                 rtol=1e-4,
                 fd=False,
             )
-    assert seen and set(seen) == {(jit, not under_mesh)}
+    assert seen and set(seen) == {(jit and lhs == "computed", not under_mesh)}
 
 
 def test_im2col_single_sample_matches_batched_and_rumus_order():
