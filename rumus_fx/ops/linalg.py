@@ -88,12 +88,15 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
 #   for fc2's weight gradient, made the two largest thunks of the step. The
 #   merged form has no copy: TinyGPT's jit step 27.7 -> 23.8 ms.
 # * ``x`` an argument of the traced program (a jitted function's input fed
-#   straight to ``x @ W``): a plain transpose again; merging made such a
-#   program (forward + backward of an MLP block) 1.05-1.15x slower.
+#   straight to ``x @ W``), or the output of a dot or a layout op (reshape,
+#   transpose) in it: a plain transpose again; merging made such programs
+#   (an MLP block's forward + backward, a product's weight gradient behind
+#   a dot or a reshape) 1.04-1.27x slower.
 #
-# So ``matmul`` notes whether it saved ``x`` computed inside a trace
-# (``merge_rows``), and only then are the rows merged. Under a mesh the
-# leading axes are kept (see ``_contract_rows``).
+# So ``matmul`` notes whether it saved an ``x`` with an elementwise producer in
+# the trace (``merge_rows``, from the tracer's producing equation), and only
+# then are the rows merged. Under a mesh the leading axes are kept (see
+# ``_contract_rows``).
 
 
 @frozen
@@ -160,11 +163,33 @@ def _product_sharding(op: str, av: Array, bv: Array) -> Any:
     return shd.with_spec(shd.sharding_of(av) or shd.sharding_of(bv), (*lead, n))
 
 
+# producers whose output XLA:CPU transposes as a plain copy (or folds into the copy's layout)
+_PLAIN_PRODUCERS = frozenset(
+    {
+        "dot_general",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+    }
+)
+
+
 def _computed_in_trace(x: Any) -> bool:
-    """Whether ``x`` is a tracer computed inside the current trace: not a
-    concrete array, and not one of a jitted function's arguments (whose
-    jaxpr tracers have no producing equation, ``parent``)."""
-    return isinstance(x, jax.core.Tracer) and getattr(x, "parent", True) is not None
+    """Whether ``x`` is a tracer computed inside the current trace by an
+    elementwise producer that XLA may fuse into a transposing copy: not a
+    concrete array, not one of a jitted function's arguments (whose jaxpr
+    tracers have no producing equation, ``parent``), and not the output of a
+    dot or a layout op (Note [Weight gradient as one 2-D dot])."""
+    if not isinstance(x, jax.core.Tracer):
+        return False
+    parent = getattr(x, "parent", True)
+    if parent is None:
+        return False
+    return getattr(getattr(parent, "primitive", None), "name", None) not in _PLAIN_PRODUCERS
 
 
 def _product(op: str, a: Any, b: Any) -> Tensor:

@@ -89,15 +89,15 @@ def test_layer_norm_rank3_gradient_keeps_shape():
     assert g.shape == (2, 3, 4)
 
 
-@pytest.mark.parametrize("lhs", ["argument", "computed"])
+@pytest.mark.parametrize("lhs", ["argument", "computed", "dot output"])
 @pytest.mark.parametrize("under_mesh", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
 def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_mesh, jit):
     # Note [Weight gradient as one 2-D dot]: an lhs computed inside a trace
-    # (jit) has its leading axes merged before the weight gradient's dot,
-    # unless a mesh is set; eagerly, or for an argument of the jitted function,
-    # they are contracted as they are. Every path gives jax.grad's gradients,
-    # each argument alone and both together.
+    # (jit) by an elementwise op has its leading axes merged before the weight
+    # gradient's dot, unless a mesh is set; eagerly, for an argument of the
+    # jitted function or for a dot's output, they are contracted as they are.
+    # Every path gives jax.grad's gradients, each argument alone and both together.
     import contextlib
 
     from rumus_fx.ops import linalg
@@ -111,11 +111,16 @@ def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_m
 
     monkeypatch.setattr(linalg, "_contract_rows", spy)
     # shapes no other case compiles (the eager rules are cached compiled programs)
-    lead = (3 + 2 * under_mesh + (lhs == "computed"), 2, 4)
+    lead = (3 + 3 * under_mesh + ["argument", "computed", "dot output"].index(lhs), 2, 4)
     x = jnp.asarray(rng.standard_normal((*lead, 7)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((*lead, 6)), jnp.float32)
-    pre, pre_ref = (rf.tanh, jnp.tanh) if lhs == "computed" else (lambda v: v, lambda v: v)
+    eye = jnp.eye(7, dtype=jnp.float32)
+    pre, pre_ref = {
+        "argument": (lambda v: v, lambda v: v),
+        "computed": (rf.tanh, jnp.tanh),
+        "dot output": (lambda v: v @ eye, lambda v: v @ eye),  # eye untracked: no weight gradient of its own
+    }[lhs]
     ctx = jax.set_mesh(jax.make_mesh((1,), ("data",))) if under_mesh else contextlib.nullcontext()
     with ctx:
         for argnums in (0, 1, (0, 1)):
