@@ -32,7 +32,7 @@ Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 
-def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None) -> Array:
+def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None, merge_rows: bool = False) -> Array:
     """``a[..., K]^T g[..., N]`` summed over all leading rows -> ``[K, N]`` (the
     weight gradient of ``x @ W`` for any number of leading axes).
 
@@ -41,24 +41,62 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None)
     (which needs its contraction whole) would all-gather ``a`` and ``g``; XLA's
     dot_general with ``out_sharding`` multiplies each device's rows and sums
     the partial products instead (an all-reduce, or a reduce-scatter into an
-    FSDP-sharded weight). Only with whole rows does the kernel run per shard."""
+    FSDP-sharded weight). Only with whole rows does the kernel run per shard.
+
+    ``merge_rows``: ``a`` was computed inside a traced program (a user's
+    jit); see Note [Weight gradient as one 2-D dot]."""
     if out_sharding is not None:
         k, n = a.shape[-1], g.shape[-1]
         a2, g2 = shd.reshape(a, (-1, k)), shd.reshape(g, (-1, n))
         if kmm.kernel_carries(a2.T, g2, out_sharding):
             return kmm.matmul(a2.T, g2, out_dtype=out_dtype)
-    # sharded rows, or the jnp reference anyway: one dot_general over the leading
-    # axes (no reshape that merges a sharded axis; XLA's partitioner then keeps
-    # the weight gradient sharded like the weight on Auto mesh axes too; no
-    # explicit transpose, which XLA:CPU may copy out when it feeds a matrix-vector
-    # dot, as in a second-order step)
+    # sharded rows, or the jnp reference anyway: one dot_general over the rows,
+    # with no explicit transpose (XLA:CPU may copy one out when it feeds a
+    # matrix-vector dot, as in a second-order step). It contracts the leading
+    # axes as they are (no reshape that merges a sharded axis: XLA's partitioner
+    # then keeps the weight gradient sharded like the weight on Auto mesh axes
+    # too) unless ``merge_rows`` and no mesh is set (Note [Weight gradient as
+    # one 2-D dot]): then they are merged first, a free reshape.
     if out_sharding is not None or kdispatch.backend() == "reference":
-        lead = tuple(range(a.ndim - 1))
         pref = jnp.float32 if is_low_precision(out_dtype) else None
+        if merge_rows and out_sharding is None and a.ndim > 2 and jax.sharding.get_abstract_mesh().empty:
+            a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        lead = tuple(range(a.ndim - 1))
         dims = ((lead, lead), ((), ()))
         return lax.dot_general(a, g, dims, preferred_element_type=pref, out_sharding=out_sharding).astype(out_dtype)
     k, n = a.shape[-1], g.shape[-1]
     return kmm.matmul(a.reshape(-1, k).T, g.reshape(-1, n), out_dtype=out_dtype)
+
+
+# Note [Weight gradient as one 2-D dot]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``dW = x^T g`` for ``x:[B, T, K]``, ``g:[B, T, N]`` contracts two axes of
+# each operand. XLA:CPU's dot canonicalisation turns a dot_general over (0, 1)
+# into a transpose of ``x`` to ``[K, B*T]`` (a copy) feeding a YNNPACK dot.
+# Merged to ``[B*T, K]`` and ``[B*T, N]`` first (a bitcast in row-major
+# layout), the dot contracts dimension 0 of both operands, which XLA:CPU's
+# Eigen dot reads in place (a transpose flag, no copy). Which is faster
+# depends on where ``x`` comes from:
+#
+# * ``x`` a materialised array (eager: a rule's own program, or the whole-tape
+#   walk, whose saved arrays are its arguments): the transpose is a plain copy
+#   and YNNPACK's dot beats Eigen's; the merged form took 1.13-1.58x as long
+#   for the products measured alone (TinyGPT's [16, 64, 512] x 128 the most).
+# * ``x`` computed in the same traced program (a user's jit): XLA fuses its
+#   elementwise producer into the transposing copy and recomputes it there, in
+#   the copy's strided order: TinyGPT's GELU output, transposed to [512, 1024]
+#   for fc2's weight gradient, made the two largest thunks of the step. The
+#   merged form has no copy: TinyGPT's jit step 27.7 -> 23.8 ms.
+# * ``x`` an argument of the traced program (a jitted function's input fed
+#   straight to ``x @ W``), or the output of a dot or a layout op (reshape,
+#   transpose) in it: a plain transpose again; merging made such programs
+#   (an MLP block's forward + backward, a product's weight gradient behind
+#   a dot or a reshape) 1.04-1.27x slower.
+#
+# So ``matmul`` notes whether it saved an ``x`` with an elementwise producer in
+# the trace (``merge_rows``, from the tracer's producing equation), and only
+# then are the rows merged. Under a mesh the leading axes are kept (see
+# ``_contract_rows``).
 
 
 @frozen
@@ -88,7 +126,7 @@ class _ProductRecord(Record):
         if needs[1] and self.batched:  # per batch
             gb = kmm.matmul(jnp.swapaxes(self.lhs, -1, -2), g, self.rhs_dtype, self.rhs_sharding)
         elif needs[1]:  # A's leading axes are contracted too
-            gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding)
+            gb = _contract_rows(self.lhs, g, self.rhs_dtype, self.rhs_sharding, self.merge_rows)
         return ga, gb
 
 
@@ -96,6 +134,8 @@ class _ProductRecord(Record):
 class MatmulBackward(_ProductRecord):
     """``C = A @ B`` for ``A:[..., M, K]``, ``B:[K, N]``: ``dA = dC @ B^T``,
     ``dB = A^T @ dC`` with A's leading axes contracted."""
+
+    merge_rows: bool = False  # A computed inside a trace (Note [Weight gradient as one 2-D dot])
 
 
 @frozen
@@ -123,6 +163,35 @@ def _product_sharding(op: str, av: Array, bv: Array) -> Any:
     return shd.with_spec(shd.sharding_of(av) or shd.sharding_of(bv), (*lead, n))
 
 
+# producers whose output XLA:CPU transposes as a plain copy (or folds into the copy's layout)
+_PLAIN_PRODUCERS = frozenset(
+    {
+        "dot_general",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+    }
+)
+
+
+def _computed_in_trace(x: Any) -> bool:
+    """Whether ``x`` is a tracer computed inside the current trace by an
+    elementwise producer that XLA may fuse into a transposing copy: not a
+    concrete array, not one of a jitted function's arguments (whose jaxpr
+    tracers have no producing equation, ``parent``), and not the output of a
+    dot or a layout op (Note [Weight gradient as one 2-D dot])."""
+    if not isinstance(x, jax.core.Tracer):
+        return False
+    parent = getattr(x, "parent", True)
+    if parent is None:
+        return False
+    return getattr(getattr(parent, "primitive", None), "name", None) not in _PLAIN_PRODUCERS
+
+
 def _product(op: str, a: Any, b: Any) -> Tensor:
     """``matmul`` (2-D rhs) or ``bmm`` (equal batch axes): validate, multiply,
     record the saved operands each needed gradient reads."""
@@ -146,8 +215,10 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     saved = (lhs, lhs_v, rhs, rhs_v)
     shardings = (shd.sharding_of(av), shd.sharding_of(bv))
     dtypes = (av.dtype, bv.dtype)
-    cls = MatmulBackward if op == "matmul" else BmmBackward
-    rec = cls(*saved, *dtypes, *shardings)
+    if op == "matmul":
+        rec = MatmulBackward(*saved, *dtypes, *shardings, _computed_in_trace(lhs))
+    else:
+        rec = BmmBackward(*saved, *dtypes, *shardings)
     return record(tape, rec, (a, b), new_output(out, tape))
 
 
@@ -158,6 +229,7 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
         Sample((normal(r, 3, 5), normal(r, 5, 7)), diff=(0, 1)),
         Sample((normal(r, 1, 4), normal(r, 4, 1)), diff=(0, 1)),
         Sample((normal(r, 2, 3, 5), normal(r, 5, 6)), diff=(0, 1)),
+        Sample((normal(r, 2, 2, 3, 4), normal(r, 4, 3)), diff=(0, 1)),
     ],
     errors=lambda: [
         BadInput("rank-1 lhs", (F(3), F(3, 4)), ShapeError, ("(3,)",)),

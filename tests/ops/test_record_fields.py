@@ -154,7 +154,7 @@ def test_attention_keeps_the_mask_at_its_own_shape():
 def test_the_instrumentation_sees_reads():
     rec = next(iter(itertools.islice((e.op for e in _mm_tape().entries), 1)))
     assert _reads(rec, jnp.ones((2, 2)), (True, False)) == {"rhs", "lhs_dtype", "lhs_sharding"}
-    assert _reads(rec, jnp.ones((2, 2)), (False, True)) == {"lhs", "rhs_dtype", "rhs_sharding"}
+    assert _reads(rec, jnp.ones((2, 2)), (False, True)) == {"lhs", "rhs_dtype", "rhs_sharding", "merge_rows"}
 
 
 def _mm_tape():

@@ -89,6 +89,54 @@ def test_layer_norm_rank3_gradient_keeps_shape():
     assert g.shape == (2, 3, 4)
 
 
+@pytest.mark.parametrize("lhs", ["argument", "computed", "dot output"])
+@pytest.mark.parametrize("under_mesh", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_mesh, jit):
+    # Note [Weight gradient as one 2-D dot]: an lhs computed inside a trace
+    # (jit) by an elementwise op has its leading axes merged before the weight
+    # gradient's dot, unless a mesh is set; eagerly, for an argument of the
+    # jitted function or for a dot's output, they are contracted as they are.
+    # Every path gives jax.grad's gradients, each argument alone and both together.
+    import contextlib
+
+    from rumus_fx.ops import linalg
+
+    seen = []
+    real = linalg._contract_rows
+
+    def spy(a, g, *args):
+        seen.append((args[-1], jax.sharding.get_abstract_mesh().empty))
+        return real(a, g, *args)
+
+    monkeypatch.setattr(linalg, "_contract_rows", spy)
+    # shapes no other case compiles (the eager rules are cached compiled programs)
+    lead = (3 + 3 * under_mesh + ["argument", "computed", "dot output"].index(lhs), 2, 4)
+    x = jnp.asarray(rng.standard_normal((*lead, 7)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((*lead, 6)), jnp.float32)
+    eye = jnp.eye(7, dtype=jnp.float32)
+    pre, pre_ref = {
+        "argument": (lambda v: v, lambda v: v),
+        "computed": (rf.tanh, jnp.tanh),
+        "dot output": (lambda v: v @ eye, lambda v: v @ eye),  # eye untracked: no weight gradient of its own
+    }[lhs]
+    ctx = jax.set_mesh(jax.make_mesh((1,), ("data",))) if under_mesh else contextlib.nullcontext()
+    with ctx:
+        for argnums in (0, 1, (0, 1)):
+            rf.testing.check_grads(
+                lambda x, w: rf.sum((pre(x) @ w) * ct),
+                (x, w),
+                argnums,
+                oracle=lambda x, w: jnp.sum((pre_ref(x) @ w) * ct),
+                jit=jit,
+                atol=1e-4,
+                rtol=1e-4,
+                fd=False,
+            )
+    assert seen and set(seen) == {(jit and lhs == "computed", not under_mesh)}
+
+
 def test_im2col_single_sample_matches_batched_and_rumus_order():
     x = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)
     cols = np.asarray(rf.im2col(x, 2))
