@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
 from ..ops._declare import distinct, normal, unary_samples
+from ..ops.linalg import computed_in_trace
 from .rules import defrule, in_
 from .rules_elementwise import unbroadcast
 
@@ -148,12 +149,32 @@ def _dot_lhs_grad(g, y, x_aval, dims, swap=False, x_sharding=None):
     return lax.transpose(res, perm).astype(x_aval.dtype)
 
 
+def _weight_gradient_2d(g, x, ay, dims, y_sharding):
+    """``x[..., K]^T g[..., N]`` as one 2-D dot over the merged leading rows, for
+    ``x @ W`` (``x:[..., K]`` contracting its last axis with ``W:[K, N]``'s
+    first, no batch axes) when ``x`` has an elementwise producer in the trace
+    and no mesh is set (Note [Weight gradient as one 2-D dot] in
+    rumus_fx/ops/linalg.py); None for any other product."""
+    (lc, rc), (lb, rb) = dims
+    if lb or rb or x.ndim < 3 or len(ay.shape) != 2 or tuple(lc) != (x.ndim - 1,) or tuple(rc) != (0,):
+        return None
+    if y_sharding is not None or not jax.sharding.get_abstract_mesh().empty or not computed_in_trace(x):
+        return None
+    k, n = ay.shape
+    x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+    return lax.dot_general(x2.astype(g2.dtype), g2, (((0,), (0,)), ((), ()))).astype(ay.dtype)
+
+
 def _dot_general_vjp(r, g):
     (lc, rc), (lb, rb) = r.p["dimension_numbers"]
     x, y = r.ins
     ax, ay = r.in_avals
     gx = _dot_lhs_grad(g, y, ax, ((lc, rc), (lb, rb)), x_sharding=r.in_sharding(0)) if r.needs[0] else None
-    gy = _dot_lhs_grad(g, x, ay, ((rc, lc), (rb, lb)), swap=True, x_sharding=r.in_sharding(1)) if r.needs[1] else None
+    gy = None
+    if r.needs[1]:
+        gy = _weight_gradient_2d(g, x, ay, ((lc, rc), (lb, rb)), r.in_sharding(1))
+        if gy is None:
+            gy = _dot_lhs_grad(g, x, ay, ((rc, lc), (rb, lb)), swap=True, x_sharding=r.in_sharding(1))
     return gx, gy
 
 
@@ -180,6 +201,11 @@ defrule(
             "dot_general_einsum",
             lambda a, b: jnp.einsum("bik,jbk->bji", a, b),
             lambda r: [Sample((normal(r, 2, 3, 4), normal(r, 5, 2, 4)), diff=(0, 1))],
+        ),
+        TableEntry(  # under jit: the weight gradient as one 2-D dot over the merged rows
+            "dot_general_rows",
+            lambda a, b: jnp.tanh(a) @ b,
+            lambda r: [Sample((normal(r, 2, 3, 4), normal(r, 4, 5)), diff=(0, 1))],
         ),
         TableEntry(
             "dot_general_contract2",

@@ -178,7 +178,7 @@ _PLAIN_PRODUCERS = frozenset(
 )
 
 
-def _computed_in_trace(x: Any) -> bool:
+def computed_in_trace(x: Any) -> bool:
     """Whether ``x`` is a tracer computed inside the current trace by an
     elementwise producer that XLA may fuse into a transposing copy: not a
     concrete array, not one of a jitted function's arguments (whose jaxpr
@@ -216,7 +216,7 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
     shardings = (shd.sharding_of(av), shd.sharding_of(bv))
     dtypes = (av.dtype, bv.dtype)
     if op == "matmul":
-        rec = MatmulBackward(*saved, *dtypes, *shardings, _computed_in_trace(lhs))
+        rec = MatmulBackward(*saved, *dtypes, *shardings, computed_in_trace(lhs))
     else:
         rec = BmmBackward(*saved, *dtypes, *shardings)
     return record(tape, rec, (a, b), new_output(out, tape))

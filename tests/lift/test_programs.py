@@ -501,3 +501,42 @@ def test_create_graph_on_tape_api_second_derivative():
         gw = tape.backward(loss, create_graph=True)[w]
         inner = rf.sum(gw * gw)
     np.testing.assert_allclose(np.asarray(tape.backward(inner)[w]), [8.0, 16.0])
+
+
+@pytest.mark.parametrize("lhs", ["argument", "computed", "dot output"])
+@pytest.mark.parametrize("under_mesh", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_lifted_weight_gradient_merges_rows_only_for_a_computed_lhs(monkeypatch, lhs, under_mesh, jit):
+    """Note [Weight gradient as one 2-D dot] (rumus_fx/ops/linalg.py), for
+    ``dot_general`` under rf.lift: the weight gradient of ``x:[B, T, K] @ W``
+    is one 2-D dot over the merged rows only under jit, for an ``x`` with an
+    elementwise producer in the trace and no mesh set; every path gives
+    jax.grad's gradients, each argument alone and both together."""
+    import contextlib
+
+    from rumus_fx.lift import rules_structural
+
+    merged = []
+    real = rules_structural._weight_gradient_2d
+
+    def spy(*args):
+        out = real(*args)
+        merged.append(out is not None)
+        return out
+
+    monkeypatch.setattr(rules_structural, "_weight_gradient_2d", spy)
+    rng = np.random.default_rng(3)
+    lead = (4 + 3 * under_mesh + ["argument", "computed", "dot output"].index(lhs), 3)
+    x = jnp.asarray(rng.standard_normal((*lead, 5)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((5, 6)), jnp.float32)
+    eye = jnp.eye(5, dtype=jnp.float32)
+    pre = {"argument": lambda v: v, "computed": jnp.tanh, "dot output": lambda v: v @ eye}[lhs]
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(pre(x) @ w))
+
+    ctx = jax.set_mesh(jax.make_mesh((1,), ("data",))) if under_mesh else contextlib.nullcontext()
+    with ctx:
+        for argnums in (0, 1, (0, 1)):
+            rf.testing.check_grads(rf.lift(loss), (x, w), argnums, oracle=loss, jit=jit, atol=1e-4, rtol=1e-4, fd=False)
+    assert any(merged) == (jit and lhs == "computed" and not under_mesh)
