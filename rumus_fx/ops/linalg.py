@@ -96,7 +96,8 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
 # So ``matmul`` notes whether it saved an ``x`` with an elementwise producer in
 # the trace (``merge_rows``, from the tracer's producing equation), and only
 # then are the rows merged. Under a mesh the leading axes are kept (see
-# ``_contract_rows``).
+# ``_contract_rows``). ``rf.lift``'s ``dot_general`` rule does the same for a
+# lifted ``x @ W`` (``lift/rules_structural._weight_gradient_2d``).
 
 
 @frozen
