@@ -503,9 +503,17 @@ def test_create_graph_on_tape_api_second_derivative():
     np.testing.assert_allclose(np.asarray(tape.backward(inner)[w]), [8.0, 16.0])
 
 
-@pytest.mark.parametrize("lhs", ["argument", "computed", "dot output"])
-@pytest.mark.parametrize("under_mesh", [False, True])
-@pytest.mark.parametrize("jit", [False, True])
+# every source of the lhs under jit without a mesh, and the computed lhs eagerly and under a mesh
+_LIFT_MERGE_CASES = [
+    ("computed", False, True),
+    ("argument", False, True),
+    ("dot output", False, True),
+    ("computed", True, True),
+    ("computed", False, False),
+]
+
+
+@pytest.mark.parametrize("lhs, under_mesh, jit", _LIFT_MERGE_CASES)
 def test_lifted_weight_gradient_merges_rows_only_for_a_computed_lhs(monkeypatch, lhs, under_mesh, jit):
     """Note [Weight gradient as one 2-D dot] (rumus_fx/ops/linalg.py), for
     ``dot_general`` under rf.lift: the weight gradient of ``x:[B, T, K] @ W``

@@ -89,9 +89,17 @@ def test_layer_norm_rank3_gradient_keeps_shape():
     assert g.shape == (2, 3, 4)
 
 
-@pytest.mark.parametrize("lhs", ["argument", "computed", "dot output"])
-@pytest.mark.parametrize("under_mesh", [False, True])
-@pytest.mark.parametrize("jit", [False, True])
+# every source of the lhs under jit without a mesh, and the computed lhs eagerly and under a mesh
+_MERGE_CASES = [
+    ("computed", False, True),
+    ("argument", False, True),
+    ("dot output", False, True),
+    ("computed", True, True),
+    ("computed", False, False),
+]
+
+
+@pytest.mark.parametrize("lhs, under_mesh, jit", _MERGE_CASES)
 def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_mesh, jit):
     # Note [Weight gradient as one 2-D dot]: an lhs computed inside a trace
     # (jit) by an elementwise op has its leading axes merged before the weight
