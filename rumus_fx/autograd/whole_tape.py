@@ -178,21 +178,22 @@ def run(
     _CACHE.move_to_end(sig)
     if hit.rules:
         return walk(entries, seeds, keep, foreign)
+
+    def rules_walk() -> dict[int, jax.Array]:
+        return walk(entries, seeds, keep, foreign)
+
     if not isinstance(hit, _Compiled) and not hit.seconds:  # second sighting: time the (now compiled) rules
-        return _timed_rules(hit, entries, seeds, keep, foreign, walk, leaves_of)
+        return _timed(rules_walk, leaves_of, seeds, hit.seconds)
     if isinstance(hit, _Compiled) and len(hit.timed) == len(hit.seconds) < TIMED:
         # alternating with the compiled walk's timed calls, so both see the same machine
-        return _timed_rules(hit, entries, seeds, keep, foreign, walk, leaves_of)
+        return _timed(rules_walk, leaves_of, seeds, hit.seconds)
     for i in hit.live:
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):  # third sighting: compile the walk (not timed)
         hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]), _options(entries))
         out = hit.fn(_arguments(leaves_of), list(seeds.values()))
     elif len(hit.timed) < TIMED:
-        jax.block_until_ready((leaves_of, seeds))  # the forward's pending work is not the walk's
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(hit.fn(_arguments(leaves_of), list(seeds.values())))
-        hit.timed.append(time.perf_counter() - t0)
+        out = _timed(lambda: hit.fn(_arguments(leaves_of), list(seeds.values())), leaves_of, seeds, hit.timed)
         if len(hit.timed) == TIMED:
             hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)
     else:
@@ -204,12 +205,16 @@ def run(
     return {back[lid]: g for lid, g in out.items()}
 
 
-def _timed_rules(hit, entries, seeds, keep, foreign, walk, leaves_of) -> dict[int, jax.Array]:
-    """The rule-by-rule walk, its time noted on ``hit``."""
-    jax.block_until_ready((leaves_of, seeds))  # the forward's pending work is not the walk's
+def _timed(
+    run_walk: Callable[[], dict[int, jax.Array]], leaves_of, seeds, seconds: list[float]
+) -> dict[int, jax.Array]:
+    """``run_walk()`` (either walk), its time appended to ``seconds``: first
+    waits for the forward's pending work (on the saved arrays and seeds), which
+    is not the walk's, then for the walk's results."""
+    jax.block_until_ready((leaves_of, seeds))
     t0 = time.perf_counter()
-    grads = jax.block_until_ready(walk(entries, seeds, keep, foreign))
-    hit.seconds.append(time.perf_counter() - t0)
+    grads = jax.block_until_ready(run_walk())
+    seconds.append(time.perf_counter() - t0)
     return grads
 
 

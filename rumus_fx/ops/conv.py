@@ -17,7 +17,7 @@ from jax import lax
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
 from ..compiler import CPU_COMPILER_OPTIONS
-from ..eager import compiled, cpu_options, eager_jit, has_tracer
+from ..eager import compiled, cpu_options, eager_jit
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor, lifting
@@ -441,11 +441,11 @@ class Conv2dBackward(Record):
 
 
 def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int, options: Any) -> Array:
-    """The forward product (plus bias); eagerly one cached compiled call, with
-    ``options`` (``eager.cpu_options``) as its XLA options; traced inline
-    under a trace."""
-    if options is None and (isinstance(xv, jax.core.Tracer) or isinstance(wv, jax.core.Tracer) or has_tracer(bv)):
-        return _conv2d_forward_impl(xv, wv, bv, s, p)
+    """The forward product (plus bias): ``_conv2d_forward_impl`` through
+    ``eager_jit``, or, with ``options`` (``eager.cpu_options``: concrete arrays
+    on one CPU device), one cached compiled call with those XLA options."""
+    if options is None:
+        return _conv2d_forward_eager(xv, wv, bv, s, p)
     return compiled(_conv2d_forward_impl, (3, 4), compiler_options=options)(xv, wv, bv, s, p)
 
 
@@ -460,6 +460,9 @@ def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int)
     if bv is not None:
         y = y + bv.reshape(1, -1, 1, 1).astype(out_dtype)
     return y
+
+
+_conv2d_forward_eager = eager_jit(_conv2d_forward_impl, static_argnums=(3, 4))
 
 
 def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0) -> Array:

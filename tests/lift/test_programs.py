@@ -13,6 +13,7 @@ from jax import lax
 
 import rumus_fx as rf
 import rumus_fx.numpy as rnp
+from tests.ops.test_special import MERGE_CASES
 
 
 def _close(a, b, tol=2e-5):
@@ -503,17 +504,7 @@ def test_create_graph_on_tape_api_second_derivative():
     np.testing.assert_allclose(np.asarray(tape.backward(inner)[w]), [8.0, 16.0])
 
 
-# every source of the lhs under jit without a mesh, and the computed lhs eagerly and under a mesh
-_LIFT_MERGE_CASES = [
-    ("computed", False, True),
-    ("argument", False, True),
-    ("dot output", False, True),
-    ("computed", True, True),
-    ("computed", False, False),
-]
-
-
-@pytest.mark.parametrize("lhs, under_mesh, jit", _LIFT_MERGE_CASES)
+@pytest.mark.parametrize("lhs, under_mesh, jit", MERGE_CASES)  # the cases of rf.matmul's test
 def test_lifted_weight_gradient_merges_rows_only_for_a_computed_lhs(monkeypatch, lhs, under_mesh, jit):
     """Note [Weight gradient as one 2-D dot] (rumus_fx/ops/linalg.py), for
     ``dot_general`` under rf.lift: the weight gradient of ``x:[B, T, K] @ W``

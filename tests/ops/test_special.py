@@ -90,7 +90,7 @@ def test_layer_norm_rank3_gradient_keeps_shape():
 
 
 # every source of the lhs under jit without a mesh, and the computed lhs eagerly and under a mesh
-_MERGE_CASES = [
+MERGE_CASES = [
     ("computed", False, True),
     ("argument", False, True),
     ("dot output", False, True),
@@ -99,7 +99,7 @@ _MERGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lhs, under_mesh, jit", _MERGE_CASES)
+@pytest.mark.parametrize("lhs, under_mesh, jit", MERGE_CASES)
 def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_mesh, jit):
     # Note [Weight gradient as one 2-D dot]: an lhs computed inside a trace
     # (jit) by an elementwise op has its leading axes merged before the weight
