@@ -127,20 +127,20 @@ def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_m
     pre, pre_ref = {
         "argument": (lambda v: v, lambda v: v),
         "computed": (rf.tanh, jnp.tanh),
-        "dot output": (lambda v: v @ eye, lambda v: v @ eye),  # eye untracked: no weight gradient of its own
+        # eye untracked: no weight gradient of its own (constants cast: the finite differences run in float64)
+        "dot output": (lambda v: v @ eye.astype(v.dtype), lambda v: v @ eye.astype(v.dtype)),
     }[lhs]
     ctx = jax.set_mesh(jax.make_mesh((1,), ("data",))) if under_mesh else contextlib.nullcontext()
     with ctx:
         for argnums in (0, 1, (0, 1)):
             rf.testing.check_grads(
-                lambda x, w: rf.sum((pre(x) @ w) * ct),
+                lambda x, w: rf.sum((pre(x) @ w) * ct.astype(x.dtype)),
                 (x, w),
                 argnums,
-                oracle=lambda x, w: jnp.sum((pre_ref(x) @ w) * ct),
+                oracle=lambda x, w: jnp.sum((pre_ref(x) @ w) * ct.astype(x.dtype)),
                 jit=jit,
                 atol=1e-4,
-                rtol=1e-4,
-                fd=False,
+                rtol=1e-4,  # and float64 finite differences, through the same path
             )
     assert seen and set(seen) == {(jit and lhs == "computed", not under_mesh)}
 
