@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import eager
+from . import eager, lazy
 from .errors import AutogradError
 from .sharding import reshape as sharded_reshape
 
@@ -146,7 +146,10 @@ class StorageHandle:
     @property
     def buffer(self) -> jax.Array:
         """The current (immutable) buffer, in the base tensor's shape."""
-        return self._buffer
+        b = self._buffer
+        if type(b) is lazy.Lazy:  # a deferred result (Note [Deferred elementwise ops])
+            b = self._buffer = lazy.value(b)
+        return b
 
     @property
     def nbytes(self) -> int:
@@ -162,13 +165,13 @@ class StorageHandle:
 
     def read(self, layout: Layout) -> jax.Array:
         """Materialise the view ``layout`` of this storage."""
-        return read_layout(self._buffer, layout)
+        return read_layout(self.buffer, layout)
 
     def write(self, layout: Layout, value: jax.Array) -> None:
         """Copy-on-write ``value`` into the view ``layout``; bumps the version."""
         if isinstance(value, _Tracer) and _trace_of(value) != self._trace:
             raise AutogradError(TRACER_LEAK_MESSAGE)
-        self._buffer = write_layout(self._buffer, layout, value)
+        self._buffer = write_layout(self.buffer, layout, value)
         self._aval = None
         self._cell.value += 1
 

@@ -16,6 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import AutogradError
+from .lazy import _PENDING, Lazy
+from .lazy import flush as lazy_flush
+from .lazy import value as lazy_value
 from .recording import current_tape
 from .storage import Layout, StorageHandle
 
@@ -140,10 +143,15 @@ class Tensor:
             sub = CAPTURE.value(self)
             if sub is not None:
                 return sub
+        if _PENDING:  # any read computes every deferred value (Note [Deferred elementwise ops] in lazy.py)
+            lazy_flush()
         layout = self._layout
         storage = self._storage
         if layout is None:
-            return storage._buffer
+            b = storage._buffer
+            if type(b) is Lazy:  # a deferred result (Note [Deferred elementwise ops] in lazy.py)
+                b = storage._buffer = lazy_value(b)
+            return b
         cache = self._cache
         version = storage._cell.value
         if cache is not None and cache[0] == version:

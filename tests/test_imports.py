@@ -4,7 +4,7 @@ level only, and ``import rumus_fx`` loads no test or optional dependency.
 The layers, lowest first (a module may import its own layer and lower ones;
 inside a layer the imports form no cycle):
 
-    base:       errors, sharding, eager, compiler (no rumus_fx imports but each other)
+    base:       errors, sharding, eager, lazy, compiler (no rumus_fx imports but each other)
     kernels:    kernels.*                   (plain jax: the Pallas kernels and references)
     storage:    storage
     recording:  recording                   (which tape records; no_grad)
@@ -34,7 +34,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "rumus_fx"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("rumus_fx.errors", "rumus_fx.sharding", "rumus_fx.eager", "rumus_fx.compiler")),
+    ("base", ("rumus_fx.errors", "rumus_fx.sharding", "rumus_fx.eager", "rumus_fx.lazy", "rumus_fx.compiler")),
     ("kernels", ("rumus_fx.kernels",)),
     ("storage", ("rumus_fx.storage",)),
     ("recording", ("rumus_fx.recording",)),

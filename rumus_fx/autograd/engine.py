@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import sharding
+from .. import lazy, sharding
 from ..errors import AutogradError
 from ..tensor import Tensor, is_leaf_id
 from . import whole_tape
@@ -162,6 +162,7 @@ def gradients(
     zeros for None. ``create_graph_on``: the tape the walk is recorded on
     (``backward(create_graph=True)``, Note [Create graph] in
     rumus_fx/lift/higher.py); the gradients are then Tensors."""
+    lazy.flush()  # deferred forward values, and the records that saved them (rumus_fx/lazy.py)
     by_id: dict[int, Any] = {}
     for gid, ct in seeds:
         if gid is not None:

@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .. import lazy
 from ..eager import ones_like_value
 from ..errors import AutogradError
 from ..recording import current_tape as current_tape
@@ -127,13 +128,14 @@ class Tape:
     # -- inspection ----------------------------------------------------------
     @property
     def entries(self) -> tuple[TapeEntry, ...]:
+        lazy.flush()  # records show arrays, not deferred values (rumus_fx/lazy.py)
         return tuple(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __iter__(self) -> Iterator[TapeEntry]:
-        return iter(tuple(self._entries))
+        return iter(self.entries)
 
     @property
     def consumed(self) -> bool:
@@ -149,7 +151,7 @@ class Tape:
         everything that record keeps.
         """
         seen: dict[int, int] = {}
-        for e in self._entries:
+        for e in self.entries:
             for value in e.op.saved_arrays().values():
                 for v in value if isinstance(value, tuple) else (value,):
                     seen.setdefault(id(v), nbytes_of(v))
@@ -159,7 +161,7 @@ class Tape:
         """Saved bytes summed per record type, largest first (a buffer shared
         by several records counts for each of them)."""
         totals: dict[str, int] = {}
-        for e in self._entries:
+        for e in self.entries:
             totals[e.op.name] = totals.get(e.op.name, 0) + e.op.saved_bytes
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
@@ -254,7 +256,7 @@ def format_tape(tape: Tape) -> str:
     """One row per entry: index, record, input ids -> output ids, shapes, saved bytes."""
     header = ("#", "record", "inputs -> outputs", "shapes", "saved")
     rows = []
-    for i, e in enumerate(tape._entries):
+    for i, e in enumerate(tape.entries):
         ids = ", ".join("-" if x is None else str(x) for x in e.inputs)
         outs = ", ".join(str(x) for x in e.outputs)
         shapes_in = ", ".join(_fmt_aval(a) for a in e.input_avals)
@@ -289,7 +291,7 @@ def _fmt_bytes(n: int) -> str:
 def tape_to_dot(tape: Tape) -> str:
     lines = ["digraph tape {", "  rankdir=LR;", '  node [fontname="monospace"];']
     seen: set[int] = set()
-    for i, e in enumerate(tape._entries):
+    for i, e in enumerate(tape.entries):
         label = f"{i}: {e.op.name}\\nsaves {_fmt_bytes(e.op.saved_bytes)}"
         lines.append(f'  op{i} [shape=box, label="{label}"];')
         for gid, aval in zip(e.inputs, e.input_avals or (None,) * len(e.inputs)):

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import lazy
+from .. import tensor as _tensor_module
 from ..autograd.record import Aval, Provenance, VersionSnapshot, metadata_type
 from ..autograd.tape import Tape, current_tape
 from ..eager import PY_SCALARS
@@ -199,9 +201,64 @@ def record(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     return record_general(tape, op, inputs, out)
 
 
+def deferrable(x: Any) -> Any:
+    """The operand an elementwise op on ``x`` defers on (a ``lazy.Lazy`` or a
+    concrete array: Note [Deferred elementwise ops] in rumus_fx/lazy.py), or
+    None when the op runs now: ``x`` is not a contiguous Tensor, an
+    ``rf.lift`` trace runs, or its buffer does not qualify."""
+    if not isinstance(x, Tensor) or x._layout is not None or _tensor_module.CAPTURE is not None:
+        return None
+    return lazy.operand(x._storage)
+
+
+def deferred_scalar(b: Any) -> bool:
+    """Whether the python scalar ``b`` of ``t <op> b`` can wait for the flush:
+    a float, or an int that converts without overflow (others raise now)."""
+    return type(b) is float or -(2**31) <= b < 2**31
+
+
+def record_deferred(tape: Tape, op: Any, x: Tensor, scalar: Any, out: Tensor, provenance: Any) -> Tensor:
+    """``record(tape, op, (x,) or (x, scalar), out)`` for a deferred op
+    (``x`` tracked, on one device), without reading a value:
+    ``provenance`` is given (a tuple, or ``Provenance`` pairs)."""
+    gid = x._gid
+    if scalar is None:
+        ids, avals = (gid,), (tensor_aval(x),)
+    else:
+        ids, avals = (gid, None), (tensor_aval(x), None)
+    tape.append(op, ids, (out._gid,), avals, (tensor_aval(out),), (), provenance)
+    return out
+
+
+def deferred_unary(x: Tensor, src: Any, kind: lazy.Kind, rec_cls: type, saves: str | None) -> Tensor:
+    """``kind`` on ``x`` deferred (Note [Deferred elementwise ops] in
+    rumus_fx/lazy.py; ``src = deferrable(x)``), recorded as ``rec_cls``, whose
+    record saves the ``"output"``, the ``"input"`` (then its version
+    snapshot) or nothing (None): the record holds the pending value until the
+    flush puts the array in its place."""
+    out = lazy.defer(kind, src)
+    tape = tape_for(x)
+    if tape is None:
+        return Tensor._wrap(out)
+    res = new_output(out, tape)
+    if saves == "output":
+        rec = rec_cls(out, snapshot(res))
+        lazy.saves(rec, "output", out)
+        provenance: Any = (("output", None, res._gid),)
+    elif saves == "input":
+        rec = rec_cls(src, snapshot(x))
+        lazy.saves(rec, "input", src)
+        provenance = (("input", None, x._gid),)
+    else:
+        rec, provenance = rec_cls(), ()
+    return record_deferred(tape, rec, x, None, res, provenance)
+
+
 def record_general(tape: Tape, op: Any, inputs: Sequence[Any], out: Tensor) -> Tensor:
     """``record`` for any inputs (what its fast path records, for every op)."""
     buffer = out._storage._buffer
+    if type(buffer) is lazy.Lazy:  # a deferred result, computed: its record saved the array
+        buffer = lazy.value(buffer)
     out_gid = out._gid
     ids = []
     avals = []

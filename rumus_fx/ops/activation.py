@@ -9,12 +9,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import lazy
 from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
 from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
 from ._core import (
     array_of,
+    deferrable,
+    deferred_unary,
     eager_jit,
     is_real_scalar,
     new_output,
@@ -48,6 +51,7 @@ def _relu(x: Array) -> Array:
 
 
 _sigmoid, _tanh = eager_jit(jax.nn.sigmoid), eager_jit(jnp.tanh)
+_RELU, _SIGMOID, _TANH = lazy.Kind("relu", _relu.__wrapped__), lazy.Kind("sigmoid", jax.nn.sigmoid), lazy.Kind("tanh", jnp.tanh)
 
 
 _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
@@ -61,6 +65,9 @@ _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
 )
 def relu(x: Any) -> Tensor:
     """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
+    src = deferrable(x)
+    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
+        return deferred_unary(x, src, _RELU, ReluBackward, "input")
     xv = array_of(x, "relu")
     out = _relu(xv)
     tape = tape_for(x)
@@ -178,6 +185,9 @@ def _saves_input(x: Any, out: Array, rec_cls: type, *extra: Any) -> Tensor:
 )
 def sigmoid(x: Any) -> Tensor:
     """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
+    src = deferrable(x)
+    if src is not None:
+        return deferred_unary(x, src, _SIGMOID, SigmoidBackward, "output")
     xv = array_of(x, "sigmoid")
     require_float("sigmoid", xv)
     return _saves_output(x, _sigmoid(xv), SigmoidBackward)
@@ -191,6 +201,9 @@ def sigmoid(x: Any) -> Tensor:
 )
 def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent (records TanhBackward, which saves the output)."""
+    src = deferrable(x)
+    if src is not None:
+        return deferred_unary(x, src, _TANH, TanhBackward, "output")
     xv = array_of(x, "tanh")
     require_float("tanh", xv)
     return _saves_output(x, _tanh(xv), TanhBackward)

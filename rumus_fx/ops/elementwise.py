@@ -9,7 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..autograd.record import Aval, Record, VersionSnapshot
+from .. import lazy
+from ..autograd.record import Aval, Provenance, Record, VersionSnapshot
 from ..eager import PY_SCALARS, compiled
 from ..errors import ShapeError
 from ..recording import current_tape
@@ -23,10 +24,14 @@ from ._core import (
     broadcast_info,
     broadcast_shapes,
     cast,
+    deferrable,
+    deferred_scalar,
+    deferred_unary,
     eager_jit,
     new_output,
     reads,
     record,
+    record_deferred,
     scalar_operand,
     shape_of,
     snapshot,
@@ -229,7 +234,9 @@ _FORWARD = {
     k: eager_jit(f) for k, f in (("add", jnp.add), ("sub", jnp.subtract), ("mul", jnp.multiply), ("div", jnp.divide))
 }
 _JITTED = {k: compiled(f.__wrapped__) for k, f in _FORWARD.items()}  # the jax.jit each one calls eagerly
+_KINDS = {k: lazy.Kind(k, f.__wrapped__, binary=True) for k, f in _FORWARD.items()}  # ``t <op> scalar``, deferred
 _negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
+_NEG, _EXP, _LOG = lazy.Kind("neg", jnp.negative), lazy.Kind("exp", jnp.exp), lazy.Kind("log", jnp.log)
 
 
 def binary_record(
@@ -299,6 +306,16 @@ def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
 
 def _binary(kind: str, a: Any, b: Any) -> Tensor:
     if type(b) in PY_SCALARS and isinstance(a, Tensor):  # ``t * 2.0``: nothing to broadcast or align
+        src = deferrable(a)
+        if src is not None and deferred_scalar(b):  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
+            out = lazy.defer(_KINDS[kind], src, b)
+            tape = current_tape() if a._gid is not None else None
+            if tape is None:
+                return Tensor._wrap(out)
+            res = Tensor._wrap(out, next_grad_id())
+            rec = _scalar_rhs_record(kind, a, b, src)
+            pairs = (id(out), res._gid, id(src), a._gid, id(b), None)
+            return record_deferred(tape, rec, a, b, res, Provenance(rec, pairs))
         av = a.value
         if isinstance(av, jax.core.Tracer):
             out = _FORWARD[kind](av, b)  # traced inline (Note [Eager compilation])
@@ -385,6 +402,9 @@ def div(a: Any, b: Any) -> Tensor:
 )
 def neg(x: Any) -> Tensor:
     """``-x`` (records NegBackward)."""
+    src = deferrable(x)
+    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
+        return deferred_unary(x, src, _NEG, NegBackward, None)
     xv = array_of(x, "neg")
     out = _negative(xv)
     tape = tape_for(x)
@@ -401,6 +421,9 @@ def neg(x: Any) -> Tensor:
 )
 def exp(x: Any) -> Tensor:
     """``exp(x)`` (records ExpBackward, which saves the output)."""
+    src = deferrable(x)
+    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
+        return deferred_unary(x, src, _EXP, ExpBackward, "output")
     xv = array_of(x, "exp")
     out = _exp(xv)
     tape = tape_for(x)
@@ -418,6 +441,9 @@ def exp(x: Any) -> Tensor:
 )
 def log(x: Any) -> Tensor:
     """Natural logarithm (records LogBackward, which saves the input)."""
+    src = deferrable(x)
+    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
+        return deferred_unary(x, src, _LOG, LogBackward, "input")
     xv = array_of(x, "log")
     out = _log(xv)
     tape = tape_for(x)

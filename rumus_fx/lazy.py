@@ -1,0 +1,315 @@
+"""Deferred elementwise ops: a run of small eager ops as one compiled call.
+
+Note [Deferred elementwise ops]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Eagerly, each op is one dispatch of its own compiled program (Note [Eager
+compilation] in eager.py). For a tiny array that dispatch is most of the op's
+cost: about 7 µs of JAX's C++ path, and the Python around it runs about twice
+as slowly as it does between no dispatches at all (RESULTS.md, "The chain").
+So the cheapest elementwise ops -- ``t <op> python scalar`` for add, sub, mul
+and div, and relu, tanh, sigmoid -- do not dispatch: on a floating, strongly
+typed, single-device, contiguous operand their result is a ``Lazy`` node (the
+op, its operand, the scalar; shape and dtype known), recorded on the tape like
+any result. Anything that reads a value (``Tensor.value`` of any tensor, a
+storage read or write, the backward, the tape's inspection) first *flushes*:
+every pending node is computed, in creation order, as
+
+- one dispatch per node of the op's own compiled program (exactly what the op
+  did before), the first time a run of nodes of this structure is seen, or
+- one compiled program for the whole run, once the same structure (ops,
+  which node feeds which, which results are still referenced) is seen again.
+  It returns only the nodes something still references (``sys.getrefcount``,
+  minus the references the run itself holds): XLA fuses the rest away. A node
+  judged unreferenced that is read after all is recomputed from its operand.
+
+The values are those of the per-op path: the fused program applies the same
+jnp functions to the same operands, scalars included (passed as the same
+weakly typed arguments, ``eager.scalar_operand``); on XLA:CPU the two agree
+bit for bit (tests/test_lazy.py), as jit and eager do for these ops.
+
+What the semantics need, kept:
+
+- shape and dtype are known without computing (a python scalar with a float
+  array keeps the array's dtype), so shape errors and records are as before;
+- records that save a node (tanh's output, relu's input) hold the node until
+  the flush, which replaces it by its array in the record (``_SAVED``); every
+  flush does, and at most ``MAX_PENDING`` nodes wait, so nothing accumulates;
+- a tensor's version counter, snapshots and in-place writes see one storage,
+  as before (a write flushes first);
+- the context: a run is computed under the default device, abstract mesh and
+  x64 mode its nodes were created under (a node made under another one flushes
+  the run first): placement, and the dtype a python scalar converts to, are the
+  op's; with ``jax_debug_nans``/``jax_debug_infs`` on, nothing defers, so the
+  check runs at the op;
+- reading any tensor's value flushes, so a value read before an array is
+  donated or handed elsewhere finds nothing pending; a pending node keeps its
+  operand alive until then;
+- nothing defers under a trace (``jax.jit``, ``vmap``, ``rf.lift``): a tracer
+  is never an operand here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .eager import compiled, scalar_operand
+
+_Tracer = jax.core.Tracer
+_SingleDevice = jax.sharding.SingleDeviceSharding
+_abstract_mesh = jax.sharding.get_abstract_mesh
+_config = jax.config
+_FLOATS = frozenset(np.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
+
+MAX_PENDING = 256  # nodes waiting at most; the next one flushes them
+_MAX_PROGRAMS = 512  # run structures remembered (beyond: one dispatch per node)
+_COMPILE_AT = 2  # sightings of a structure before its run is one program
+
+
+class Kind:
+    """One deferrable op: ``fun(x)`` or ``fun(x, scalar)`` (a jnp function)."""
+
+    __slots__ = ("binary", "fun", "jitted", "name")
+
+    def __init__(self, name: str, fun: Callable[..., Any], binary: bool = False):
+        self.name = name
+        self.fun = fun
+        self.binary = binary
+        self.jitted = compiled(fun)  # the op's own eager program (eager.compiled's cache)
+
+    def __repr__(self) -> str:
+        return f"Kind({self.name})"
+
+
+class Lazy:
+    """A deferred op result: shape and dtype now, the array at the next flush."""
+
+    __slots__ = ("array", "consumers", "dtype", "kind", "pos", "scalar", "shape", "src")
+    weak_type = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        state = "pending" if self.array is None else "computed"
+        return f"Lazy({self.kind.name}, shape={self.shape}, dtype={self.dtype}, {state})"
+
+
+_PENDING: list[Lazy] = []
+_CONTEXT: list[Any] = [None, None, False]  # (default device, abstract mesh, x64) of the pending run
+_SAVED: list[tuple[Any, str, Lazy]] = []  # (record, field, node) to replace at the flush
+_PROGRAMS: dict[Any, list[Any]] = {}  # run structure -> [sightings, compiled run or None]
+_ENABLED = [True]
+
+
+def enabled() -> bool:
+    """Whether elementwise ops defer (``set_enabled``)."""
+    return _ENABLED[0]
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn deferral on or off (flushing what waits); returns the old setting."""
+    flush()
+    old = _ENABLED[0]
+    _ENABLED[0] = bool(on)
+    return old
+
+
+def pending() -> int:
+    """Nodes waiting for the next flush."""
+    return len(_PENDING)
+
+
+def operand(storage: Any) -> Any:
+    """The buffer of ``storage`` as the operand of a deferred op -- a ``Lazy``
+    or a concrete array -- or None when the op must run now (deferral off, a
+    tracer, 0-d, a non-float or weakly typed dtype, several devices, a deleted
+    array)."""
+    b = storage._buffer
+    if type(b) is Lazy:
+        a = b.array
+        if a is None:
+            return b if _ENABLED[0] and not (_config.jax_debug_nans or _config.jax_debug_infs) else None
+        storage._buffer = b = a
+    if not _ENABLED[0] or isinstance(b, _Tracer) or not isinstance(b, jax.Array):
+        return None
+    if _config.jax_debug_nans or _config.jax_debug_infs:  # checked at the op, as asked
+        return None
+    if b.weak_type or not b.shape or b.dtype not in _FLOATS or type(b.sharding) is not _SingleDevice:
+        return None
+    if b.is_deleted():
+        return None
+    return b
+
+
+def defer(kind: Kind, src: Any, scalar: Any = None) -> Lazy:
+    """A pending ``kind.fun(src[, scalar])`` with ``src``'s shape and dtype."""
+    device, mesh, x64 = _config.jax_default_device, _abstract_mesh(), _config.jax_enable_x64
+    queue = _PENDING
+    context = _CONTEXT
+    if queue and (device is not context[0] or mesh is not context[1] or x64 is not context[2]):
+        flush()
+    if not queue:
+        context[:] = device, mesh, x64
+    node = Lazy.__new__(Lazy)
+    node.kind = kind
+    node.src = src
+    node.scalar = scalar
+    node.shape = src.shape
+    node.dtype = src.dtype
+    node.array = None
+    node.consumers = 0
+    node.pos = len(queue)
+    if type(src) is Lazy:
+        src.consumers += 1
+    queue.append(node)
+    if len(queue) >= MAX_PENDING:
+        flush()
+    return node
+
+
+def saves(rec: Any, field: str, node: Any) -> None:
+    """``rec.field`` holds ``node``: replace it by the array at the flush."""
+    if type(node) is Lazy:
+        _SAVED.append((rec, field, node))
+
+
+def value(node: Lazy) -> jax.Array:
+    """The array of ``node`` (flushing, or recomputing an unreferenced one)."""
+    a = node.array
+    if a is None:
+        if node.pos >= 0:
+            flush()
+        a = node.array
+        if a is None:
+            a = _recompute(node)
+    return a
+
+
+def concrete(x: Any) -> Any:
+    """``x`` itself, or the array of a ``Lazy``."""
+    return value(x) if type(x) is Lazy else x
+
+
+def _apply(kind: Kind, x: Any, scalar: Any) -> Any:
+    if kind.binary:
+        return kind.jitted(x, scalar_operand(scalar))
+    return kind.jitted(x)
+
+
+def _recompute(node: Lazy) -> jax.Array:
+    chain = []  # the unreferenced nodes back to one with an array
+    n: Any = node
+    while type(n) is Lazy and n.array is None:
+        chain.append(n)
+        n = n.src
+    x = n.array if type(n) is Lazy else n
+    for m in reversed(chain):
+        x = m.array = _apply(m.kind, x, m.scalar)
+        m.src = m.scalar = None
+    return x
+
+
+def flush() -> None:
+    """Compute every pending node, and put the arrays into the records that
+    saved them (Note [Deferred elementwise ops])."""
+    if _PENDING:
+        nodes = _PENDING[:]
+        _PENDING.clear()
+        device, mesh, x64 = _CONTEXT
+        try:
+            if _config.jax_default_device is device and _abstract_mesh() is mesh and _config.jax_enable_x64 is x64:
+                _run(nodes)
+            else:
+                with jax.default_device(device), jax.sharding.use_abstract_mesh(mesh), jax.enable_x64(x64):
+                    _run(nodes)
+        finally:
+            for n in nodes:
+                n.pos = -1
+            del nodes
+    if _SAVED:
+        saved = _SAVED[:]
+        _SAVED.clear()
+        for rec, field, node in saved:
+            object.__setattr__(rec, field, value(node))
+
+
+# the references a node of the run has inside ``_outputs``: the run's list, the
+# loop variable and getrefcount's argument (checked by tests/test_lazy.py)
+_OWN_REFS = 3
+
+
+def _outputs(nodes: list[Lazy]) -> tuple[int, ...]:
+    """Positions of the nodes that something besides the run references."""
+    refcount = sys.getrefcount
+    out = []
+    i = 0
+    for n in nodes:  # a plain loop: enumerate's tuple would hold one more reference
+        if refcount(n) > _OWN_REFS + n.consumers:
+            out.append(i)
+        i += 1
+    return tuple(out)
+
+
+def _run(nodes: list[Lazy]) -> None:
+    if len(nodes) == 1:
+        n = nodes[0]
+        n.array = _apply(n.kind, concrete(n.src), n.scalar)
+        n.src = n.scalar = None
+        return
+    structure = []
+    external: list[Any] = []
+    scalars: list[Any] = []
+    for n in nodes:
+        s = n.src
+        if type(s) is Lazy and s.array is None and s.pos >= 0:
+            ref = s.pos
+        else:
+            external.append(concrete(s))
+            ref = -len(external)
+        if n.kind.binary:
+            scalars.append(n.scalar)
+        structure.append((n.kind, ref))
+    del s, n
+    outputs = _outputs(nodes)
+    key = (tuple(structure), outputs)
+    entry = _PROGRAMS.get(key)
+    if entry is None and len(_PROGRAMS) < _MAX_PROGRAMS:
+        entry = _PROGRAMS[key] = [0, None]
+    if entry is not None and entry[1] is None:
+        entry[0] += 1
+        if entry[0] >= _COMPILE_AT:
+            entry[1] = jax.jit(functools.partial(_replay, key[0], outputs))
+    if entry is not None and entry[1] is not None:
+        arrays = entry[1](external, [scalar_operand(s) for s in scalars])
+        for i, a in zip(outputs, arrays):
+            nodes[i].array = a
+        for m in nodes:
+            if m.array is not None:
+                m.src = m.scalar = None
+        return
+    # one dispatch per node, in order: what the ops did before deferring
+    for m in nodes:
+        s = m.src
+        m.array = _apply(m.kind, value(s) if type(s) is Lazy else s, m.scalar)
+        m.src = m.scalar = None
+
+
+def _replay(structure: tuple, outputs: tuple[int, ...], external: list[Any], scalars: list[Any]) -> list[Any]:
+    values: list[Any] = []
+    it = iter(scalars)
+    for kind, ref in structure:
+        x = values[ref] if ref >= 0 else external[-1 - ref]
+        values.append(kind.fun(x, next(it)) if kind.binary else kind.fun(x))
+    return [values[i] for i in outputs]
