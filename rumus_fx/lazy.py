@@ -7,7 +7,7 @@ compilation] in eager.py). For a tiny array that dispatch is most of the op's
 cost: about 7 µs of JAX's C++ path, and the Python around it runs about twice
 as slowly as it does between no dispatches at all (RESULTS.md, "The chain").
 So the cheapest elementwise ops -- ``t <op> python scalar`` for add, sub, mul
-and div, and relu, tanh, sigmoid -- do not dispatch: on a floating, strongly
+and div, and relu, tanh, sigmoid, exp, log, neg -- do not dispatch: on a floating, strongly
 typed, single-device, contiguous operand their result is a ``Lazy`` node (the
 op, its operand, the scalar; shape and dtype known), recorded on the tape like
 any result. Anything that reads a value (``Tensor.value`` of any tensor, a
@@ -90,7 +90,9 @@ class Kind:
 class Lazy:
     """A deferred op result: shape and dtype now, the array at the next flush."""
 
-    __slots__ = ("array", "consumers", "dtype", "kind", "pos", "scalar", "shape", "src")
+    # pos: >= 0 while pending, then its position in the run being computed
+    # (valid with that run's token in ``run``); -1 once its run is done
+    __slots__ = ("array", "consumers", "dtype", "kind", "pos", "run", "scalar", "shape", "src")
     weak_type = False
 
     @property
@@ -170,7 +172,8 @@ def defer(kind: Kind, src: Any, scalar: Any = None) -> Lazy:
     node.dtype = src.dtype
     node.array = None
     node.consumers = 0
-    node.pos = len(queue)
+    node.pos = 0
+    node.run = None
     if type(src) is Lazy:
         src.consumers += 1
     queue.append(node)
@@ -226,7 +229,7 @@ def flush() -> None:
     saved them (Note [Deferred elementwise ops])."""
     if _PENDING:
         nodes = _PENDING[:]
-        _PENDING.clear()
+        del _PENDING[: len(nodes)]  # not clear(): a node appended meanwhile (another thread) waits on
         device, mesh, x64 = _CONTEXT
         try:
             if _config.jax_default_device is device and _abstract_mesh() is mesh and _config.jax_enable_x64 is x64:
@@ -236,11 +239,11 @@ def flush() -> None:
                     _run(nodes)
         finally:
             for n in nodes:
-                n.pos = -1
+                n.pos, n.run = -1, None
             del nodes
     if _SAVED:
         saved = _SAVED[:]
-        _SAVED.clear()
+        del _SAVED[: len(saved)]
         for rec, field, node in saved:
             object.__setattr__(rec, field, value(node))
 
@@ -271,10 +274,14 @@ def _run(nodes: list[Lazy]) -> None:
     structure = []
     external: list[Any] = []
     scalars: list[Any] = []
+    token = object()  # this run: a node's ``pos`` counts only with it (threads)
+    i = 0
     for n in nodes:
+        n.pos, n.run = i, token
+        i += 1
         s = n.src
-        if type(s) is Lazy and s.array is None and s.pos >= 0:
-            ref = s.pos
+        if type(s) is Lazy and s.run is token and s.array is None:
+            ref = s.pos  # an earlier node of this run (nodes come in creation order)
         else:
             external.append(concrete(s))
             ref = -len(external)

@@ -259,3 +259,27 @@ def test_debug_nans_checks_at_the_op():
         with pytest.raises(FloatingPointError):
             rf.log(x)
     assert lazy.pending() == 0
+
+
+def test_threads_each_get_their_own_values():
+    """Runs made and computed from several threads at once (a flush takes
+    whatever waits, from any thread) give each thread its own chain's values."""
+    import threading
+
+    errors = []
+
+    def work(k):
+        try:
+            x0 = jnp.full((4,), 0.1 * k, jnp.float32)
+            for _ in range(20):
+                got = chain(RF_OPS, 17)(rf.tensor(x0)).value
+                np.testing.assert_allclose(got, chain(JNP_OPS, 17)(x0), rtol=1e-6)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
