@@ -88,6 +88,7 @@ def test_values_equal_the_per_op_path_bit_for_bit(dtype):
             assert isinstance(got.storage._buffer, lazy.Lazy)
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(np.asarray(got.value, np.float64), np.asarray(want, np.float64))
+            assert got.value.committed == want.committed and got.value.weak_type == want.weak_type
 
 
 @pytest.mark.parametrize("name,rf_op,jnp_op", OPS, ids=[o[0] for o in OPS])
@@ -220,7 +221,7 @@ def test_a_run_computes_under_the_device_it_was_made_under():
             want = rf.tanh(x * 2.0).value
     assert isinstance(y.storage._buffer, lazy.Lazy)
     got = y.value  # computed outside the block
-    assert got.sharding == want.sharding
+    assert got.sharding == want.sharding and got.committed == want.committed
     np.testing.assert_array_equal(got, want)
 
 
