@@ -284,3 +284,20 @@ def test_threads_each_get_their_own_values():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_gradients_of_gradients_through_deferred_records(x64):
+    """The nested backward differentiates deferred records' rules through their
+    saved (then computed) values: tanh's and sigmoid's outputs, relu's input."""
+    x = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float64)
+
+    def f(h):
+        return rf.sum(rf.sigmoid(rf.relu(rf.tanh(h * 2.0) + 0.5)) * 3.0)
+
+    def f_jnp(h):
+        return jnp.sum(jax.nn.sigmoid(jax.nn.relu(jnp.tanh(h * 2.0) + 0.5)) * 3.0)
+
+    want = jax.grad(lambda h: jnp.sum(jax.grad(f_jnp)(h) ** 2))(x)
+    for _ in range(3):
+        got = rf.grad(lambda h: rf.sum(rf.grad(f)(h) * rf.grad(f)(h)))(x)
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
