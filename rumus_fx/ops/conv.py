@@ -730,8 +730,8 @@ def _max_pool_elementwise(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -
     and ``reduce_window``'s), then the first offset whose slice equals it (or
     is NaN where it is NaN). Eagerly the input is a materialised array, and
     XLA:CPU runs this form 2-4x faster than the reduction (0.6 against 2.3 ms
-    at [64, 16, 28, 28], RESULTS.md, issue 16); under ``jax.jit`` the reduction
-    stays, fused with its producers (batch norm, relu) into one pass."""
+    at [64, 16, 28, 28], RESULTS.md, issue 16); under ``jax.jit`` it runs on
+    an input materialised by a ``lax.cond`` (Note [Max pool under jit])."""
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
     neg = np.array(-np.inf, xv.dtype)
     xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
@@ -754,7 +754,9 @@ def _max_pool_reduce(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tup
     # the K*K strided window slices stacked on a new leading axis and reduced
     # over it: the CNN step of benchmarks/models.py takes 8% less CPU time than
     # with the reduction over the minor [.., K, .., K] axes of the window view;
-    # elementwise formulations lose there (RESULTS.md, issue 16)
+    # elementwise formulations inline lose there (RESULTS.md, issue 16). A jit
+    # trace takes the elementwise form behind a lax.cond instead (Note [Max
+    # pool under jit]); vmap, jvp, rf.lift and meshes keep this reduction
     neg = np.array(-np.inf, xv.dtype)
     xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
     win = jnp.stack(_window_slices(xp, k, s, oh, ow))  # [K*K, ..., C, OH, OW]
