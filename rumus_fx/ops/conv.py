@@ -40,6 +40,11 @@ from ._declare import BadInput, F, Lazy, N, Sample, normal, op
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
+try:  # a value traced by jax.jit (not vmap, jvp ...): Note [Max pool under jit]
+    from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
+except ImportError:  # pragma: no cover - a jax without it keeps the reduction
+    _JitTracer = ()
+
 
 def _out_size(op: str, size: int, k: int, s: int, p: int, what: str) -> int:
     if size + 2 * p < k:
@@ -675,12 +680,48 @@ def _max_argmax(win: Array, index: Array, dims: tuple[int, ...]) -> tuple[Array,
 
 
 def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
-    """(max of each window, its argmax as the window offset kh*K + kw): traced
-    inline as one variadic reduction (``_max_pool_reduce``); eagerly one
-    cached compiled call of the elementwise form (``_max_pool_elementwise``)."""
+    """(max of each window, its argmax as the window offset kh*K + kw): under
+    ``jax.jit`` the elementwise form behind a materialising ``lax.cond``
+    (``_max_pool_materialised``, Note [Max pool under jit]); other traces
+    (vmap, jvp, rf.lift, a mesh) inline as one variadic reduction
+    (``_max_pool_reduce``); eagerly one cached compiled call of the elementwise
+    form (``_max_pool_elementwise``)."""
+    if isinstance(xv, _JitTracer) and not lifting() and not shd.on_mesh(xv):
+        return _max_pool_materialised(xv, k, s, p, oh, ow)
     if isinstance(xv, jax.core.Tracer):
         return _max_pool_reduce(xv, k, s, p, oh, ow)
     return compiled(_max_pool_elementwise, (1, 2, 3, 4, 5))(xv, k, s, p, oh, ow)
+
+
+# Note [Max pool under jit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# XLA:CPU fuses a cheap elementwise producer (the batch norm and relu in front
+# of a pool) into every consumer and recomputes it there, and
+# ``lax.optimization_barrier`` does not stop it (XLA:CPU removes barriers before
+# fusion). So under jit the pool's input stayed unmaterialised: the variadic
+# max / first-argmax reduction ran as a scalar loop over the recomputed batch
+# norm (3.5 ms of the CNN step's op time), and the elementwise form, fast on a
+# materialised array, lost because its argmax chain was fused into the
+# backward's scatter and recomputed at every input position (RESULTS.md,
+# issue 16). The operands of a ``lax.cond`` are materialised, and XLA keeps a
+# conditional whose predicate it cannot evaluate: both branches are the same
+# elementwise pool, so the predicate (the first input element is not NaN) only
+# hides the choice, and the result is the same whichever branch runs. In the
+# CNN step (benchmarks/models.py) this takes the step from 10.9 to 8.7 ms wall
+# and from 20.0 to 14.8 ms CPU (RESULTS.md, "The CNN's compiled step, second
+# pass"). Only for a jit trace: under vmap a batched predicate turns the cond
+# into a select of two equal branches, which XLA folds back to the unmaterialised
+# elementwise form.
+
+
+def _max_pool_materialised(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
+    """``_max_pool_elementwise`` on a materialised input (Note [Max pool under jit])."""
+
+    def pool(a: Array) -> tuple[Array, Array]:
+        return _max_pool_elementwise(a, k, s, p, oh, ow)
+
+    first = lax.slice(xv, (0,) * xv.ndim, (1,) * xv.ndim).reshape(())
+    return lax.cond(first == first, pool, pool, xv)
 
 
 def _max_pool_elementwise(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
@@ -689,8 +730,8 @@ def _max_pool_elementwise(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -
     and ``reduce_window``'s), then the first offset whose slice equals it (or
     is NaN where it is NaN). Eagerly the input is a materialised array, and
     XLA:CPU runs this form 2-4x faster than the reduction (0.6 against 2.3 ms
-    at [64, 16, 28, 28], RESULTS.md, issue 16); under ``jax.jit`` the reduction
-    stays, fused with its producers (batch norm, relu) into one pass."""
+    at [64, 16, 28, 28], RESULTS.md, issue 16); under ``jax.jit`` it runs on
+    an input materialised by a ``lax.cond`` (Note [Max pool under jit])."""
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
     neg = np.array(-np.inf, xv.dtype)
     xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
@@ -713,7 +754,9 @@ def _max_pool_reduce(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tup
     # the K*K strided window slices stacked on a new leading axis and reduced
     # over it: the CNN step of benchmarks/models.py takes 8% less CPU time than
     # with the reduction over the minor [.., K, .., K] axes of the window view;
-    # elementwise formulations lose there (RESULTS.md, issue 16)
+    # elementwise formulations inline lose there (RESULTS.md, issue 16). A jit
+    # trace takes the elementwise form behind a lax.cond instead (Note [Max
+    # pool under jit]); vmap, jvp, rf.lift and meshes keep this reduction
     neg = np.array(-np.inf, xv.dtype)
     xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
     win = jnp.stack(_window_slices(xp, k, s, oh, ow))  # [K*K, ..., C, OH, OW]

@@ -380,7 +380,7 @@ def test_max_pool_eager_form_equals_the_reduction(rng, k, stride, padding):
     """max_pool2d's eager (elementwise) forward gives the traced reduction's
     max and first argmax exactly: ties (relu zeros, repeated integers), NaN
     (it wins, the first one), -inf and signed zeros included."""
-    from rumus_fx.ops.conv import _max_pool_elementwise, _max_pool_reduce, _out_size
+    from rumus_fx.ops.conv import _max_pool_elementwise, _max_pool_materialised, _max_pool_reduce, _out_size
 
     x = np.maximum(np.round(rng.standard_normal((2, 3, 9, 8)) * 2), 0)
     x[0, 0, 1, 1] = x[0, 0, 2, 2] = np.nan
@@ -393,7 +393,19 @@ def test_max_pool_eager_form_equals_the_reduction(rng, k, stride, padding):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     assert got[1].dtype == want[1].dtype and got[0].dtype == want[0].dtype
+    # under jax.jit: the elementwise form behind a lax.cond (Note [Max pool under jit]),
+    # whichever branch the predicate picks (the first element NaN or not)
+    for first in (1.0, np.nan):
+        xf = x.at[0, 0, 0, 0].set(first)
+        want_f = jax.jit(_max_pool_reduce, static_argnums=(1, 2, 3, 4, 5))(xf, k, stride, padding, oh, ow)
+        got_f = jax.jit(_max_pool_materialised, static_argnums=(1, 2, 3, 4, 5))(xf, k, stride, padding, oh, ow)
+        for g_, w_ in zip(got_f, want_f):
+            np.testing.assert_array_equal(np.asarray(g_), np.asarray(w_))
+            assert g_.dtype == w_.dtype
     # eagerly max_pool2d takes the elementwise form, traced the reduction; same gradients
     g_eager = rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5))(x)
     g_jit = jax.jit(rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5)))(x)
     np.testing.assert_array_equal(np.asarray(g_eager), np.asarray(g_jit))
+    # vmap keeps the reduction (a batched predicate would fold the cond away)
+    g_vmap = jax.vmap(rf.grad(lambda x: rf.sum(rf.max_pool2d(x, k, stride, padding) * 1.5)))(x)
+    np.testing.assert_array_equal(np.asarray(g_eager), np.asarray(g_vmap))
