@@ -686,7 +686,7 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
     (vmap, jvp, rf.lift, a mesh) inline as one variadic reduction
     (``_max_pool_reduce``); eagerly one cached compiled call of the elementwise
     form (``_max_pool_elementwise``)."""
-    if isinstance(xv, _JitTracer) and not lifting() and not shd.on_mesh(xv):
+    if isinstance(xv, _JitTracer) and not lifting() and not shd.on_mesh(xv) and jax.default_backend() == "cpu":
         return _max_pool_materialised(xv, k, s, p, oh, ow)
     if isinstance(xv, jax.core.Tracer):
         return _max_pool_reduce(xv, k, s, p, oh, ow)
@@ -709,9 +709,11 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
 # hides the choice, and the result is the same whichever branch runs. In the
 # CNN step (benchmarks/models.py) this takes the step from 10.9 to 8.7 ms wall
 # and from 20.0 to 14.8 ms CPU (RESULTS.md, "The CNN's compiled step, second
-# pass"). Only for a jit trace: under vmap a batched predicate turns the cond
-# into a select of two equal branches, which XLA folds back to the unmaterialised
-# elementwise form.
+# pass"). Only on XLA:CPU (``jax.default_backend()``): a GPU runs a
+# conditional by reading its predicate on the host, a sync per pool, and its
+# fusions differ; not measured there. Only for a jit trace: under vmap a
+# batched predicate turns the cond into a select of two equal branches, which
+# XLA folds back to the unmaterialised elementwise form.
 
 
 def _max_pool_materialised(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
