@@ -1,8 +1,8 @@
 """Sharding (docs/SPEC.md section 10): every op family, the primitive rules of
 ``rf.lift``, the Pallas kernels and the models, inside ``jax.jit`` on 8 host CPU
 devices, on meshes with Explicit axes (``jax.make_mesh``'s default) and Auto
-axes, with and without ``jax.set_mesh`` (by default each case runs both axis
-types and cases alternate the ``set_mesh`` setting; ``-m slow`` runs all four);
+axes, with and without ``jax.set_mesh`` (by default each case runs one of the
+four settings, in turn from case to case; ``-m slow`` runs all four);
 data parallel, tensor parallel (2x4 ("data", "model")) and FSDP. Gradients equal
 the one-device ones and carry their arguments' shardings; no backward rule
 leaves a gradient for the engine to reshard. The checks live in
@@ -40,9 +40,8 @@ def test_sharded(groups):
 @pytest.mark.slow
 @pytest.mark.parametrize("groups", [("ops", "ops_tp", "lift", "lift_tp"), ("kernels", "models_dp", "models_tp")])
 def test_sharded_every_case_in_all_four_settings(groups):
-    """The default run gives each case Explicit and Auto axes and alternates
-    ``jax.set_mesh`` between cases (``combos`` in tests/_sharded_cases.py); this
-    runs every case in all four settings."""
+    """The default run gives each case one of the four settings, in turn
+    (``combos`` in tests/_sharded_cases.py); this runs every case in all four."""
     _run(groups, SHARDED_ALL_COMBOS="1")
 
 

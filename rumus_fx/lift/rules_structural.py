@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
 from ..ops._declare import distinct, normal, unary_samples
-from ..ops.linalg import computed_in_trace
+from ..ops.linalg import computed_in_trace, off_mesh
 from .rules import defrule, in_
 from .rules_elementwise import unbroadcast
 
@@ -158,7 +158,7 @@ def _weight_gradient_2d(g, x, ay, dims, y_sharding):
     (lc, rc), (lb, rb) = dims
     if lb or rb or x.ndim < 3 or len(ay.shape) != 2 or tuple(lc) != (x.ndim - 1,) or tuple(rc) != (0,):
         return None
-    if y_sharding is not None or not jax.sharding.get_abstract_mesh().empty or not computed_in_trace(x):
+    if y_sharding is not None or not off_mesh(x, g) or not computed_in_trace(x):
         return None
     k, n = ay.shape
     x2, g2 = x.reshape(-1, k), g.reshape(-1, n)

@@ -59,13 +59,20 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
     # one 2-D dot]): then they are merged first, a free reshape.
     if out_sharding is not None or kdispatch.backend() == "reference":
         pref = jnp.float32 if is_low_precision(out_dtype) else None
-        if merge_rows and out_sharding is None and a.ndim > 2 and jax.sharding.get_abstract_mesh().empty:
+        if merge_rows and out_sharding is None and a.ndim > 2 and off_mesh(a, g):
             a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
         lead = tuple(range(a.ndim - 1))
         dims = ((lead, lead), ((), ()))
         return lax.dot_general(a, g, dims, preferred_element_type=pref, out_sharding=out_sharding).astype(out_dtype)
     k, n = a.shape[-1], g.shape[-1]
     return kmm.matmul(a.reshape(-1, k).T, g.reshape(-1, n), out_dtype=out_dtype)
+
+
+def off_mesh(*xs: Any) -> bool:
+    """No mesh is set and none of ``xs`` is traced on one: Auto mesh axes
+    without ``jax.set_mesh`` are seen only in the values' types (Note [Weight
+    gradient as one 2-D dot])."""
+    return jax.sharding.get_abstract_mesh().empty and not any(shd.on_mesh(x) for x in xs)
 
 
 # Note [Weight gradient as one 2-D dot]
@@ -96,7 +103,10 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
 # So ``matmul`` notes whether it saved an ``x`` with an elementwise producer in
 # the trace (``merge_rows``, from the tracer's producing equation), and only
 # then are the rows merged. Under a mesh the leading axes are kept (see
-# ``_contract_rows``). ``rf.lift``'s ``dot_general`` rule does the same for a
+# ``_contract_rows``): a mesh set with ``jax.set_mesh``, or one the operands
+# are traced on (Auto axes without ``set_mesh``: the merged dot made XLA's
+# partitioner replicate a transformer block's qkv weight gradient that jax.grad and
+# the unmerged dot leave sharded like the weight). ``rf.lift``'s ``dot_general`` rule does the same for a
 # lifted ``x @ W`` (``lift/rules_structural._weight_gradient_2d``).
 
 
