@@ -218,7 +218,7 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 #
 # XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
 # slow for few input channels, where a dot with a short contraction is fast.
-# ``_conv_plan`` picks per product from (C_in, C_out, K, stride); its thresholds
+# ``_conv_plan`` picks per product from (C_in, C_out, K, stride, the im2col's size); its thresholds
 # come from the timed grid in ``benchmarks/conv_grid.py`` and, for the
 # few-channel layers, from the CNN step of ``benchmarks/models.py``: a product
 # timed alone misses what its layout costs the fusions XLA builds around it
@@ -229,7 +229,7 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 # and each gradient must keep its parameter's sharding (SPEC section 10).
 
 
-def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False) -> tuple[str, str, str]:
+def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False, cols: int = 0) -> tuple[str, str, str]:
     """The formulation of the forward product, dx and dw (Note [Convolution
     formulations]). From the grid: a 1x1 kernel is a plain dot for all three
     products at every channel count; for larger kernels the im2col dot wins the
@@ -247,20 +247,39 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False) -
     options]): there XLA's own convolution computes ``dw`` of a larger kernel
     in 0.3-0.6 of the time of YNNPACK's and of the per-sample dots at 1-64
     input channels, stride 1 and 2 (RESULTS.md, issue 16), so it takes
-    "conv"; the rest of the plan is the same."""
+    "conv"; the rest of the plan is the same.
+
+    ``cols``: the number of elements of the im2col (``B*C_in*K*K*OH*OW``).
+    Above ``_COLS_MAX`` (16 MiB of float32), at stride 1 and more than three
+    input channels, dw of a larger kernel takes the convolution: "bdot" then
+    loses to it. Timed under jax.jit as ``value_and_grad`` of
+    ``sum(tanh(conv2d(tanh(x))))`` (3x3, 32 output channels, padding 1;
+    RESULTS.md, "conv2d's plan and the im2col's size"): ``[64, 16, 28, 28]``
+    39.4-42.5 -> 30.5-32.1 ms, ``[64, 8, 56, 56]`` 130-131 -> 110-115 ms,
+    ``[16, 16, 56, 56]`` 39.3-40.9 -> 26.6 ms. Not taken, because the whole
+    step was slower though the product alone was faster: the convolution for
+    the forward product and dx at ``[64, 3, 56, 56]`` (63 -> 68 ms), and for dw
+    at stride 2 (``[64, 16, 56, 56]``, 54 -> 58 ms)."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
+    big = s == 1 and c_in > 3 and cols > _COLS_MAX
     if k == 1:
         dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
     elif cpu_eager:
         dw = "conv"
     else:
-        dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 else "conv"
+        dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 and not big else "conv"
     return ("dot" if small else "conv"), ("dot" if small else "conv"), dw
 
 
 _BDOT_MAX_C_1X1 = 32
 _BDOT_MAX_C_3X3 = 16
 _DOT_MAX_CKK = 27
+_COLS_MAX = 4 * 2**20  # elements of the im2col (Note [Convolution formulations])
+
+
+def _cols_size(b: int, c: int, h: int, w: int, k: int, s: int, p: int) -> int:
+    """Elements of the im2col of ``x:[b, c, h, w]`` for a ``k``x``k`` kernel."""
+    return b * c * k * k * ((h + 2 * p - k) // s + 1) * ((w + 2 * p - k) // s + 1)
 
 
 def _pref(dtype: Any) -> Any:
@@ -428,7 +447,8 @@ class Conv2dBackward(Record):
         _, c, h, w = self.input_shape
         o, _, k, _ = self.weight_shape
         sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding)) or shd.on_mesh(g)
-        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s, self.cpu_eager)
+        cols = _cols_size(self.input_shape[0], c, h, w, k, s, p)
+        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s, self.cpu_eager, cols)
         dx = dw = db = None
         if needs[0]:
             if plan_dx == "dot":

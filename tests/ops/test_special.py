@@ -304,6 +304,41 @@ def test_conv2d_samples_take_every_formulation():
         assert taken == [{"dot", "conv"}, {"dot", "conv"}, {"dot", "bdot", "conv"}], cpu_eager
 
 
+def test_conv2d_plan_takes_the_convolution_for_dw_over_a_large_im2col():
+    """Over 16 MiB of im2col, at stride 1 and more than three input channels,
+    a 3x3 kernel's dw is XLA's convolution (Note [Convolution formulations]);
+    below it, at stride 2 or with three channels or fewer it stays "bdot"."""
+    from rumus_fx.ops.conv import _COLS_MAX, _cols_size, _conv_plan
+
+    big = _cols_size(64, 16, 28, 28, 3, 1, 1)
+    assert big > _COLS_MAX >= _cols_size(64, 16, 14, 14, 3, 1, 1)
+    assert _conv_plan(16, 32, 3, 1, cols=big) == ("conv", "conv", "conv")
+    assert _conv_plan(16, 32, 3, 1, cols=_cols_size(64, 16, 14, 14, 3, 1, 1))[2] == "bdot"
+    assert _conv_plan(16, 32, 3, 2, cols=_cols_size(64, 16, 56, 56, 3, 2, 1))[2] == "bdot"
+    assert _conv_plan(3, 32, 3, 1, cols=_cols_size(64, 3, 56, 56, 3, 1, 1)) == ("dot", "dot", "bdot")
+    assert _conv_plan(16, 32, 1, 1, cols=_cols_size(64, 16, 56, 56, 1, 1, 0))[2] == "bdot"
+
+
+def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng):
+    """The backward rule passes the im2col's size of the input it saved: a large
+    input takes the convolution for dw, a small one "bdot", and both give
+    jax.grad's gradient of the weight."""
+    from rumus_fx.ops import conv as C
+
+    seen = []
+    monkeypatch.setattr(C, "conv_conv_dw", lambda *a, _f=C.conv_conv_dw: seen.append("conv") or _f(*a))
+    monkeypatch.setattr(C, "conv_dot_dw", lambda *a, _f=C.conv_dot_dw, **k: seen.append("bdot") or _f(*a, **k))
+    monkeypatch.setattr(C, "_COLS_MAX", 4 * 9 * 8 * 8 * 2 - 1)  # 2 samples of [4, 8, 8] are over
+    w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)) / 6, jnp.float32)
+    b = jnp.zeros(5, jnp.float32)
+    for n, want in ((1, "bdot"), (2, "conv")):
+        x = jnp.asarray(rng.standard_normal((n, 4, 8, 8)), jnp.float32)
+        seen.clear()
+        got = jax.jit(rf.grad(_conv_loss, argnums=1), static_argnums=3)(x, w, b, 1)
+        assert seen == [want]
+        np.testing.assert_allclose(got, jax.grad(_conv_loss_jax, argnums=1)(x, w, b, 1), rtol=1e-4, atol=1e-4)
+
+
 def _conv_loss(x, w, b, stride):
     return rf.sum(rf.tanh(rf.conv2d(x, w, b, stride, 1)))
 
