@@ -138,15 +138,15 @@ def operand(storage: Any) -> Any:
     or a concrete array -- or None when the op must run now (deferral off, a
     tracer, 0-d, a non-float or weakly typed dtype, several devices, a deleted
     array)."""
+    if not _ENABLED[0] or _config.jax_debug_nans or _config.jax_debug_infs:  # NaN/inf checks run at the op
+        return None
     b = storage._buffer
     if type(b) is Lazy:
         a = b.array
         if a is None:
-            return b if _ENABLED[0] and not (_config.jax_debug_nans or _config.jax_debug_infs) else None
+            return b
         storage._buffer = b = a
-    if not _ENABLED[0] or isinstance(b, _Tracer) or not isinstance(b, jax.Array):
-        return None
-    if _config.jax_debug_nans or _config.jax_debug_infs:  # checked at the op, as asked
+    if isinstance(b, _Tracer) or not isinstance(b, jax.Array):
         return None
     if b.weak_type or not b.shape or b.dtype not in _FLOATS or type(b.sharding) is not _SingleDevice:
         return None

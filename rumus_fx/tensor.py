@@ -149,7 +149,9 @@ class Tensor:
         storage = self._storage
         if layout is None:
             b = storage._buffer
-            if type(b) is Lazy:  # a deferred result (Note [Deferred elementwise ops] in lazy.py)
+            # the flush above computed every pending node, but a storage can still hold
+            # a computed node in place of its array: swap the array in
+            if type(b) is Lazy:  # (Note [Deferred elementwise ops] in lazy.py)
                 b = storage._buffer = lazy_value(b)
             return b
         cache = self._cache
