@@ -135,6 +135,16 @@ transpose = eager_jit(jnp.transpose, static_argnums=(1,))  # (x, axes: a tuple o
 _ones = jax.jit(jnp.ones, static_argnums=(0, 1))
 
 
+def _relayout(x: Any, before: tuple[int, ...], axes: tuple[int, ...], after: tuple[int, ...]) -> Any:
+    return jnp.reshape(jnp.transpose(jnp.reshape(x, before), axes), after)
+
+
+# a permuted view materialised (``storage.read_layout``): reshape, transpose and
+# reshape as one compiled call, one pass over the data -- as three calls, each
+# reshape was a copy of its own (XLA gives a program's output its own buffer)
+relayout = eager_jit(_relayout, static_argnums=(1, 2, 3))  # (x, before, axes, after)
+
+
 def ones_like_value(x: Any) -> Any:
     """``jnp.ones(x.shape, x.dtype)``, a new array every call (the seed of a
     backward pass: a gradient can be the seed itself and reach the user, who may

@@ -30,6 +30,7 @@ import numpy as np
 from . import eager, lazy
 from .errors import AutogradError
 from .sharding import reshape as sharded_reshape
+from .sharding import sharding_of
 
 try:  # the trace a storage was created in; used to refuse tracer leaks
     from jax.extend.core import get_opaque_trace_state as _get_opaque_trace_state
@@ -363,8 +364,11 @@ def read_layout(buffer: jax.Array, layout: Layout) -> jax.Array:
     perm = _permutation(layout, size)
     if perm is not None:
         dims, order = perm
-        x = sharded_reshape(buffer, [shape[d] for d in order])
+        before = tuple(shape[d] for d in order)
         axes = [order.index(d) for d in dims]
+        if axes != sorted(axes) and sharding_of(buffer) is None:
+            return eager.relayout(buffer, before, tuple(axes), shape)
+        x = sharded_reshape(buffer, before)
         if axes != sorted(axes):
             x = eager.transpose(x, tuple(axes))
         return sharded_reshape(x, shape)

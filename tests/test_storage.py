@@ -39,6 +39,23 @@ def test_permuted_layouts_read_and_write(shape):
         np.testing.assert_array_equal(written, base * 10 + 1)
 
 
+def test_permuted_view_reads_as_one_compiled_call(monkeypatch):
+    """Eagerly, a permuted view (the attention heads' ``[B, T, H, Dh] ->
+    [B, H, T, Dh]``) materialises as one compiled relayout call, not a reshape,
+    a transpose and a reshape (each reshape a copy of its own), and reads the
+    same values."""
+    import rumus_fx.eager as E
+
+    calls = []
+    monkeypatch.setattr(E, "relayout", lambda *a, _f=E.relayout: calls.append(a[1:]) or _f(*a))
+    monkeypatch.setattr(E, "reshape", lambda *a: pytest.fail(f"a separate reshape {a[1:]}"))
+    base = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 20)
+    t = rf.tensor(jnp.asarray(base)).reshape(2, 3, 4, 5).transpose(1, 2)
+    assert t.shape == (2, 4, 3, 5)
+    np.testing.assert_array_equal(np.asarray(t.value), base.reshape(2, 3, 4, 5).transpose(0, 2, 1, 3))
+    assert len(calls) == 1
+
+
 def test_general_strided_window_uses_gather():
     base = np.arange(24, dtype=np.float32)
     layout = Layout((3, 2), (5, 2), 1)  # not a permutation of the buffer
