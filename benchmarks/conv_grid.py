@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
             for s in STRIDES:
                 r = measure(c_in, k, s, options, rounds=1 if args.quick else 3)
                 cells = " | ".join(f"{td / ta:.2f} ({1e3 * ta:.2f})" for ta, td in r.values())
-                plan = ", ".join(C._conv_plan(c_in, c_out, k, s))
+                cols = C._cols_size(b, c_in, hw, hw, k, s, k // 2)
+                plan = ", ".join(C._conv_plan(c_in, c_out, k, s, cols=cols))
                 print(f"| {c_in} | {c_out} | {k} | {s} | {b}, {hw}x{hw} | {cells} | {plan} |", flush=True)
 
 

@@ -218,8 +218,9 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 #
 # XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
 # slow for few input channels, where a dot with a short contraction is fast.
-# ``_conv_plan`` picks per product from (C_in, C_out, K, stride, the im2col's size); its thresholds
-# come from the timed grid in ``benchmarks/conv_grid.py`` and, for the
+# ``_conv_plan`` picks per product from (C_in, C_out, K, stride, the im2col's
+# size); its thresholds come from the timed grid in ``benchmarks/conv_grid.py``,
+# from the same products timed over spatial sizes 14-56 and, for the
 # few-channel layers, from the CNN step of ``benchmarks/models.py``: a product
 # timed alone misses what its layout costs the fusions XLA builds around it
 # (RESULTS.md records both). Inputs on a multi-device mesh (Explicit or Auto

@@ -104,10 +104,11 @@ def off_mesh(*xs: Any) -> bool:
 # the trace (``merge_rows``, from the tracer's producing equation), and only
 # then are the rows merged. Under a mesh the leading axes are kept (see
 # ``_contract_rows``): a mesh set with ``jax.set_mesh``, or one the operands
-# are traced on (Auto axes without ``set_mesh``: the merged dot made XLA's
-# partitioner replicate a transformer block's qkv weight gradient that jax.grad and
-# the unmerged dot leave sharded like the weight). ``rf.lift``'s ``dot_general`` rule does the same for a
-# lifted ``x @ W`` (``lift/rules_structural._weight_gradient_2d``).
+# are traced on (Auto axes without ``set_mesh``: there the merged dot made
+# XLA's partitioner replicate a transformer block's qkv weight gradient,
+# which jax.grad and the unmerged dot leave sharded like the weight).
+# ``rf.lift``'s ``dot_general`` rule does the same for a lifted ``x @ W``
+# (``lift/rules_structural._weight_gradient_2d``).
 
 
 @frozen
