@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import eager, lazy
@@ -353,6 +352,20 @@ def _gather_index(layout: Layout) -> np.ndarray:
     return index
 
 
+def _permute(x: jax.Array, before: tuple[int, ...], axes: tuple[int, ...], after: tuple[int, ...]) -> jax.Array:
+    """``x`` reshaped to ``before``, its axes permuted by ``axes``, reshaped to
+    ``after``: eagerly one compiled call (``eager.relayout``; as separate calls
+    each reshape was a copy of its own); a sharded ``x`` step by step, each
+    reshape keeping the sharded axes sharded."""
+    moved = axes != tuple(sorted(axes))
+    if moved and sharding_of(x) is None:
+        return eager.relayout(x, before, axes, tuple(after))
+    x = sharded_reshape(x, before)
+    if moved:
+        x = eager.transpose(x, axes)
+    return sharded_reshape(x, after)
+
+
 def read_layout(buffer: jax.Array, layout: Layout) -> jax.Array:
     """Materialise a strided view of ``buffer`` (read as flat, row-major)."""
     shape = layout.shape
@@ -364,14 +377,7 @@ def read_layout(buffer: jax.Array, layout: Layout) -> jax.Array:
     perm = _permutation(layout, size)
     if perm is not None:
         dims, order = perm
-        before = tuple(shape[d] for d in order)
-        axes = [order.index(d) for d in dims]
-        if axes != sorted(axes) and sharding_of(buffer) is None:
-            return eager.relayout(buffer, before, tuple(axes), shape)
-        x = sharded_reshape(buffer, before)
-        if axes != sorted(axes):
-            x = eager.transpose(x, tuple(axes))
-        return sharded_reshape(x, shape)
+        return _permute(buffer, tuple(shape[d] for d in order), tuple(order.index(d) for d in dims), shape)
     # a general strided window (never produced by rumus_fx's own views)
     return buffer.reshape(-1)[_gather_index(layout)]
 
@@ -386,10 +392,7 @@ def write_layout(buffer: jax.Array, layout: Layout, value: jax.Array) -> jax.Arr
     perm = _permutation(layout, size)
     if perm is not None:
         dims, order = perm
-        x = sharded_reshape(value, [layout.shape[d] for d in dims])
-        axes = [dims.index(d) for d in order]
-        if axes != sorted(axes):
-            x = jnp.transpose(x, axes)
-        return sharded_reshape(x, base_shape)
+        before = tuple(layout.shape[d] for d in dims)
+        return _permute(value, before, tuple(dims.index(d) for d in order), base_shape)
     flat = buffer.reshape(-1).at[_gather_index(layout).reshape(-1)].set(value.reshape(-1))
     return flat.reshape(base_shape)

@@ -54,6 +54,11 @@ def test_permuted_view_reads_as_one_compiled_call(monkeypatch):
     assert t.shape == (2, 4, 3, 5)
     np.testing.assert_array_equal(np.asarray(t.value), base.reshape(2, 3, 4, 5).transpose(0, 2, 1, 3))
     assert len(calls) == 1
+    # writing through the view is the same one call, inverted
+    new = np.asarray(t.value) * 10 + 1
+    written = write_layout(jnp.asarray(base), t.layout, jnp.asarray(new))
+    np.testing.assert_array_equal(np.asarray(written), base * 10 + 1)
+    assert len(calls) == 2
 
 
 def test_general_strided_window_uses_gather():
