@@ -215,6 +215,14 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
 #   dot's transpose followed by col2im (K*K placements, see ``_col2im``).
 # * "bdot" (dw only): the same im2col, one product per sample contracting the
 #   positions, summed over the batch.
+# * "gemm" (y and dw, under a trace): the im2col laid out channel-major,
+#   ``[C*K*K, B*OH*OW]`` (x's batch and channel axes swapped first, a move of
+#   whole image rows), so y is one plain matrix product ``[O, C*K*K] x
+#   [C*K*K, B*OH*OW]`` and dw another (dy's batch and channel axes swapped the
+#   same way, contracting batch and positions together): two large products
+#   where "bdot" makes B small ones and the convolution runs at about 0.4 of
+#   the matmul rate. Under ``jax.jit`` the forward's im2col and dw's are the
+#   same expression of the saved x, which XLA computes once.
 #
 # XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
 # slow for few input channels, where a dot with a short contraction is fast.
@@ -260,9 +268,22 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False, c
     ``[16, 16, 56, 56]`` 39.3-40.9 -> 26.6 ms. Not taken, because the whole
     step was slower though the product alone was faster: the convolution for
     the forward product and dx at ``[64, 3, 56, 56]`` (63 -> 68 ms), and for dw
-    at stride 2 (``[64, 16, 56, 56]``, 54 -> 58 ms)."""
+    at stride 2 (``[64, 16, 56, 56]``, 54 -> 58 ms).
+
+    "gemm" for y and dw (dx stays the convolution) of a 3x3 kernel at stride
+    1 with 4-64 input channels and an im2col of at most ``_GEMM_COLS_MAX``
+    elements (8 MiB of float32), under a trace only (``cpu_eager`` keeps the
+    plan above: eagerly the forward and dw are separate programs and share no
+    im2col). Timed under jax.jit as ``value_and_grad`` of
+    ``sum(tanh(conv2d(tanh(x))))`` (RESULTS.md, "conv2d's channel-major
+    im2col"), gemm / the plan before: 0.75-0.96 at 17 shapes from
+    ``[64, 4, 14, 14] -> 8`` to ``[16, 64, 14, 14] -> 64``; not taken where
+    it lost: stride 2 (0.90-1.14), 128 input channels (1.10), an im2col of
+    3.4M elements at 8 channels (1.05) and 6.9M (2.07)."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
     big = s == 1 and c_in > 3 and cols > _COLS_MAX
+    if not cpu_eager and k == 3 and s == 1 and 3 < c_in <= _GEMM_MAX_C and 0 < cols <= _GEMM_COLS_MAX:
+        return "gemm", "conv", "gemm"
     if k == 1:
         dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
     elif cpu_eager:
@@ -276,6 +297,8 @@ _BDOT_MAX_C_1X1 = 32
 _BDOT_MAX_C_3X3 = 16
 _DOT_MAX_CKK = 27
 _COLS_MAX = 4 * 2**20  # elements of the im2col (Note [Convolution formulations])
+_GEMM_MAX_C = 64
+_GEMM_COLS_MAX = 2 * 2**20
 
 
 def _cols_size(b: int, c: int, h: int, w: int, k: int, s: int, p: int) -> int:
@@ -372,6 +395,46 @@ def conv_dot_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: 
     return _col2im(lambda j: d[:, :, j], k, s, p, h, w).astype(out_dtype)
 
 
+def _cols_channel_major(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
+    """im2col of ``x:[B, C, H, W]`` as ``[C*K*K, B*OH*OW]``: row ``c*K*K + kh*K +
+    kw``, column ``b*OH*OW + oh*OW + ow`` (the "gemm" formulation's operand)."""
+    b, c = xv.shape[:2]
+    xt = jnp.transpose(xv, (1, 0, 2, 3))  # [C, B, H, W]: whole rows of W move
+    xp = jnp.pad(xt, [(0, 0), (0, 0), (p, p), (p, p)]) if p else xt
+    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=1)  # [C, K*K, B, OH, OW]
+    return cols.reshape(c * k * k, b * oh * ow)
+
+
+def _channel_major(g: Array) -> Array:
+    """``g:[B, O, OH, OW]`` as ``[O, B*OH*OW]``."""
+    b, o, oh, ow = g.shape
+    return jnp.transpose(g, (1, 0, 2, 3)).reshape(o, b * oh * ow)
+
+
+def conv_gemm_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
+    """``conv2d(x, w)`` as one matrix product ``[O, C*K*K] x [C*K*K, B*OH*OW]``
+    over the channel-major im2col (the "gemm" formulation), the result's
+    batch and channel axes swapped back."""
+    b, c, h, w = xv.shape
+    o, _, k, _ = wv.shape
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    cols = _cols_channel_major(xv, k, s, p, oh, ow)
+    yt = lax.dot_general(
+        wv.reshape(o, c * k * k), cols, (((1,), (0,)), ((), ())), preferred_element_type=_pref(out_dtype)
+    )
+    return jnp.transpose(yt.reshape(o, b, oh, ow), (1, 0, 2, 3)).astype(out_dtype)
+
+
+def conv_gemm_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
+    """``dw`` as one matrix product ``[O, B*OH*OW] x [C*K*K, B*OH*OW]^T``
+    contracting batch and positions together (the "gemm" formulation)."""
+    b, o, oh, ow = g.shape
+    c = xv.shape[1]
+    cols = _cols_channel_major(xv, k, s, p, oh, ow)
+    dw = lax.dot_general(_channel_major(g), cols, (((1,), (1,)), ((), ())), preferred_element_type=_pref(out_dtype))
+    return dw.reshape(o, c, k, k).astype(out_dtype)
+
+
 def conv_conv_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any, out_sharding: Any = None) -> Array:
     return _conv(
         xv, wv, out_dtype, out_sharding, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW
@@ -457,7 +520,9 @@ class Conv2dBackward(Record):
             else:
                 dx = conv_conv_dx(self.weight, g, h, w, s, p, self.input_dtype, self.input_sharding)
         if needs[1]:
-            if plan_dw in ("dot", "bdot"):
+            if plan_dw == "gemm":
+                dw = conv_gemm_dw(self.input, g, k, s, p, self.weight_dtype)
+            elif plan_dw in ("dot", "bdot"):
                 dw = conv_dot_dw(self.input, g, k, s, p, self.weight_dtype, per_sample=plan_dw == "bdot")
             else:
                 dw = conv_conv_dw(self.input, g, k, s, p, self.weight_dtype, self.weight_sharding)
@@ -471,16 +536,22 @@ def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int, opti
     ``eager_jit``, or, with ``options`` (``eager.cpu_options``: concrete arrays
     on one CPU device), one cached compiled call with those XLA options."""
     if options is None:
-        return _conv2d_forward_eager(xv, wv, bv, s, p)
-    return compiled(_conv2d_forward_impl, (3, 4), compiler_options=options)(xv, wv, bv, s, p)
+        return _conv2d_forward_eager(xv, wv, bv, s, p, False)
+    return compiled(_conv2d_forward_impl, (3, 4, 5), compiler_options=options)(xv, wv, bv, s, p, True)
 
 
-def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int) -> Array:
+def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int, cpu_eager: bool) -> Array:
     out_dtype = jnp.result_type(xv, wv)
     out_sharding = _conv_out_sharding(xv, wv)
     o, c, k, _ = wv.shape
-    if out_sharding is None and _conv_plan(c, o, k, s)[0] == "dot" and not shd.on_mesh(xv):
+    b, _, h, w = xv.shape
+    plan = "conv"
+    if out_sharding is None and not shd.on_mesh(xv):
+        plan = _conv_plan(c, o, k, s, cpu_eager, _cols_size(b, c, h, w, k, s, p))[0]
+    if plan == "dot":
         y = conv_dot_forward(xv, wv, s, p, out_dtype)
+    elif plan == "gemm":
+        y = conv_gemm_forward(xv, wv, s, p, out_dtype)
     else:
         y = conv_conv_forward(xv, wv, s, p, out_dtype, out_sharding)
     if bv is not None:
@@ -488,7 +559,7 @@ def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int)
     return y
 
 
-_conv2d_forward_eager = eager_jit(_conv2d_forward_impl, static_argnums=(3, 4))
+_conv2d_forward_eager = eager_jit(_conv2d_forward_impl, static_argnums=(3, 4, 5))
 
 
 def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0) -> Array:
@@ -510,8 +581,10 @@ def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0)
             (normal(r, 2, 4, 5, 5), normal(r, 3, 4, 1, 1), normal(r, 3), 2, 0), diff=(0, 1, 2)
         ),  # 1x1: y/dx dot, dw bdot
         Sample((normal(r, 1, 33, 3, 3), normal(r, 2, 33, 1, 1)), diff=(0, 1)),  # wide 1x1: dw dot
-        Sample((normal(r, 1, 8, 5, 5), normal(r, 2, 8, 3, 3), None, 1, 1), diff=(0, 1)),  # y/dx conv, dw bdot
-        Sample((normal(r, 1, 17, 4, 4), normal(r, 2, 17, 3, 3), None, 1, 1), diff=(0, 1)),  # all three conv
+        Sample((normal(r, 1, 8, 5, 5), normal(r, 2, 8, 3, 3), None, 2, 1), diff=(0, 1)),  # y/dx conv, dw bdot
+        Sample((normal(r, 1, 17, 4, 4), normal(r, 2, 17, 3, 3), None, 2, 1), diff=(0, 1)),  # all three conv
+        # jit: y/dw gemm, dx conv; eagerly all three conv
+        Sample((normal(r, 2, 5, 5, 4), normal(r, 3, 5, 3, 3), normal(r, 3), 1, 1), diff=(0, 1, 2)),
     ],
     errors=lambda: [
         BadInput("channels differ", (F(2, 3, 6, 6), F(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),

@@ -292,50 +292,80 @@ def test_conv2d_samples_take_every_formulation():
     in rumus_fx/ops/conv.py); the op table checks gradients only of what its
     samples take, so between them they take every one for y, dx and dw."""
     from rumus_fx.autograd.registry import lookup
-    from rumus_fx.ops.conv import _conv_plan
+    from rumus_fx.ops.conv import _conv_plan, _cols_size
 
+    want = {
+        False: [{"dot", "gemm", "conv"}, {"dot", "conv"}, {"dot", "bdot", "gemm", "conv"}],
+        True: [{"dot", "conv"}, {"dot", "conv"}, {"dot", "bdot", "conv"}],
+    }
     for cpu_eager in (False, True):  # the jit plan and the eager one (Note [Eager compiler options])
         taken = [set(), set(), set()]
         for sample in lookup("op", "conv2d").samples(np.random.default_rng(0)):
             x, w = sample.args[:2]
             stride = sample.args[3] if len(sample.args) > 3 else 1
-            for k, plan in enumerate(_conv_plan(x.shape[1], w.shape[0], w.shape[2], stride, cpu_eager)):
+            pad = sample.args[4] if len(sample.args) > 4 else 0
+            cols = _cols_size(x.shape[0], x.shape[1], x.shape[2], x.shape[3], w.shape[2], stride, pad)
+            for k, plan in enumerate(_conv_plan(x.shape[1], w.shape[0], w.shape[2], stride, cpu_eager, cols)):
                 taken[k].add(plan)
-        assert taken == [{"dot", "conv"}, {"dot", "conv"}, {"dot", "bdot", "conv"}], cpu_eager
+        assert taken == want[cpu_eager], cpu_eager
 
 
 def test_conv2d_plan_takes_the_convolution_for_dw_over_a_large_im2col():
     """Over 16 MiB of im2col, at stride 1 and more than three input channels,
     a 3x3 kernel's dw is XLA's convolution (Note [Convolution formulations]);
     below it, at stride 2 or with three channels or fewer it stays "bdot"."""
-    from rumus_fx.ops.conv import _COLS_MAX, _cols_size, _conv_plan
+    from rumus_fx.ops.conv import _COLS_MAX, _GEMM_COLS_MAX, _cols_size, _conv_plan
 
     big = _cols_size(64, 16, 28, 28, 3, 1, 1)
-    assert big > _COLS_MAX >= _cols_size(64, 16, 14, 14, 3, 1, 1)
+    assert big > _COLS_MAX >= _cols_size(64, 16, 20, 20, 3, 1, 1) > _GEMM_COLS_MAX
     assert _conv_plan(16, 32, 3, 1, cols=big) == ("conv", "conv", "conv")
-    assert _conv_plan(16, 32, 3, 1, cols=_cols_size(64, 16, 14, 14, 3, 1, 1))[2] == "bdot"
+    assert _conv_plan(16, 32, 3, 1, cols=_cols_size(64, 16, 20, 20, 3, 1, 1))[2] == "bdot"
     assert _conv_plan(16, 32, 3, 2, cols=_cols_size(64, 16, 56, 56, 3, 2, 1))[2] == "bdot"
     assert _conv_plan(3, 32, 3, 1, cols=_cols_size(64, 3, 56, 56, 3, 1, 1)) == ("dot", "dot", "bdot")
     assert _conv_plan(16, 32, 1, 1, cols=_cols_size(64, 16, 56, 56, 1, 1, 0))[2] == "bdot"
 
 
+def test_conv2d_plan_takes_gemm_for_y_and_dw_in_its_region():
+    """Under a trace, a 3x3 kernel at stride 1 with 4-64 input channels and an
+    im2col of at most 8 MiB takes the channel-major "gemm" for y and dw (dx
+    stays the convolution); at its edges and eagerly the plan is as before
+    (Note [Convolution formulations])."""
+    from rumus_fx.ops.conv import _GEMM_COLS_MAX, _cols_size, _conv_plan
+
+    cnn_layer = _cols_size(64, 16, 14, 14, 3, 1, 1)  # the benchmark CNN's second layer
+    assert cnn_layer <= _GEMM_COLS_MAX
+    for c_in in (4, 16, 64):
+        assert _conv_plan(c_in, 32, 3, 1, cols=cnn_layer) == ("gemm", "conv", "gemm")
+    assert _conv_plan(16, 32, 3, 1, cols=_GEMM_COLS_MAX) == ("gemm", "conv", "gemm")
+    assert _conv_plan(16, 32, 3, 1, cols=_GEMM_COLS_MAX + 1)[0] == "conv"
+    assert _conv_plan(3, 32, 3, 1, cols=cnn_layer) == ("dot", "dot", "bdot")
+    assert _conv_plan(65, 32, 3, 1, cols=cnn_layer) == ("conv", "conv", "conv")
+    assert _conv_plan(16, 32, 3, 2, cols=cnn_layer) == ("conv", "conv", "bdot")
+    assert _conv_plan(16, 32, 5, 1, cols=cnn_layer)[0] == "conv"
+    assert _conv_plan(16, 32, 3, 1, True, cnn_layer) == ("conv", "conv", "conv")
+
+
 def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng):
-    """The backward rule passes the im2col's size of the input it saved: a large
-    input takes the convolution for dw, a small one "bdot", and both give
-    jax.grad's gradient of the weight."""
+    """The forward and the backward rule pass the im2col's size of the input:
+    a large input takes the convolution for y and dw, a small one "gemm", and
+    both give jax.grad's gradient of the weight."""
     from rumus_fx.ops import conv as C
 
     seen = []
     monkeypatch.setattr(C, "conv_conv_dw", lambda *a, _f=C.conv_conv_dw: seen.append("conv") or _f(*a))
-    monkeypatch.setattr(C, "conv_dot_dw", lambda *a, _f=C.conv_dot_dw, **k: seen.append("bdot") or _f(*a, **k))
-    monkeypatch.setattr(C, "_COLS_MAX", 4 * 9 * 8 * 8 * 2 - 1)  # 2 samples of [4, 8, 8] are over
+    monkeypatch.setattr(C, "conv_gemm_dw", lambda *a, _f=C.conv_gemm_dw: seen.append("gemm") or _f(*a))
+    monkeypatch.setattr(C, "conv_conv_forward", lambda *a, _f=C.conv_conv_forward: seen.append("y conv") or _f(*a))
+    monkeypatch.setattr(C, "conv_gemm_forward", lambda *a, _f=C.conv_gemm_forward: seen.append("y gemm") or _f(*a))
+    limit = 4 * 9 * 8 * 8 * 2 - 1  # 2 samples of [4, 8, 8] are over
+    monkeypatch.setattr(C, "_COLS_MAX", limit)
+    monkeypatch.setattr(C, "_GEMM_COLS_MAX", limit)
     w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)) / 6, jnp.float32)
     b = jnp.zeros(5, jnp.float32)
-    for n, want in ((1, "bdot"), (2, "conv")):
+    for n, want in ((1, "gemm"), (2, "conv")):
         x = jnp.asarray(rng.standard_normal((n, 4, 8, 8)), jnp.float32)
         seen.clear()
         got = jax.jit(rf.grad(_conv_loss, argnums=1), static_argnums=3)(x, w, b, 1)
-        assert seen == [want]
+        assert seen == ["y " + want, want]
         np.testing.assert_allclose(got, jax.grad(_conv_loss_jax, argnums=1)(x, w, b, 1), rtol=1e-4, atol=1e-4)
 
 
