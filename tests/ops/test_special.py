@@ -292,7 +292,7 @@ def test_conv2d_samples_take_every_formulation():
     in rumus_fx/ops/conv.py); the op table checks gradients only of what its
     samples take, so between them they take every one for y, dx and dw."""
     from rumus_fx.autograd.registry import lookup
-    from rumus_fx.ops.conv import _conv_plan, _cols_size
+    from rumus_fx.ops.conv import _cols_size, _conv_plan
 
     want = {
         False: [{"dot", "gemm", "conv"}, {"dot", "conv"}, {"dot", "bdot", "gemm", "conv"}],
