@@ -8,13 +8,15 @@ faster or smaller): the jit-compiled step (median of interleaved runs), trace +
 compile time, the eager (un-jitted) step, and the compiled program's temporary
 memory (``compiled.memory_analysis()``). A second table puts each step against
 the machine: FLOPs per step from XLA's cost analysis of rf's compiled program, the
-matmul rate this machine reaches (a 2048^3 float32 matmul), the resulting bound
-and the fraction of it rf's jit step achieves, rf's jit step compiled with
-``rf.CPU_COMPILER_OPTIONS``, and -- with torch installed (the ``bench`` extra) --
-the PyTorch eager step and the ratios rf / PyTorch. Last, the per-op cost of a
-200-op chain of tiny ops, forward (recording) and forward + backward, eager.
-PyTorch is timed in blocks of its own, after the XLA programs, never interleaved
-call by call with them (its OpenMP threads keep spinning after each call).
+matmul rate this machine reaches (the fastest block of a 2048^3 float32 matmul),
+the resulting bound and the fraction of it rf's jit step achieves, rf's jit step
+compiled with ``rf.CPU_COMPILER_OPTIONS``, and -- with torch installed (the
+``bench`` extra) -- the PyTorch eager step and the ratios rf / PyTorch. Last, the
+per-op cost of a 200-op chain of tiny ops, forward (recording) and forward +
+backward, eager. PyTorch is timed in blocks of its own, never interleaved call by
+call with XLA programs (its OpenMP threads keep spinning after each call); its
+blocks take turns with blocks of rf's jit step and of rf's eager step, and the
+rf / PyTorch ratios (and the rf eager ms beside them) come from those blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from rumus_fx.autograd import whole_tape
 from .models import CHAIN_OPS, MODELS, Model, chain_rf, chain_torch
 
 EAGER_WARMUP = 2 + 2 * whole_tape.TIMED  # eager calls before timing: the whole-tape choice is made by then
+TORCH_BLOCKS = 3  # alternating blocks of rf jit, rf eager and PyTorch (measure)
 
 
 def torch_available() -> bool:
@@ -83,12 +86,33 @@ def _compile_time(fun: Callable, args: tuple) -> tuple[float, Any]:
     return time.perf_counter() - t0, compiled
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """The float32 matmul rate (GFLOP/s) of this machine under XLA: the bound's rate."""
+def _blocks(fns: list[Callable[[], Any]], blocks: int, per_block: int, settle: list[Any] | None = None) -> list[list[float]]:
+    """Seconds of each call of each fn, timed in blocks of its own
+    (``per_block`` consecutive calls after one untimed call), the blocks taking
+    turns (A B C A B C ...) so that drift on a shared machine hits all;
+    ``settle[i]``, when given, runs after each of fn i's blocks."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(blocks):
+        for i, f in enumerate(fns):
+            _block(f())
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                _block(f())
+                times[i].append(time.perf_counter() - t0)
+            if settle is not None and settle[i] is not None:
+                settle[i]()
+    return times
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5, blocks: int = 3) -> float:
+    """The float32 matmul rate (GFLOP/s) of this machine under XLA, the bound's
+    rate: the fastest of ``blocks`` blocks of ``repeats`` calls, since a
+    median on a shared machine reads the neighbours' load into the bound (one
+    run's median read 103 GFLOP/s where the machine reaches 190-200)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jax.numpy.float32)
     f = jax.jit(lambda a: a @ a).lower(a).compile()
-    (t,) = _interleaved([lambda: f(a)], repeats, warmup=1)
-    return 2 * n**3 / t / 1e9
+    (t,) = _blocks([lambda: f(a)], blocks, repeats)
+    return 2 * n**3 / min(t) / 1e9
 
 
 def cost_flops(compiled: Any) -> float | None:
@@ -179,11 +203,22 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5, with_torch:
 
         torch.set_num_threads(max(1, torch.get_num_threads()))
         step = model.torch_step()
-        (t_torch,) = _interleaved([step], max(repeats // 2, eager_repeats), warmup=2)
-        _torch_settle()
+        # rf's jit and eager steps and PyTorch's, each in blocks of its own, taking
+        # turns: interleaved call by call, PyTorch's spinning OpenMP threads slow
+        # XLA's, and jax.grad's eager step (thousands of dispatches) slows the rf
+        # eager step that follows it by 5-12% (RESULTS.md)
+        blocks = _blocks(
+            [lambda: jit_rf(*args), lambda: vg_rf(*args), step],
+            TORCH_BLOCKS,
+            max(repeats // 4, eager_repeats),
+            settle=[None, None, _torch_settle],
+        )
+        t_jit_b, t_eager_b, t_torch = (statistics.median(t) for t in blocks)
         row["torch_ms"] = 1e3 * t_torch
-        row["torch_ratio"] = t_eager_rf / t_torch
-        row["torch_jit_ratio"] = t_jit_rf / t_torch
+        row["jit_rf_block_ms"] = 1e3 * t_jit_b
+        row["eager_rf_block_ms"] = 1e3 * t_eager_b
+        row["torch_ratio"] = t_eager_b / t_torch
+        row["torch_jit_ratio"] = t_jit_b / t_torch
     gc.collect()
     return row
 
@@ -198,7 +233,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         torch_col = (
             "n/a (torch not installed)"
             if r["torch_ratio"] is None
-            else (f"{r['torch_ratio']:.2f} ({r['eager_rf_ms']:.1f} / {r['torch_ms']:.1f} ms)")
+            else (f"{r['torch_ratio']:.2f} ({r.get('eager_rf_block_ms', r['eager_rf_ms']):.1f} / {r['torch_ms']:.1f} ms)")
         )
         lines.append(
             f"| {r['model']} | {r['jit_ratio']:.2f} ({r['jit_rf_ms']:.2f} / {r['jit_jax_ms']:.2f} ms) "
@@ -221,6 +256,7 @@ def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str 
         bound = None if not fl else 1e3 * fl / (gflops * 1e9)
         frac = "" if bound is None else f" ({bound / r['jit_rf_ms']:.2f})"
         opt = "n/a" if r.get("jit_opt_ms") is None else f"{r['jit_opt_ms']:.2f}"
+        eager_ms = r.get("eager_rf_block_ms", r["eager_rf_ms"])  # the figure PyTorch's is set against
         if r.get("torch_ms") is None:
             t_ms = t_jit = t_eager = no_torch
         else:
@@ -230,7 +266,7 @@ def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str 
         lines.append(
             f"| {r['model']} | {'n/a' if not fl else f'{fl / 1e9:.2f}'} | {'n/a' if bound is None else f'{bound:.2f}'} "
             f"| {r['jit_rf_ms']:.2f}{frac} | {opt} | {r['jit_jax_ms']:.2f} | {t_ms} | {t_jit} "
-            f"| {r['eager_rf_ms']:.1f} | {t_eager} |"
+            f"| {eager_ms:.1f} | {t_eager} |"
         )
     return "\n".join(lines)
 

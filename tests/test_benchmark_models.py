@@ -101,6 +101,28 @@ def test_speed_table_prints_the_rf_columns_without_torch():
     assert "| 4.00 | 0.50 | 6.0 | 1.50 |" in with_torch
 
 
+def test_speed_table_sets_the_block_eager_step_against_pytorch():
+    """With PyTorch measured, the eager ms beside its ratio is the block-timed one."""
+    from benchmarks.compare import format_speed_table, format_table
+
+    row = {**_ROW, "torch_ms": 4.0, "torch_ratio": 1.25, "torch_jit_ratio": 0.5, "eager_rf_block_ms": 5.0}
+    assert "| 4.00 | 0.50 | 5.0 | 1.25 |" in format_speed_table([row], 100.0)
+    full = {**row, "jit_ratio": 0.5, "compile_ratio": 1.0, "eager_ratio": 1.0, "eager_jax_ms": 6.0}
+    full.update(mem_ratio=1.0, mem_rf=2**20, mem_jax=2**20)
+    assert "| 1.25 (5.0 / 4.0 ms) |" in format_table([full])
+
+
+def test_blocks_take_turns_and_settle():
+    """Each fn runs in blocks of its own (one untimed call, then the timed
+    ones), the blocks taking turns, each settle after its fn's block."""
+    from benchmarks.compare import _blocks
+
+    log = []
+    times = _blocks([lambda: log.append("a"), lambda: log.append("b")], 2, 3, settle=[None, lambda: log.append("s")])
+    assert "".join(log) == "aaaabbbbsaaaabbbbs"
+    assert [len(t) for t in times] == [6, 6] and all(x >= 0 for t in times for x in t)
+
+
 def test_cost_analysis_counts_flops():
     from benchmarks.compare import cost_flops
 
