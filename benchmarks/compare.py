@@ -39,7 +39,7 @@ from rumus_fx.autograd import whole_tape
 from .models import CHAIN_OPS, MODELS, Model, chain_rf, chain_torch
 
 EAGER_WARMUP = 2 + 2 * whole_tape.TIMED  # eager calls before timing: the whole-tape choice is made by then
-TORCH_BLOCKS = 3  # alternating blocks of rf jit, rf eager and PyTorch (measure)
+STEP_BLOCKS = 3  # alternating blocks of rf jit, rf eager and PyTorch (measure)
 
 
 def torch_available() -> bool:
@@ -198,27 +198,29 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5, with_torch:
     }
     if with_torch is None:
         with_torch = torch_available()
+    # the speed table's steps: rf's jit and eager steps (and PyTorch's, where
+    # installed), each in blocks of its own, taking turns. Interleaved call by
+    # call, PyTorch's spinning OpenMP threads slow XLA's programs, and jax.grad's
+    # steps (its eager one thousands of dispatches, its CNN 40 MiB of
+    # temporaries) slow the rf step that follows them: rf's eager CNN step read
+    # 14.9 ms interleaved against 12.0 ms in its own blocks (RESULTS.md)
+    fns: list[Callable[[], Any]] = [lambda: jit_rf(*args), lambda: vg_rf(*args)]
+    settle: list[Any] = [None, None]
     if model.torch_step is not None and with_torch:
         import torch
 
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        step = model.torch_step()
-        # rf's jit and eager steps and PyTorch's, each in blocks of its own, taking
-        # turns: interleaved call by call, PyTorch's spinning OpenMP threads slow
-        # XLA's, and jax.grad's eager step (thousands of dispatches) slows the rf
-        # eager step that follows it by 5-12% (RESULTS.md)
-        blocks = _blocks(
-            [lambda: jit_rf(*args), lambda: vg_rf(*args), step],
-            TORCH_BLOCKS,
-            max(repeats // 4, eager_repeats),
-            settle=[None, None, _torch_settle],
-        )
-        t_jit_b, t_eager_b, t_torch = (statistics.median(t) for t in blocks)
-        row["torch_ms"] = 1e3 * t_torch
-        row["jit_rf_block_ms"] = 1e3 * t_jit_b
-        row["eager_rf_block_ms"] = 1e3 * t_eager_b
-        row["torch_ratio"] = t_eager_b / t_torch
-        row["torch_jit_ratio"] = t_jit_b / t_torch
+        fns.append(model.torch_step())
+        settle.append(_torch_settle)
+    t_jit_b, t_eager_b, *t_torch = (
+        statistics.median(t) for t in _blocks(fns, STEP_BLOCKS, max(repeats // 4, eager_repeats), settle)
+    )
+    row["jit_rf_block_ms"] = 1e3 * t_jit_b
+    row["eager_rf_block_ms"] = 1e3 * t_eager_b
+    if t_torch:
+        row["torch_ms"] = 1e3 * t_torch[0]
+        row["torch_ratio"] = t_eager_b / t_torch[0]
+        row["torch_jit_ratio"] = t_jit_b / t_torch[0]
     gc.collect()
     return row
 
@@ -245,7 +247,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str = "n/a (torch not installed)") -> str:
     """Steps against the machine's matmul rate and against PyTorch eager (ms per
-    step); ``no_torch`` fills the PyTorch cells of rows measured without it."""
+    step; rf's jit and eager steps and PyTorch's from their own alternating
+    blocks, the jax.grad and compile-option columns from the interleaved runs);
+    ``no_torch`` fills the PyTorch cells of rows measured without it."""
     head = (
         "| model | GFLOP/step | bound ms | rf jit ms (bound fraction) | rf jit + CPU_COMPILER_OPTIONS "
         "| jax.grad jit | PyTorch eager | rf jit / PyTorch | rf eager ms | rf eager / PyTorch |"
@@ -254,9 +258,10 @@ def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str 
     for r in rows:
         fl = r.get("flops")
         bound = None if not fl else 1e3 * fl / (gflops * 1e9)
-        frac = "" if bound is None else f" ({bound / r['jit_rf_ms']:.2f})"
+        jit_ms = r.get("jit_rf_block_ms", r["jit_rf_ms"])  # rf's steps in blocks of their own (measure)
+        frac = "" if bound is None else f" ({bound / jit_ms:.2f})"
         opt = "n/a" if r.get("jit_opt_ms") is None else f"{r['jit_opt_ms']:.2f}"
-        eager_ms = r.get("eager_rf_block_ms", r["eager_rf_ms"])  # the figure PyTorch's is set against
+        eager_ms = r.get("eager_rf_block_ms", r["eager_rf_ms"])
         if r.get("torch_ms") is None:
             t_ms = t_jit = t_eager = no_torch
         else:
@@ -265,7 +270,7 @@ def format_speed_table(rows: list[dict[str, Any]], gflops: float, no_torch: str 
             t_eager = f"{r['torch_ratio']:.2f}"
         lines.append(
             f"| {r['model']} | {'n/a' if not fl else f'{fl / 1e9:.2f}'} | {'n/a' if bound is None else f'{bound:.2f}'} "
-            f"| {r['jit_rf_ms']:.2f}{frac} | {opt} | {r['jit_jax_ms']:.2f} | {t_ms} | {t_jit} "
+            f"| {jit_ms:.2f}{frac} | {opt} | {r['jit_jax_ms']:.2f} | {t_ms} | {t_jit} "
             f"| {eager_ms:.1f} | {t_eager} |"
         )
     return "\n".join(lines)
@@ -319,7 +324,10 @@ def main(
     print(title)
     print(format_table(rows))
     print()
-    print(f"ms per step against the machine (bound = FLOPs at {gflops:.0f} GFLOP/s) and PyTorch eager")
+    print(
+        f"ms per step against the machine (bound = FLOPs at {gflops:.0f} GFLOP/s) and PyTorch eager; "
+        "rf's steps and PyTorch's in alternating blocks of their own"
+    )
     print(format_speed_table(rows, gflops, "n/a (no PyTorch step)" if with_torch else "n/a (torch not installed)"))
     if chain:
         print()

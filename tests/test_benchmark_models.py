@@ -101,12 +101,15 @@ def test_speed_table_prints_the_rf_columns_without_torch():
     assert "| 4.00 | 0.50 | 6.0 | 1.50 |" in with_torch
 
 
-def test_speed_table_sets_the_block_eager_step_against_pytorch():
-    """With PyTorch measured, the eager ms beside its ratio is the block-timed one."""
+def test_speed_table_reads_the_block_timed_steps():
+    """The speed table's rf steps are the block-timed ones (the eager ms beside
+    PyTorch's ratio, the jit step and its bound fraction)."""
     from benchmarks.compare import format_speed_table, format_table
 
     row = {**_ROW, "torch_ms": 4.0, "torch_ratio": 1.25, "torch_jit_ratio": 0.5, "eager_rf_block_ms": 5.0}
     assert "| 4.00 | 0.50 | 5.0 | 1.25 |" in format_speed_table([row], 100.0)
+    # the bound fraction of the block-timed jit step, where there is one
+    assert "| 1.00 | 1.25 (0.80) | 1.50 |" in format_speed_table([{**row, "jit_rf_block_ms": 1.25}], 100.0)
     full = {**row, "jit_ratio": 0.5, "compile_ratio": 1.0, "eager_ratio": 1.0, "eager_jax_ms": 6.0}
     full.update(mem_ratio=1.0, mem_rf=2**20, mem_jax=2**20)
     assert "| 1.25 (5.0 / 4.0 ms) |" in format_table([full])
