@@ -225,7 +225,7 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5, with_torch:
     return row
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], no_torch: str = "n/a (torch not installed)") -> str:
     head = (
         "| model | jit step rf/jax.grad | trace+compile rf/jax | eager step rf/jax.grad "
         "| temp memory rf/jax | eager rf/torch |"
@@ -233,7 +233,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|---|---|---|---|---|---|"]
     for r in rows:
         torch_col = (
-            "n/a (torch not installed)"
+            no_torch
             if r["torch_ratio"] is None
             else (f"{r['torch_ratio']:.2f} ({r.get('eager_rf_block_ms', r['eager_rf_ms']):.1f} / {r['torch_ms']:.1f} ms)")
         )
@@ -322,13 +322,14 @@ def main(
         rows.append(measure(model, args.repeats, args.eager_repeats, with_torch))
     print()
     print(title)
-    print(format_table(rows))
+    no_torch = "n/a (no PyTorch step)" if with_torch else "n/a (torch not installed)"
+    print(format_table(rows, no_torch))
     print()
     print(
         f"ms per step against the machine (bound = FLOPs at {gflops:.0f} GFLOP/s) and PyTorch eager; "
         "rf's steps and PyTorch's in alternating blocks of their own"
     )
-    print(format_speed_table(rows, gflops, "n/a (no PyTorch step)" if with_torch else "n/a (torch not installed)"))
+    print(format_speed_table(rows, gflops, no_torch))
     if chain:
         print()
         print(format_chain(chain_per_op(with_torch=with_torch)))
