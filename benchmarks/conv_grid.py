@@ -1,7 +1,7 @@
 """Timed grid behind conv2d's choice of formulation (Note [Convolution formulations]
 in ``rumus_fx/ops/conv.py``).
 
-Usage: ``python -m benchmarks.conv_grid [--ynn] [--quick]``
+Usage: ``python -m benchmarks.conv_grid [--ynn] [--quick] [--gemm SHAPES]``
 
 For every shape of the grid (input channels 1..256, kernel 1/3/5, stride 1/2,
 padding ``K // 2``) it times each of conv2d's three products -- the forward ``y``,
@@ -17,6 +17,10 @@ product's result (batch norm, relu, pooling) and reads it in their order, so the
 layout a formulation produces changes the cost of the fusions behind it. The
 plan's choices for the few-channel layers (the NCHW forward dot, "bdot" for dw)
 come from timing the CNN step of ``benchmarks/models.py`` (RESULTS.md, issue 16).
+So does "gemm" (y and dw over one channel-major im2col, which the two share
+under jit): ``--gemm B,C_IN,C_OUT,HW,STRIDE ...`` times, per shape, the jitted
+``value_and_grad`` of ``sum(tanh(conv2d(tanh(x))))`` (3x3, padding 1) with the
+plan and with "gemm" switched off, in alternating blocks, and prints the ratio.
 """
 
 from __future__ import annotations
@@ -108,12 +112,66 @@ def measure(c_in: int, k: int, s: int, options: dict | None, rounds: int = 3) ->
     return out
 
 
+def gemm_step_ratio(b: int, c_in: int, c_out: int, hw: int, s: int, rounds: int = 8) -> tuple[float, float]:
+    """(seconds with the plan, seconds with "gemm" switched off) of one jitted
+    ``value_and_grad`` step of ``sum(tanh(conv2d(tanh(x))))`` for a 3x3 kernel,
+    padding 1, in alternating blocks (medians of the blocks' minima); asserts
+    both give the same gradients."""
+    keys = jax.random.split(jax.random.key(b * 7 + c_in * 5 + c_out * 3 + hw + s), 2)
+    x = jax.random.normal(keys[0], (b, c_in, hw, hw), jnp.float32)
+    w = jax.random.normal(keys[1], (c_out, c_in, 3, 3), jnp.float32) / np.sqrt(9 * c_in)
+
+    def loss(x, w):
+        return rf.sum(rf.tanh(rf.conv2d(rf.tanh(x), w, None, s, 1)))
+
+    steps = []
+    for gemm in (True, False):
+        saved = C._GEMM_MAX_C
+        C._GEMM_MAX_C = saved if gemm else 0  # read by _conv_plan while tracing
+        try:
+            steps.append(jax.jit(rf.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile())
+        finally:
+            C._GEMM_MAX_C = saved
+    (_, ga), (_, gb) = steps[0](x, w), steps[1](x, w)
+    for a, r in zip(ga, gb):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(r))))
+    mins: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, f in enumerate(steps):
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x, w))
+                ts.append(time.perf_counter() - t0)
+            mins[i].append(min(ts))
+    return statistics.median(mins[0]), statistics.median(mins[1])
+
+
+def gemm_table(shapes: list[tuple[int, ...]]) -> None:
+    print('jitted step with the plan / with "gemm" off (< 1.00: the plan is faster)')
+    print("| input | C_out | stride | im2col elements | plan (y, dx, dw) | plan ms | gemm off ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, c_in, c_out, hw, s in shapes:
+        cols = C._cols_size(b, c_in, hw, hw, 3, s, 1)
+        plan = ", ".join(C._conv_plan(c_in, c_out, 3, s, cols=cols))
+        t_plan, t_off = gemm_step_ratio(b, c_in, c_out, hw, s)
+        print(
+            f"| [{b}, {c_in}, {hw}, {hw}] | {c_out} | {s} | {cols / 2**20:.1f}M | {plan} "
+            f"| {1e3 * t_plan:.2f} | {1e3 * t_off:.2f} | {t_plan / t_off:.2f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ynn", action="store_true", help="compile with rf.CPU_COMPILER_OPTIONS")
     parser.add_argument("--quick", action="store_true", help="channels 1, 16, 64 only, one round")
     parser.add_argument("--channels", default=None, help="comma-separated input channels (default: the grid)")
+    parser.add_argument("--gemm", nargs="+", default=None, metavar="B,C_IN,C_OUT,HW,STRIDE", help="time these steps")
     args = parser.parse_args(argv)
+    if args.gemm:
+        gemm_table([tuple(int(v) for v in shape.split(",")) for shape in args.gemm])
+        return
     options = dict(rf.CPU_COMPILER_OPTIONS) if args.ynn else None
     channels = CHANNELS if args.channels is None else tuple(int(c) for c in args.channels.split(","))
     if args.quick:

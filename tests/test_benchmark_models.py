@@ -150,3 +150,15 @@ def test_chain_per_op_with_torch():
     c = chain_per_op(repeats=1, n=9, with_torch=True)
     assert c["torch_fwd"] > 0 and c["torch_fwd_bwd"] > 0
     assert "rf / PyTorch" in format_chain(c)
+
+
+def test_conv_grid_gemm_step_compares_the_plan_with_gemm_off():
+    """``python -m benchmarks.conv_grid --gemm``: both steps give the same
+    gradients (asserted inside), and the switch is put back."""
+    from benchmarks.conv_grid import gemm_step_ratio
+    from rumus_fx.ops import conv as C
+
+    before = C._GEMM_MAX_C
+    assert C._conv_plan(4, 4, 3, 1, cols=C._cols_size(2, 4, 6, 6, 3, 1, 1))[0] == "gemm"
+    t_plan, t_off = gemm_step_ratio(2, 4, 4, 6, 1, rounds=1)
+    assert t_plan > 0 and t_off > 0 and C._GEMM_MAX_C == before
