@@ -275,11 +275,13 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False, c
     elements (8 MiB of float32), under a trace only (``cpu_eager`` keeps the
     plan above: eagerly the forward and dw are separate programs and share no
     im2col). Timed under jax.jit as ``value_and_grad`` of
-    ``sum(tanh(conv2d(tanh(x))))`` (RESULTS.md, "conv2d's channel-major
-    im2col"), gemm / the plan before: 0.75-0.96 at 17 shapes from
-    ``[64, 4, 14, 14] -> 8`` to ``[16, 64, 14, 14] -> 64``; not taken where
-    it lost: stride 2 (0.90-1.14), 128 input channels (1.10), an im2col of
-    3.4M elements at 8 channels (1.05) and 6.9M (2.07)."""
+    ``sum(tanh(conv2d(tanh(x))))`` (``python -m benchmarks.conv_grid --gemm``;
+    RESULTS.md, "conv2d's channel-major im2col"), the plan / the plan with
+    "gemm" off: 0.72-0.97 at 14 shapes from ``[64, 4, 14, 14] -> 8`` to
+    ``[16, 64, 14, 14] -> 64``; not taken where gemm lost: stride 2 (0.90-1.14),
+    128 input channels (1.10), an im2col of 3.4M elements at 8 channels
+    (1.05-1.06) and of 6.9M (2.07). In the benchmark CNN's step (its second
+    layer) 7.2-7.4 -> 6.9-7.0 ms on a quiet machine."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
     big = s == 1 and c_in > 3 and cols > _COLS_MAX
     if not cpu_eager and k == 3 and s == 1 and 3 < c_in <= _GEMM_MAX_C and 0 < cols <= _GEMM_COLS_MAX:
