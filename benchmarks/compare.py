@@ -40,6 +40,10 @@ from .models import CHAIN_OPS, MODELS, Model, chain_rf, chain_torch
 
 EAGER_WARMUP = 2 + 2 * whole_tape.TIMED  # eager calls before timing: the whole-tape choice is made by then
 STEP_BLOCKS = 3  # alternating blocks of rf jit, rf eager and PyTorch (measure)
+# untimed calls at the start of each block: after a pause (PyTorch's settle) this
+# machine ran the next 30-40 ms of XLA calls up to 2x slower, torch or not
+# (a jitted MLP step: 9-10 ms for four calls after a 0.3 s sleep, then 5.4)
+BLOCK_WARM_S = 0.15
 
 
 def torch_available() -> bool:
@@ -86,15 +90,25 @@ def _compile_time(fun: Callable, args: tuple) -> tuple[float, Any]:
     return time.perf_counter() - t0, compiled
 
 
-def _blocks(fns: list[Callable[[], Any]], blocks: int, per_block: int, settle: list[Any] | None = None) -> list[list[float]]:
+def _blocks(
+    fns: list[Callable[[], Any]],
+    blocks: int,
+    per_block: int,
+    settle: list[Any] | None = None,
+    warm_s: float = BLOCK_WARM_S,
+) -> list[list[float]]:
     """Seconds of each call of each fn, timed in blocks of its own
-    (``per_block`` consecutive calls after one untimed call), the blocks taking
-    turns (A B C A B C ...) so that drift on a shared machine hits all;
-    ``settle[i]``, when given, runs after each of fn i's blocks."""
+    (``per_block`` consecutive calls after untimed ones for ``warm_s`` seconds,
+    at least one), the blocks taking turns (A B C A B C ...) so that drift on a
+    shared machine hits all; ``settle[i]``, when given, runs after each of fn
+    i's blocks."""
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(blocks):
         for i, f in enumerate(fns):
+            t_warm = time.perf_counter() + warm_s
             _block(f())
+            while time.perf_counter() < t_warm:
+                _block(f())
             for _ in range(per_block):
                 t0 = time.perf_counter()
                 _block(f())

@@ -1,6 +1,8 @@
 """The benchmark's two implementations of each model agree (loss and gradients),
 so its timing ratios compare like with like. No timing here."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -121,9 +123,13 @@ def test_blocks_take_turns_and_settle():
     from benchmarks.compare import _blocks
 
     log = []
-    times = _blocks([lambda: log.append("a"), lambda: log.append("b")], 2, 3, settle=[None, lambda: log.append("s")])
+    fns = [lambda: log.append("a"), lambda: log.append("b")]
+    times = _blocks(fns, 2, 3, settle=[None, lambda: log.append("s")], warm_s=0.0)
     assert "".join(log) == "aaaabbbbsaaaabbbbs"
     assert [len(t) for t in times] == [6, 6] and all(x >= 0 for t in times for x in t)
+    log.clear()  # with a warm-up time, untimed calls fill it before the timed ones
+    _blocks([lambda: log.append("a") or time.sleep(0.01)], 1, 2, warm_s=0.05)
+    assert len(log) >= 2 + 5
 
 
 def test_cost_analysis_counts_flops():
