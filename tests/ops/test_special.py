@@ -369,6 +369,36 @@ def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng):
         np.testing.assert_allclose(got, jax.grad(_conv_loss_jax, argnums=1)(x, w, b, 1), rtol=1e-4, atol=1e-4)
 
 
+def test_conv2d_gemm_composes_with_vmap_and_jvp(rng):
+    """The "gemm" formulation (a traced 3x3, stride-1 conv with 4-64 input
+    channels) under jax.vmap per-example gradients and jax.jvp of the gradient
+    (a Hessian-vector product), each argument, against jax's."""
+    from rumus_fx.ops.conv import _cols_size, _conv_plan
+
+    x = jnp.asarray(rng.standard_normal((3, 2, 4, 6, 6)), jnp.float32)  # 3 examples of [2, 4, 6, 6]
+    w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)) / 6, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(5), jnp.float32)
+    assert _conv_plan(4, 5, 3, 1, cols=_cols_size(2, 4, 6, 6, 3, 1, 1)) == ("gemm", "conv", "gemm")
+    for argnum in range(3):
+        in_axes = tuple(0 if i == 0 else None for i in range(3)) + (None,)
+        got = jax.jit(jax.vmap(rf.grad(_conv_loss, argnums=argnum), in_axes), static_argnums=3)(x, w, b, 1)
+        want = jax.vmap(jax.grad(_conv_loss_jax, argnums=argnum), in_axes)(x, w, b, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    args = (x[0], w, b)
+    for argnum in range(3):
+        t = jnp.asarray(rng.standard_normal(args[argnum].shape), jnp.float32)
+
+        def hvp(grad_fn, argnum=argnum, t=t):
+            def g(a):
+                return grad_fn(*(a if i == argnum else args[i] for i in range(3)), 1)
+
+            return jax.jvp(g, (args[argnum],), (t,))[1]
+
+        got = jax.jit(lambda a=argnum: hvp(rf.grad(_conv_loss, argnums=a)))()
+        want = hvp(jax.grad(_conv_loss_jax, argnums=argnum))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def _conv_loss(x, w, b, stride):
     return rf.sum(rf.tanh(rf.conv2d(x, w, b, stride, 1)))
 
