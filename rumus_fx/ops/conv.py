@@ -279,9 +279,9 @@ def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False, c
     RESULTS.md, "conv2d's channel-major im2col"), the plan / the plan with
     "gemm" off: 0.72-0.97 at 14 shapes from ``[64, 4, 14, 14] -> 8`` to
     ``[16, 64, 14, 14] -> 64``; not taken where gemm lost: stride 2 (0.90-1.14),
-    128 input channels (1.10), an im2col of 3.4M elements at 8 channels
-    (1.05-1.06) and of 6.9M (2.07). In the benchmark CNN's step (its second
-    layer) 7.2-7.4 -> 6.9-7.0 ms on a quiet machine."""
+    128 input channels (1.10), an im2col of 3.4M elements at 8 or 32 channels
+    (1.02-1.06, 1.35; 0.89-0.92 at 16-24) and of 6.9M (2.07). In the benchmark
+    CNN's step (its second layer) 7.2-7.4 -> 6.9-7.0 ms on a quiet machine."""
     small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
     big = s == 1 and c_in > 3 and cols > _COLS_MAX
     if not cpu_eager and k == 3 and s == 1 and 3 < c_in <= _GEMM_MAX_C and 0 < cols <= _GEMM_COLS_MAX:
