@@ -13,10 +13,12 @@ the resulting bound and the fraction of it rf's jit step achieves, rf's jit step
 compiled with ``rf.CPU_COMPILER_OPTIONS``, and -- with torch installed (the
 ``bench`` extra) -- the PyTorch eager step and the ratios rf / PyTorch. Last, the
 per-op cost of a 200-op chain of tiny ops, forward (recording) and forward +
-backward, eager. PyTorch is timed in blocks of its own, never interleaved call by
-call with XLA programs (its OpenMP threads keep spinning after each call); its
-blocks take turns with blocks of rf's jit step and of rf's eager step, and the
-rf / PyTorch ratios (and the rf eager ms beside them) come from those blocks.
+backward, eager. The second table's rf steps are timed again in blocks of their
+own (each after 0.15 s of untimed calls), taking turns with blocks of PyTorch's
+step where torch is installed, and its bound fraction and rf / PyTorch ratios come
+from those blocks: PyTorch is never interleaved call by call with XLA programs
+(its OpenMP threads keep spinning after each call), and rf's steps read slower
+right after ``jax.grad``'s (RESULTS.md).
 """
 
 from __future__ import annotations
