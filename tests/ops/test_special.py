@@ -345,27 +345,33 @@ def test_conv2d_plan_takes_gemm_for_y_and_dw_in_its_region():
     assert _conv_plan(16, 32, 3, 1, True, cnn_layer) == ("conv", "conv", "conv")
 
 
-def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng):
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "gemm-off"])
+def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng, gemm):
     """The forward and the backward rule pass the im2col's size of the input:
-    a large input takes the convolution for y and dw, a small one "gemm", and
-    both give jax.grad's gradient of the weight."""
+    a large input takes the convolution for y and dw, a small one "gemm" (with
+    "gemm" switched off: the convolution for y and "bdot" for dw), and all give
+    jax.grad's gradient of the weight."""
     from rumus_fx.ops import conv as C
 
     seen = []
     monkeypatch.setattr(C, "conv_conv_dw", lambda *a, _f=C.conv_conv_dw: seen.append("conv") or _f(*a))
     monkeypatch.setattr(C, "conv_gemm_dw", lambda *a, _f=C.conv_gemm_dw: seen.append("gemm") or _f(*a))
+    monkeypatch.setattr(C, "conv_dot_dw", lambda *a, _f=C.conv_dot_dw, **k: seen.append("bdot") or _f(*a, **k))
     monkeypatch.setattr(C, "conv_conv_forward", lambda *a, _f=C.conv_conv_forward: seen.append("y conv") or _f(*a))
     monkeypatch.setattr(C, "conv_gemm_forward", lambda *a, _f=C.conv_gemm_forward: seen.append("y gemm") or _f(*a))
     limit = 4 * 9 * 8 * 8 * 2 - 1  # 2 samples of [4, 8, 8] are over
     monkeypatch.setattr(C, "_COLS_MAX", limit)
     monkeypatch.setattr(C, "_GEMM_COLS_MAX", limit)
+    if not gemm:
+        monkeypatch.setattr(C, "_GEMM_MAX_C", 0)
     w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)) / 6, jnp.float32)
     b = jnp.zeros(5, jnp.float32)
-    for n, want in ((1, "gemm"), (2, "conv")):
+    small = ["y gemm", "gemm"] if gemm else ["y conv", "bdot"]
+    for n, want in ((1, small), (2, ["y conv", "conv"])):
         x = jnp.asarray(rng.standard_normal((n, 4, 8, 8)), jnp.float32)
         seen.clear()
         got = jax.jit(rf.grad(_conv_loss, argnums=1), static_argnums=3)(x, w, b, 1)
-        assert seen == ["y " + want, want]
+        assert seen == want
         np.testing.assert_allclose(got, jax.grad(_conv_loss_jax, argnums=1)(x, w, b, 1), rtol=1e-4, atol=1e-4)
 
 
