@@ -429,11 +429,13 @@ def test_many_unbackwarded_tapes_do_not_accumulate():
     base = rf.debug.live_storages(), _records()
     proc = psutil.Process()
     for _ in range(50):  # warm-up at the same shapes (compilation takes memory once)
-        _record_some(32)
+        _record_some(64)
     gc.collect()
     rss0 = proc.memory_info().rss
     for _ in range(2_000):
-        _record_some(32)  # each saves ~16 KiB: 32 MiB if they were kept
+        _record_some(64)  # each saves ~64 KiB: 128 MiB if they were kept
     gc.collect()
     assert (rf.debug.live_storages(), _records()) == base
-    assert (proc.memory_info().rss - rss0) / 2**20 < 8
+    # an xdist worker several GiB large moved by 10 MiB here once with nothing kept
+    # (allocator noise), so the bound is a fraction of what keeping the tapes costs
+    assert (proc.memory_info().rss - rss0) / 2**20 < 24
