@@ -38,6 +38,8 @@ import numpy as np
 import rumus_fx as rf
 from rumus_fx.ops import conv as C
 
+from .compare import _blocks
+
 CHANNELS = (1, 3, 8, 16, 32, 64, 128, 256)
 KERNELS = (1, 3, 5)
 STRIDES = (1, 2)
@@ -135,15 +137,9 @@ def gemm_step_ratio(b: int, c_in: int, c_out: int, hw: int, s: int, rounds: int 
     (_, ga), (_, gb) = steps[0](x, w), steps[1](x, w)
     for a, r in zip(ga, gb):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(r))))
-    mins: list[list[float]] = [[], []]
-    for _ in range(rounds):
-        for i, f in enumerate(steps):
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x, w))
-                ts.append(time.perf_counter() - t0)
-            mins[i].append(min(ts))
+    per = 5
+    times = _blocks([lambda f=f: f(x, w) for f in steps], rounds, per, warm_s=0.0)
+    mins = [[min(t[j : j + per]) for j in range(0, len(t), per)] for t in times]
     return statistics.median(mins[0]), statistics.median(mins[1])
 
 
