@@ -79,16 +79,19 @@ def mlp(batch: int = 256, widths: tuple[int, ...] = (784, 512, 512, 10), seed: i
 # ---------------------------------------------------------------------------
 
 
-def cnn(batch: int = 64, seed: int = 0) -> Model:
+def cnn(batch: int = 64, seed: int = 0, width: int = 1) -> Model:
+    """Two conv + batch-norm + pool blocks and a linear head on [batch, 1, 28, 28];
+    ``width`` multiplies the channels (16 and 32)."""
     k = jax.random.split(jax.random.key(seed), 8)
+    c1, c2 = 16 * width, 32 * width
     params = {
-        "conv1": {"weight": _init(k[0], (16, 1, 3, 3), 9), "bias": _init(k[1], (16,), 9)},
-        "bn1": {"weight": jnp.ones(16), "bias": jnp.zeros(16)},
-        "conv2": {"weight": _init(k[2], (32, 16, 3, 3), 144), "bias": _init(k[3], (32,), 144)},
-        "bn2": {"weight": jnp.ones(32), "bias": jnp.zeros(32)},
-        "fc": {"weight": _init(k[4], (32 * 7 * 7, 10), 1568), "bias": _init(k[5], (10,), 1568)},
+        "conv1": {"weight": _init(k[0], (c1, 1, 3, 3), 9), "bias": _init(k[1], (c1,), 9)},
+        "bn1": {"weight": jnp.ones(c1), "bias": jnp.zeros(c1)},
+        "conv2": {"weight": _init(k[2], (c2, c1, 3, 3), 9 * c1), "bias": _init(k[3], (c2,), 9 * c1)},
+        "bn2": {"weight": jnp.ones(c2), "bias": jnp.zeros(c2)},
+        "fc": {"weight": _init(k[4], (c2 * 7 * 7, 10), c2 * 49), "bias": _init(k[5], (10,), c2 * 49)},
     }
-    state = {"bn1": (jnp.zeros(16), jnp.ones(16)), "bn2": (jnp.zeros(32), jnp.ones(32))}
+    state = {"bn1": (jnp.zeros(c1), jnp.ones(c1)), "bn2": (jnp.zeros(c2), jnp.ones(c2))}
     x = jax.random.normal(k[6], (batch, 1, 28, 28), jnp.float32)
     y = jax.random.randint(k[7], (batch,), 0, 10)
 
@@ -117,7 +120,8 @@ def cnn(batch: int = 64, seed: int = 0) -> Model:
         logits = h.reshape(h.shape[0], -1) @ params["fc"]["weight"] + params["fc"]["bias"]
         return _ce_jax(logits, targets)
 
-    return Model("CNN [64,1,28,28]", loss_rf, loss_jax, params, (x, y), lambda: _torch_cnn(params, (x, y)))
+    name = f"CNN [{batch},1,28,28]" + (f" x{width} channels" if width != 1 else "")
+    return Model(name, loss_rf, loss_jax, params, (x, y), lambda: _torch_cnn(params, (x, y)))
 
 
 # ---------------------------------------------------------------------------
