@@ -171,7 +171,9 @@ def llama() -> ZooModel:
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return ll.loss_fn(params, tokens, targets, cfg, ops=ll.JAX_OPS, remat=True)
 
-    return ZooModel("LLaMA example (plain JAX path), 2 layers, dim 64, [4,32]", "examples", loss, (params, tokens, targets))
+    return ZooModel(
+        "LLaMA example (plain JAX path), 2 layers, dim 64, [4,32]", "examples", loss, (params, tokens, targets)
+    )
 
 
 def diffrax_ode() -> ZooModel:
@@ -319,7 +321,10 @@ def main(argv: list[str] | None = None) -> list[tuple[ZooModel, Any]]:
             print(f"{model.name}: FAILS ({type(e).__name__})", flush=True)
             continue
         runs = [measure(model, ns.repeats) for _ in range(ns.runs)]
-        print(f"{model.name}: same gradients (max rel. error {err:.1e}); jit {_spread([r['jit_ratio'] for r in runs])}", flush=True)
+        print(
+            f"{model.name}: same gradients (max rel. error {err:.1e}); jit {_spread([r['jit_ratio'] for r in runs])}",
+            flush=True,
+        )
         rows.append((model, runs))
     print()
     print(f"rf.value_and_grad(rf.lift(loss)) / jax.value_and_grad(loss), medians (range over {ns.runs} runs)")

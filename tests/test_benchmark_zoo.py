@@ -10,9 +10,7 @@ from benchmarks import zoo
 FAST = {"haiku_mlp", "eqx_mlp"}
 
 
-@pytest.mark.parametrize(
-    "key", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in zoo.MODELS]
-)
+@pytest.mark.parametrize("key", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in zoo.MODELS])
 def test_zoo_model_agrees_with_jax_grad(key):
     model = zoo.MODELS[key]()
     assert zoo.check_same(model) < 1e-3
