@@ -76,20 +76,42 @@ def _scan_prepare(step):
     return prog
 
 
+def _forwarded(prog, nc, nk):
+    """Positions of the body's residuals that are its own inputs, which the scan
+    need not stack: ``{residual position: (kind, input index)}`` with kind
+    ``"const"`` (loop-invariant: saved once, not once per iteration) or ``"x"``
+    (the iteration's slice of a scanned-over input: read back from that input)."""
+    where = {}
+    for j, slot in enumerate(prog.residual_slots):
+        if slot in prog.in_slots:
+            i = prog.in_slots.index(slot)
+            if i < nc:
+                where[j] = ("const", i)
+            elif i >= nc + nk:
+                where[j] = ("x", i - nc - nk)
+    return where
+
+
 def _scan_forward(step, vals):
     p = step.params
     nc, nk = p["num_consts"], p["num_carry"]
     prog = step.sub
     consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
+    forwarded = _forwarded(prog, nc, nk)
 
     def body(carry, x):
-        outs, res = prog.run([*consts, *carry, *x])
-        return outs[:nk], (outs[nk:], res)
+        outs, (values, extras) = prog.run([*consts, *carry, *x])
+        values = tuple(None if j in forwarded else v for j, v in enumerate(values))
+        return outs[:nk], (outs[nk:], (values, extras))
 
     carry, (ys, res) = lax.scan(
         body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
-    return [*carry, *ys], res
+    # the forwarded residuals' sources, each kept once: the constants themselves and
+    # the whole scanned-over inputs (the body reads its slice of them in backward)
+    kept_consts = {i: consts[i] for kind, i in forwarded.values() if kind == "const"}
+    kept_xs = {i: xs[i] for kind, i in forwarded.values() if kind == "x"}
+    return [*carry, *ys], (res, kept_consts, kept_xs)
 
 
 def _scan_vjp(r, g):
@@ -106,10 +128,19 @@ def _scan_vjp(r, g):
     const_sh, carry_sh = shs[:nc], shs[nc : nc + nk]
     x_sh = [_unstacked(s) for s in shs[nc + nk :]]
 
+    stacked, kept_consts, kept_xs = r.extra
+    forwarded = _forwarded(prog, nc, nk)
+
     def body(acc, inp):
         ct_c, ct_consts = acc
-        res, ct_y = inp
-        grads = prog.backward(res, [*ct_c, *ct_y])
+        (values, extras), x_slices, ct_y = inp
+        values = tuple(
+            v
+            if j not in forwarded
+            else (kept_consts[forwarded[j][1]] if forwarded[j][0] == "const" else x_slices[forwarded[j][1]])
+            for j, v in enumerate(values)
+        )
+        grads = prog.backward((values, extras), [*ct_c, *ct_y])
         g_consts = grads[:nc]
         g_carry = _or_zeros(grads[nc : nc + nk], carry_avals, carry_sh)
         g_xs = _or_zeros(grads[nc + nk :], x_avals_unstacked, x_sh)
@@ -118,7 +149,9 @@ def _scan_vjp(r, g):
 
     x_avals_unstacked = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in x_avals]
     init = (_or_zeros(ct_carry, carry_avals, carry_sh), [_zeros_like_aval(a, s) for a, s in zip(const_avals, const_sh)])
-    (g_init, g_consts), g_xs = lax.scan(body, init, (r.extra, ct_ys), length=p["length"], reverse=not p["reverse"])
+    (g_init, g_consts), g_xs = lax.scan(
+        body, init, (stacked, kept_xs, ct_ys), length=p["length"], reverse=not p["reverse"]
+    )
     out = [*g_consts, *g_init, *g_xs]
     return tuple(g if n else None for g, n in zip(_float_or_none(out, avals), r.needs))
 
