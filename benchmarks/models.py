@@ -132,7 +132,7 @@ def cnn(batch: int = 64, seed: int = 0, width: int = 1) -> Model:
 def tiny_gpt(
     batch: int = 16, seq: int = 64, vocab: int = 65, d: int = 128, heads: int = 4, blocks: int = 2, seed: int = 0
 ) -> Model:
-    keys = iter(jax.random.split(jax.random.key(seed), max(64, 16 * blocks + 8)))  # 8 per block and the rest
+    keys = iter(jax.random.split(jax.random.key(seed), max(64, 16 * blocks + 8)))  # 16 per block and a few more
 
     def lin(a, b):
         return {"weight": _init(next(keys), (a, b), a), "bias": _init(next(keys), (b,), a)}
