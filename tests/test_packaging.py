@@ -112,8 +112,7 @@ def test_wheel_builds_and_installs_in_a_clean_venv(tmp_path):
     ).stdout
     assert re.match(rf"rumus_fx: +{re.escape(rf.__version__)} \({re.escape(str(env_dir))}/", out), out
     code = (
-        "import jax.numpy as jnp, rumus_fx as rf; "
-        "print(float(rf.grad(lambda x: rf.sum(rf.tanh(x)))(jnp.zeros(3))[0]))"
+        "import jax.numpy as jnp, rumus_fx as rf; print(float(rf.grad(lambda x: rf.sum(rf.tanh(x)))(jnp.zeros(3))[0]))"
     )
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
     assert out.stdout.strip() == "1.0"
