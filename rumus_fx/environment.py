@@ -13,6 +13,11 @@ import os
 import platform
 import sys
 
+import jax
+
+from . import kernels
+from ._version import __version__
+
 
 def _dist_version(name: str) -> str:
     try:
@@ -23,10 +28,6 @@ def _dist_version(name: str) -> str:
 
 def report() -> dict[str, str]:
     """The environment as ordered ``{name: value}`` strings."""
-    import jax
-
-    from . import __version__, kernels
-
     devices = jax.devices()
     kinds: dict[str, int] = {}
     for d in devices:
