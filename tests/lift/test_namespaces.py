@@ -61,8 +61,9 @@ def _callable_with(fn, arity: int) -> bool:
     call only where the abstract call fails (a function of values, as ``jnp.unique``)."""
     shape = jax.ShapeDtypeStruct((3, 4), jnp.float64)
     try:
+        # through a lambda: jax.jit of some jnp callables themselves (jnp.array_repr) crashes the process
         with jax.numpy_rank_promotion("allow"):
-            out = jax.eval_shape(lambda *a: fn(*a), *([shape] * arity))  # jit of a lambda: some jnp callables crash jax.jit itself
+            out = jax.eval_shape(lambda *a: fn(*a), *([shape] * arity))
     except Exception:
         return _try(fn, *[_x(seed=i) for i in range(arity)]) is not None
     leaves = jax.tree.leaves(out)
