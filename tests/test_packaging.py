@@ -64,8 +64,9 @@ def test_python_m_rumus_fx_prints_the_environment():
 
 def test_import_loads_no_optional_dependency():
     """``import rumus_fx`` costs little over ``import jax``: it leaves chex (rf.testing),
-    safetensors, optax, torch and matplotlib unloaded (about 0.2-0.4 s over
-    ``import jax, jax.numpy`` on a 2-core CPU)."""
+    safetensors, optax, torch and matplotlib unloaded. Measured: 0.12-0.15 s of CPU over
+    ``import jax, jax.numpy`` (0.87-1.0 s) with bytecode cached, as installed; about 0.45 s
+    where ``PYTHONDONTWRITEBYTECODE`` makes every import compile its sources."""
     code = (
         "import sys, time; import jax, jax.numpy; t = time.perf_counter(); import rumus_fx; "
         "print(time.perf_counter() - t); "
