@@ -74,7 +74,7 @@ if TYPE_CHECKING:  # the names static tools see; tests/test_imports.py checks th
 # every fused op declared with rf.ops' @op (Note [Declaring an op] in autograd/registry.py)
 globals().update(_op_exports(toplevel=True))
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # noqa: E402
 
 _tensor_methods.install()
 

@@ -20,3 +20,55 @@ def x64():
     """Run a test with 64-bit types enabled."""
     with jax.enable_x64(True):
         yield
+
+
+# The smoke tier (``python -m pytest -m smoke``): one quick test per subsystem, for a first
+# check in under two minutes on 2 cores. A parametrized test contributes its first case that is
+# not marked slow.
+SMOKE = (
+    "tests/test_tensor.py::test_transpose_T_detach_are_views",
+    "tests/test_storage.py::test_versions_start_at_zero_and_count_writes",
+    "tests/test_tape.py::test_str_table_and_saved_bytes",
+    "tests/test_versions.py::test_mismatch_on_saved_input",
+    "tests/test_transforms.py::test_grad_pytrees_match_jax",
+    "tests/test_no_silent_gradient.py::test_wrapped_arguments_are_leaves_that_require_grad",
+    "tests/ops/test_optable.py::test_grad_matches_jax",
+    "tests/ops/test_special.py::test_batch_norm_gradients_both_modes",
+    "tests/ops/test_second_order.py::test_third_order",
+    "tests/ops/test_create_graph.py::test_gradients_are_arrays_without_create_graph_and_tensors_with",
+    "tests/lift/test_ptable.py::test_rule_matches_jax_grad",
+    "tests/lift/test_programs.py::test_pure_jnp_mlp",
+    "tests/lift/test_programs.py::test_scan_tape_length_independent_of_length",
+    "tests/lift/test_namespaces.py::test_names_mirror_jax",
+    "tests/kernels/test_dispatch.py::test_modes_context_and_environment",
+    "tests/kernels/test_ops_interpret.py::test_rf_grad_matches_reference",
+    "tests/nn/test_layers.py::test_linear_matches_jnp",
+    "tests/nn/test_transformer.py::test_transformer_block_params_layout",
+    "tests/nn/test_serialization.py::test_round_trip_with_like_restores_structure_and_dtypes",
+    "tests/nn/test_torch_state.py::test_square_linear_weight_is_transposed",
+    "tests/test_sharding.py::test_norm_weight_gradient_with_untracked_input",
+    "tests/test_anomaly.py::test_eager_names_record_index_and_shapes",
+    "tests/test_lazy.py::test_ops_defer_and_values_wait_for_a_read",
+    "tests/test_whole_tape.py::test_repeated_tape_gives_the_same_gradients_compiled_or_not",
+    "tests/test_errors_audit.py::test_primitive_error_cases_are_declared",
+    "tests/test_display.py::test_tape_entry_and_tensor_html",
+    "tests/test_readme.py::test_tape_example_runs",
+    "tests/test_docs_site.py::test_every_public_name_has_an_api_entry",
+    "tests/test_packaging.py::test_version_agrees_with_pyproject_and_changelog",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = set(SMOKE)
+    found: set[str] = set()
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    for item in items:
+        name = item.nodeid.split("[", 1)[0]
+        heavy = item.get_closest_marker("slow") or item.get_closest_marker("fuzz_long")
+        if name in wanted and name not in found and not heavy:
+            found.add(name)
+            item.add_marker(pytest.mark.smoke)
+    # a renamed or removed test must not silently drop out of the tier
+    lost = [n for n in SMOKE if n.split("::", 1)[0] in files and n not in found]
+    if lost and "smoke" in (config.getoption("markexpr", "") or ""):
+        raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that were not collected: {lost}")

@@ -199,7 +199,7 @@ def test_tensor_parallel_2x4_mesh_matches_one_device():
 
 
 def test_tensor_parallel_two_processes():
-    """The multi-host path of the README: the same script in two processes (4 CPU
+    """The multi-host path of docs/sharding.md: the same script in two processes (4 CPU
     devices each, jax.distributed over localhost), one 2x4 mesh across them."""
     import socket
 

@@ -1,4 +1,6 @@
-"""The README's code blocks run as written, and its test command is .ci/run's."""
+"""The named code blocks of the README and the documentation pages run as written and do what
+they say (against jax.grad where they compute a gradient), and the README's test command is
+.ci/run's."""
 
 import pathlib
 import re
@@ -10,15 +12,15 @@ import jax.numpy as jnp
 
 import rumus_fx as rf
 
+from ._markdown_blocks import marked, output_after
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
 def _block(marker: str) -> str:
-    """The ```python block that follows ``<!-- marker -->`` in the README."""
-    m = re.search(rf"<!-- {marker} -->\s*```python\n(.*?)```", README, re.S)
-    assert m, f"README has no python block after <!-- {marker} -->"
-    return m.group(1)
+    """The ```python block that follows ``<!-- marker -->`` in the README or a docs page."""
+    return marked(marker).code
 
 
 def test_training_example_runs_and_learns(capsys):
@@ -26,6 +28,7 @@ def test_training_example_runs_and_learns(capsys):
     # user code, not library code; optax's adam mixes a python float with its int32 step count (not strict-clean)
     with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
         exec(compile(_block("example-mlp"), "README.md:example-mlp", "exec"), ns)
+    assert marked("example-mlp").path.name == "README.md"
     assert len(_block("example-mlp").strip().splitlines()) <= 25
     assert float(ns["loss"]) < 0.5 * float(ns["first_loss"])
     assert "loss" in capsys.readouterr().out
@@ -44,9 +47,7 @@ def test_ci_runs_the_readme_test_command():
 
 def _output_after(marker: str) -> str:
     """The plain ``` block printed right after the python block of ``marker``."""
-    m = re.search(rf"<!-- {marker} -->\s*```python\n.*?```\s*```\n(.*?)```", README, re.S)
-    assert m, f"README shows no output after <!-- {marker} -->"
-    return m.group(1).strip()
+    return output_after(marker)
 
 
 _PRELUDE = "import jax, jax.numpy as jnp\nimport rumus_fx as rf\n"
@@ -89,6 +90,7 @@ def test_tape_example_table_is_real():
     out = subprocess.run([sys.executable, "-c", _block("example-tape")], capture_output=True, text=True, check=True)
     table = [line for line in out.stdout.splitlines() if line.startswith(("#", "0 ", "1 "))]
     assert len(table) == 3
+    assert marked("example-tape").path.name == "README.md"
     for line in table:
         assert line in README, line
 

@@ -266,7 +266,7 @@ def test_no_requires_grad_inplace():
 # PyTorch rebases every view of a base onto the history of an in-place write
 # (CopySlices). rumus_fx does not rebase: a write whose value depends on a tracked
 # tensor into a storage that another live tensor views raises AutogradError, so
-# no view can silently keep a stale history (see README, "Decisions").
+# no view can silently keep a stale history (see docs/design.md, "Decisions where the spec is silent").
 
 
 def test_inplace_on_view_leaf_errors():

@@ -7,6 +7,7 @@ from ..errors import AutogradError as AutogradError
 from ..errors import ShapeError as ShapeError
 from ..errors import ShardingError as ShardingError
 from ..errors import VersionMismatch as VersionMismatch
+from . import display as _display
 from .engine import GradientStore as GradientStore
 from .record import Aval as Aval
 from .record import Record as Record
@@ -19,6 +20,8 @@ from .tape import no_grad as no_grad
 from .transforms import grad as grad
 from .transforms import value_and_grad as value_and_grad
 from .transforms import vjp as vjp
+
+_display.install()  # _repr_html_ of Tape, TapeEntry and Tensor for notebooks
 
 
 def __getattr__(name: str) -> Any:

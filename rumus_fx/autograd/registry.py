@@ -47,9 +47,9 @@ Derived from the registry: ``rumus_fx.ops``' and ``rumus_fx``'s exports
 table ``tests/ops/optable.py``, the primitive table ``tests/lift/ptable.py``
 (every ``TableEntry``; ``tests/lift/test_ptable.py`` also checks that every rule
 is exercised by one), the error audit ``tests/test_errors_audit.py`` (``errors``
-of every kind), and the README check that the "Ops and their records" table
-names every op and record. Adding a fused op touches its family module and one
-README table row; adding a primitive rule touches its ``rules_<family>.py``
+of every kind), and the docs check that the "Ops and their records" table of
+``docs/tape.md`` names every op and record. Adding a fused op touches its family
+module and one row of that table; adding a primitive rule touches its ``rules_<family>.py``
 module only. ``tests/ops/test_registry.py`` checks that an op and a rule
 declared in a test module reach all of them.
 """

@@ -32,6 +32,8 @@ from .layers import Params as Params
 from .layers import Sequential as Sequential
 from .serialization import load as load
 from .serialization import save as save
+from .torch_state import StateDictError as StateDictError
+from .torch_state import load_torch_state_dict as load_torch_state_dict
 from .transformer import MultiheadAttention as MultiheadAttention
 from .transformer import TransformerBlock as TransformerBlock
 
@@ -49,9 +51,11 @@ __all__ = [
     "MultiheadAttention",
     "Params",
     "Sequential",
+    "StateDictError",
     "TransformerBlock",
     "init",
     "load",
+    "load_torch_state_dict",
     "save",
 ]
 

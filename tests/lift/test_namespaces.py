@@ -55,6 +55,21 @@ def _try(fn, *args):
     return leaves[0]
 
 
+def _callable_with(fn, arity: int) -> bool:
+    """Whether ``fn`` takes ``arity`` float arrays to one float array: abstractly with
+    ``jax.eval_shape`` (no compile, no computation: collection stays fast), and by a real
+    call only where the abstract call fails (a function of values, as ``jnp.unique``)."""
+    shape = jax.ShapeDtypeStruct((3, 4), jnp.float64)
+    try:
+        # through a lambda: jax.jit of some jnp callables themselves (jnp.array_repr) crashes the process
+        with jax.numpy_rank_promotion("allow"):
+            out = jax.eval_shape(lambda *a: fn(*a), *([shape] * arity))
+    except Exception:
+        return _try(fn, *[_x(seed=i) for i in range(arity)]) is not None
+    leaves = jax.tree.leaves(out)
+    return len(leaves) == 1 and hasattr(leaves[0], "dtype") and jnp.issubdtype(leaves[0].dtype, jnp.floating)
+
+
 def _sweep(mod_rf, mod_j, names):
     """(name, arity) of every function callable with 1 or 2 float arrays."""
     out = []
@@ -62,8 +77,19 @@ def _sweep(mod_rf, mod_j, names):
         for n in names:
             fj = getattr(mod_j, n)
             for arity in (1, 2):
-                args = [_x(seed=i) for i in range(arity)]
-                if _try(fj, *args) is not None:
+                if _callable_with(fj, arity):
+                    out.append((n, arity))
+                    break
+    return out
+
+
+def _sweep_eagerly(mod_j, names):
+    """The sweep by real calls (what ``_sweep`` must agree with)."""
+    out = []
+    with jax.enable_x64(True):
+        for n in names:
+            for arity in (1, 2):
+                if _try(getattr(mod_j, n), *[_x(seed=i) for i in range(arity)]) is not None:
                     out.append((n, arity))
                     break
     return out
@@ -86,6 +112,14 @@ NP_CASES = _sweep(rnp, jnp, [n for n in _functions(jnp) if n not in _SKIP])
 
 def test_sweep_reaches_most_of_jax_numpy():
     assert len(NP_CASES) >= 130, len(NP_CASES)
+
+
+@pytest.mark.slow
+def test_abstract_sweep_equals_the_eager_sweep():
+    names = [n for n in _functions(jnp) if n not in _SKIP]
+    assert NP_CASES == _sweep_eagerly(jnp, names)
+    assert NN_CASES == _sweep_eagerly(jax.nn, [n for n in _functions(jax.nn) if n not in {"initializers"}])
+    assert LAX_CASES == _sweep_eagerly(lax, [n for n in _functions(lax) if n not in _SKIP | {"stop_gradient"}])
 
 
 @pytest.mark.parametrize("name,arity", NP_CASES, ids=[n for n, _ in NP_CASES])

@@ -1,6 +1,6 @@
 """The op registry (Note [Declaring an op] in rumus_fx/autograd/registry.py):
 one declaration per op, from which the exports, ``rf.autograd.BackwardOp``, the
-op table, the error audit, the primitive table and the README check are derived.
+op table, the error audit, the primitive table and the docs check (docs/tape.md) are derived.
 An op declared here, in a test module, reaches every one of them."""
 
 from __future__ import annotations
@@ -163,20 +163,20 @@ def test_op_table_is_every_op_with_samples():
     }
 
 
-def _readme_ops_table() -> str:
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"## Ops and their records\n(.*?)\n## ", readme, re.S)
-    assert m, "README has no 'Ops and their records' section"
+def _docs_ops_table() -> str:
+    page = (ROOT / "docs" / "tape.md").read_text()
+    m = re.search(r"## Ops and their records\n(.*?)\n## ", page, re.S)
+    assert m, "docs/tape.md has no 'Ops and their records' section"
     return m.group(1)
 
 
-def test_readme_ops_table_names_every_op_and_record():
-    table = _readme_ops_table()
+def test_docs_ops_table_names_every_op_and_record():
+    table = _docs_ops_table()
     for d in registry.declarations("op"):
         if d.export is not None and d.toplevel:
-            assert f"`{d.export}" in table, f"README's ops table does not list {d.export}"
+            assert f"`{d.export}" in table, f"docs/tape.md's ops table does not list {d.export}"
         for r in d.record_names:
-            assert f"`{r}`" in table, f"README's ops table does not name {r} (declared by {d.name})"
+            assert f"`{r}`" in table, f"docs/tape.md's ops table does not name {r} (declared by {d.name})"
 
 
 def test_sample_is_the_registry_sample():
