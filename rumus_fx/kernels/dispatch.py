@@ -46,6 +46,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..eager import compiled, has_tracer
+from ..errors import KernelFallbackWarning, KernelUnavailable
 from ._pallas import Config
 from .blocks import GPU, TARGETS, TPU
 
@@ -146,9 +148,73 @@ def run_reference(reference: Callable[..., Any], args: tuple[Any, ...], static: 
     return compiled(reference, static_argnames=tuple(sorted(static)))(*args, **static)
 
 
+# (kernel, reason) pairs already warned about: ``auto`` warns once for each.
+_WARNED: set[tuple[str, str]] = set()
+# pallas entry point -> its Mosaic GPU variant (``mosaic_gpu.py`` registers them)
+MOSAIC_GPU: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def kernel_name(pallas: Callable[..., Any]) -> str:
+    name = getattr(pallas, "__name__", repr(pallas))
+    return name.removesuffix("_pallas")
+
+
+def _fallback(name: str, err: KernelUnavailable, m: str, reference: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``auto``: warn once per kernel and reason, then run the reference;
+    ``pallas``: raise (the user asked for the kernel)."""
+    if m == "pallas":
+        raise err
+    name = err.kernel if err.kernel != "kernel" else name
+    key = (name, err.reason)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"rumus_fx kernel {name!r} is unavailable ({err.reason}); using the jax.numpy reference instead",
+            KernelFallbackWarning,
+            stacklevel=4,
+        )
+    return reference(*args)
+
+
+def _gpu_branch(name: str, pallas: Callable[..., Any], reference: Callable[..., Any], m: str, static: dict) -> Callable:
+    """The cuda/rocm branch: the Mosaic GPU variant where there is one and it
+    lowers at these shapes, else the Triton kernel, else (``auto``) the
+    reference with one warning."""
+    triton = functools.partial(pallas, cfg=Config(GPU, False), **static)
+    mosaic = MOSAIC_GPU.get(pallas)
+
+    def branch(*xs: Any) -> Any:
+        if mosaic is not None:
+            from .mosaic_gpu import lowers
+
+            if lowers(mosaic, xs, static):
+                return mosaic(*xs, **static)
+        try:
+            return triton(*xs)
+        except KernelUnavailable as err:
+            return _fallback(name, err, m, reference, xs)
+
+    return branch
+
+
+def _guarded(name: str, kernel: Callable[..., Any], reference: Callable[..., Any], m: str) -> Callable:
+    def branch(*xs: Any) -> Any:
+        try:
+            return kernel(*xs)
+        except KernelUnavailable as err:
+            return _fallback(name, err, m, reference, xs)
+
+    return branch
+
+
 def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args: Any, **static: Any) -> Any:
     """Run ``reference(*args, **static)`` or ``pallas(*args, cfg=Config(...), **static)``
-    according to the mode (see the module docstring)."""
+    according to the mode (see the module docstring).
+
+    A kernel that cannot be built for the running jax (``KernelUnavailable``,
+    e.g. Pallas' Triton backend missing) makes ``auto`` run the reference in
+    that platform's branch, with one ``KernelFallbackWarning`` naming the
+    kernel and the reason; ``pallas`` mode raises the error."""
     m = mode()
     if pallas is None or m == "reference" or not _kernel_ok(args):
         return run_reference(reference, args, static)
@@ -156,9 +222,10 @@ def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args
         return pallas(*args, cfg=Config(_INTERPRET_TARGET.get(), True), **static)
     if m == "auto" and not _accelerator_present():
         return run_reference(reference, args, static)
-    gpu = functools.partial(pallas, cfg=Config(GPU, False), **static)
-    tpu = functools.partial(pallas, cfg=Config(TPU, False), **static)
+    name = kernel_name(pallas)
     ref = functools.partial(reference, **static)
+    gpu = _gpu_branch(name, pallas, ref, m, static)
+    tpu = _guarded(name, functools.partial(pallas, cfg=Config(TPU, False), **static), ref, m)
     # each branch traced once: platform_dependent traces ``default`` apart from the named ones
     if m == "pallas":
         return lax.platform_dependent(*args, cpu=ref, tpu=tpu, default=gpu)
