@@ -26,7 +26,9 @@ its own scale:
 The row fails when any output misses any bound (``TOLERANCE``). End-to-end
 rows compare ``rf.grad`` of the benchmark MLP and TinyGPT (benchmarks/models.py)
 under ``auto`` dispatch (``interpret`` with ``--cpu``) against the reference
-mode, parameter by parameter, with the same measures.
+mode, parameter by parameter, with the same measures (on a GPU to TF32's
+precision: the kernels' float32 products run on TF32 tensor cores; references
+always run with ``jax.default_matmul_precision("highest")``).
 
 ``--out PATH`` gets the markdown table (date, jax version, device) rewritten
 after every row, so a run cut short still leaves what it did; ``--time-limit``
@@ -70,6 +72,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOLERANCE = {"float32": (2e-3, 1 - 1e-6), "bfloat16": (4e-2, 1 - 2e-4), "float16": (1e-2, 1 - 2e-5)}
 TF32_TOLERANCE = (1e-2, 1 - 2e-5)
 E2E_TOLERANCE = (1e-3, 1 - 1e-6)  # float32 models, gradients through every kernel
+E2E_TF32_TOLERANCE = (2e-2, 1 - 1e-4)  # on a GPU: the kernels' float32 products run on TF32
 E2E_NOISE = 1e-4  # a parameter gradient below 1e-4 of the largest one is rounding noise (a key bias's)
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -270,7 +273,9 @@ def cases(scale: str, dtypes: Sequence[str] = DTYPES) -> list[Case]:
                         _sh((n, c)),
                         name,
                         ce_args,
-                        lambda lg, t, cfg, _i=ignore: cross_entropy.cross_entropy_pallas(lg, t, ignore_index=_i, cfg=cfg),
+                        lambda lg, t, cfg, _i=ignore: cross_entropy.cross_entropy_pallas(
+                            lg, t, ignore_index=_i, cfg=cfg
+                        ),
                         lambda lg, t, _i=ignore: cross_entropy.cross_entropy_reference(lg, t, ignore_index=_i),
                         ("loss", "dlogits"),
                     )
@@ -449,7 +454,8 @@ def check_case(case: Case, cfg: Config, iters: int = 0) -> Row:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # Pallas-Triton is deprecated from jax 0.11
             got = jax.block_until_ready(kernel(*args))
-        want = jax.block_until_ready(reference(*_upcast(args)))
+        with jax.default_matmul_precision("highest"):  # not TF32: the reference is exact float32
+            want = jax.block_until_ready(reference(*_upcast(args)))
         ok, cells = _summary(compare(case.names, got, want), tol)
         timing = ["-", "-", "-"]
         if iters:
@@ -479,13 +485,14 @@ def check_e2e(label: str, model: Any, mode: str) -> Row:
     head = [label, f"rf.grad ({mode} vs reference)", "float32"]
     try:
 
-        def grads(m: str) -> Any:
-            with rf.kernels.use(m):
+        def grads(m: str, precision: str | None = None) -> Any:
+            with rf.kernels.use(m), jax.default_matmul_precision(precision):
                 return jax.block_until_ready(jax.jit(rf.grad(model.loss_rf))(model.params, model.batch))
 
-        got, want = grads(mode), grads("reference")
+        got, want = grads(mode), grads("reference", "highest")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
-        ok, cells = _summary(compare(paths, got, want, E2E_NOISE), E2E_TOLERANCE)
+        tol = E2E_TOLERANCE if mode == "interpret" else E2E_TF32_TOLERANCE
+        ok, cells = _summary(compare(paths, got, want, E2E_NOISE), tol)
         return Row(head + ["ok" if ok else "WRONG"] + cells + ["-", "-", "-"], ok)
     except Exception as exc:
         msg = str(exc).splitlines()[0][:80] if str(exc) else ""
@@ -502,7 +509,7 @@ def write_table(path: Path, rows: list[list[str]], *, device: str, note: str) ->
         [
             "## GPU kernel check (`benchmarks/gpu_check.py`)",
             "",
-            f"- Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; "
+            f"- Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
             f"jax {jax.__version__} / jaxlib {jaxlib.__version__}",
             f"- Device: {device}",
             f"- {note}",
@@ -535,11 +542,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="timed calls per row (0: no timing)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    backend = jax.default_backend()
+    todo: list[Any] = []
+    rows: list[list[str]] = []
+    lock = threading.Lock()
     device = ", ".join(sorted({d.device_kind for d in jax.devices()}))
+    note = ""
+
+    def flush(extra: Sequence[list[str]] = ()) -> None:
+        if args.out is not None:
+            write_table(args.out, rows + list(extra), device=device, note=note)
+
+    def at_limit() -> None:
+        with lock:
+            left = [[*_label(x), "SKIPPED (time limit)"] + ["-"] * (len(HEADER) - 4) for x in todo[len(rows) :]]
+            flush(left)
+            print(f"time limit of {args.time_limit:.0f} s reached after {len(rows)} rows", flush=True)
+            os._exit(2)
+
+    timer = threading.Timer(args.time_limit, at_limit)
+    timer.daemon = True
+    timer.start()
+    backend = jax.default_backend()
     if backend != "gpu" and not args.cpu:
         print(f"no GPU: jax backend is {backend!r} ({device}); nothing checked.")
         print("Run this on a GPU machine, or pass --cpu to check the interpret-mode kernels with tiny shapes.")
+        timer.cancel()
         return 0
     scale = "cpu" if args.cpu else "gpu"
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -554,25 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu
         else f"Pallas kernels compiled for the GPU; median of {iters} timed calls"
     )
-    todo: list[Any] = _select(cases(scale, dtypes), only, lambda c: c.kernel)
+    todo += _select(cases(scale, dtypes), only, lambda c: c.kernel)
     todo += _select(e2e_cases(scale), only, lambda e: e[0])
-    rows: list[list[str]] = []
-    lock = threading.Lock()
-
-    def flush(extra: list[list[str]] = ()) -> None:
-        if args.out is not None:
-            write_table(args.out, rows + list(extra), device=device, note=note)
-
-    def at_limit() -> None:
-        with lock:
-            left = [[*_label(x), "SKIPPED (time limit)"] + ["-"] * (len(HEADER) - 4) for x in todo[len(rows) :]]
-            flush(left)
-            print(f"time limit of {args.time_limit:.0f} s reached after {len(rows)} rows", flush=True)
-            os._exit(2)
-
-    timer = threading.Timer(args.time_limit, at_limit)
-    timer.daemon = True
-    timer.start()
     print(f"jax {jax.__version__}, backend {backend} ({device}); {len(todo)} rows", flush=True)
     ok_all = True
     for item in todo:
