@@ -177,21 +177,37 @@ def _fallback(name: str, err: KernelUnavailable, m: str, reference: Callable[...
 
 
 def _gpu_branch(name: str, pallas: Callable[..., Any], reference: Callable[..., Any], m: str, static: dict) -> Callable:
-    """The cuda/rocm branch: the Mosaic GPU variant where there is one and it
-    lowers at these shapes, else the Triton kernel, else (``auto``) the
-    reference with one warning."""
+    """The cuda/rocm branch: the Triton kernel; where this jax cannot build it
+    (or with ``RUMUS_FX_GPU_KERNELS=mosaic``, first) the Mosaic GPU variant
+    where there is one and it lowers at these shapes (``mosaic_gpu.py``);
+    else (``auto``) the reference with one warning, or (``pallas``) the error."""
     triton = functools.partial(pallas, cfg=Config(GPU, False), **static)
     mosaic = MOSAIC_GPU.get(pallas)
 
-    def branch(*xs: Any) -> Any:
-        if mosaic is not None:
-            from .mosaic_gpu import lowers
+    def try_mosaic(xs: tuple[Any, ...]) -> tuple[bool, Any, str]:
+        if mosaic is None:
+            return False, None, "no Mosaic GPU variant"
+        from . import mosaic_gpu
 
-            if lowers(mosaic, xs, static):
-                return mosaic(*xs, **static)
+        reason = mosaic_gpu.why_not(mosaic, xs, static)
+        if reason is not None:
+            return False, None, f"Mosaic GPU variant: {reason}"
+        return True, mosaic(*xs, **static), ""
+
+    def branch(*xs: Any) -> Any:
+        from .mosaic_gpu import preferred
+
+        if mosaic is not None and preferred():
+            done, out, _ = try_mosaic(xs)
+            if done:
+                return out
         try:
             return triton(*xs)
         except KernelUnavailable as err:
+            done, out, why = try_mosaic(xs)
+            if done:
+                return out
+            err = KernelUnavailable(err.kernel, f"{err.reason}; {why}")
             return _fallback(name, err, m, reference, xs)
 
     return branch

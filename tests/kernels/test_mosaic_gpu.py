@@ -1,0 +1,182 @@
+"""The Mosaic GPU softmax (``rumus_fx/kernels/mosaic_gpu.py``).
+
+Which checks are which:
+* LOWERING ONLY: ``test_lowers_for_cuda_*`` lower the ``plgpu.kernel`` for
+  cuda with Mosaic GPU on this CPU host at the public shapes; nothing is
+  compiled to SASS or run.
+* NUMERICS, on CPU, of the block algorithm: the jax.numpy emulation applies
+  the kernel's own chunk steps to the same padded blocks and chunks (the
+  copies, barriers and register layouts are not emulated: jax 0.10's Mosaic
+  GPU interpreter has no rule for ``plgpu.load`` or swizzled shared memory).
+* Dispatch: which kernel the cuda branch holds (Triton present or removed,
+  ``RUMUS_FX_GPU_KERNELS=mosaic``), and the fallback when a Mosaic rule or
+  the lowering fails."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as _pallas  # noqa: F401 - loaded before the Triton module is hidden
+
+import rumus_fx as rf
+from rumus_fx.kernels import dispatch, mosaic_gpu, softmax
+
+MOSAIC_CALL = "mosaic_gpu"
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _lower_text(fn, *avals):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 777), (64, 65536), (2, 3, 5)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_lowers_for_cuda_forward_and_backward(shape, dtype):
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    fwd = _lower_text(lambda x: mosaic_gpu.softmax_mgpu(x, axis=-1), x)
+    bwd = _lower_text(lambda y, g: mosaic_gpu.softmax_bwd_mgpu(y, g, axis=-1), x, x)
+    for text, name in ((fwd, "softmax_fwd_mgpu"), (bwd, "softmax_bwd_mgpu")):
+        assert text.count(f"custom_call @{MOSAIC_CALL}") == 1 and name in text
+        assert TRITON not in text
+
+
+def test_block_rules():
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16):
+        assert mosaic_gpu.check_rules(dt, buffers=3) is None
+        assert mosaic_gpu.smem_bytes(dt, 3) <= mosaic_gpu.SMEM_LIMIT
+
+
+def _rand(shape, seed, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+@pytest.mark.parametrize(
+    "shape,axis",
+    [((3, 5), -1), ((64, 128), -1), ((70, 300), -1), ((2, 130, 7), 1), ((1, 1), -1)],
+)
+def test_block_algorithm_matches_the_reference(shape, axis):
+    """Several row blocks, several chunks, padded rows and columns, another axis."""
+    x, g = _rand(shape, 0) * 4.0, _rand(shape, 1)
+    y = mosaic_gpu.softmax_mgpu(x, axis=axis)
+    chex.assert_trees_all_close(y, softmax.softmax_reference(x, axis=axis), rtol=1e-6, atol=1e-7)
+    dx = mosaic_gpu.softmax_bwd_mgpu(y, g, axis=axis)
+    chex.assert_trees_all_close(dx, softmax.softmax_bwd_reference(y, g, axis=axis), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_block_algorithm_low_precision(dtype):
+    x = _rand((65, 200), 2, dtype)
+    want = softmax.softmax_reference(x.astype(jnp.float32), axis=-1)
+    got = mosaic_gpu.softmax_mgpu(x, axis=-1)
+    assert got.dtype == dtype
+    chex.assert_trees_all_close(got.astype(jnp.float32), want, rtol=2e-2, atol=1e-3)
+
+
+def test_gradients_through_the_custom_jvp():
+    x, w = _rand((5, 140), 3), _rand((5, 140), 4)
+
+    def loss(x):
+        return jnp.sum(mosaic_gpu.softmax_mgpu(x, axis=-1) * w)
+
+    def oracle(x):
+        return jnp.sum(jax.nn.softmax(x, axis=-1) * w)
+
+    chex.assert_trees_all_close(jax.grad(loss)(x), jax.grad(oracle)(x), rtol=1e-5, atol=1e-7)
+    _, jvp = jax.jvp(loss, (x,), (w,))
+    _, want = jax.jvp(oracle, (x,), (w,))
+    chex.assert_trees_all_close(jvp, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def _loss(x):
+    return rf.sum(rf.mul(rf.softmax(x, axis=-1), x))
+
+
+def _cuda_export(x):
+    return jax.export.export(
+        jax.jit(rf.grad(_loss)),
+        platforms=["cuda"],
+        disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(TRITON),
+            jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+        ],
+    )(x).mlir_module()
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    for name in [m for m in sys.modules if m.startswith("jax.experimental.pallas.triton")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+    monkeypatch.delattr(jax.experimental.pallas, "triton", raising=False)
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture
+def x():
+    return _rand((8, 300), 5)
+
+
+def test_triton_kept_while_present(x, monkeypatch):
+    monkeypatch.delenv("RUMUS_FX_GPU_KERNELS", raising=False)
+    with rf.kernels.use("pallas"):
+        text = _cuda_export(x)
+    assert text.count(TRITON) == 2 and f"@{MOSAIC_CALL}" not in text
+
+
+def test_preferred_mosaic_in_the_cuda_branch(x, monkeypatch):
+    monkeypatch.setenv("RUMUS_FX_GPU_KERNELS", "mosaic")
+    with rf.kernels.use("pallas"):
+        text = _cuda_export(x)
+    assert text.count(f"custom_call @{MOSAIC_CALL}") == 2 and TRITON not in text
+
+
+def test_mosaic_replaces_a_removed_triton(no_triton, x):
+    with rf.kernels.use("reference"):
+        want = rf.grad(_loss)(x)
+    with rf.kernels.use("pallas"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: the Mosaic GPU variant serves
+        text = _cuda_export(x)
+        got = jax.jit(rf.grad(_loss))(x)  # the CPU runs the reference branch
+    assert text.count(f"custom_call @{MOSAIC_CALL}") == 2 and TRITON not in text
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+def test_a_broken_mosaic_rule_falls_back_or_raises(no_triton, x, monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "CHUNK", 512)  # async copies take at most 256 per dimension
+    monkeypatch.setattr(dispatch, "_accelerator_present", lambda: True)
+    monkeypatch.delenv("RUMUS_FX_KERNELS", raising=False)
+    with pytest.warns(
+        rf.kernels.KernelFallbackWarning, match=r"'softmax_(fwd|bwd)'.*Triton.*256 elements per dimension"
+    ):
+        jax.jit(rf.grad(_loss))(x)
+    with rf.kernels.use("pallas"), pytest.raises(rf.kernels.KernelUnavailable, match="256 elements"):
+        jax.jit(rf.grad(_loss))(x)
+
+
+def test_a_failed_mosaic_lowering_falls_back(no_triton, x, monkeypatch):
+    def broken(*a, **k):
+        raise NotImplementedError("no lowering rule")
+
+    monkeypatch.setattr(mosaic_gpu, "_row_kernel", broken)
+    mosaic_gpu._lowers_cached.cache_clear()
+    monkeypatch.setattr(dispatch, "_accelerator_present", lambda: True)
+    monkeypatch.delenv("RUMUS_FX_KERNELS", raising=False)
+    try:
+        with pytest.warns(rf.kernels.KernelFallbackWarning, match="NotImplementedError: no lowering rule"):
+            got = jax.jit(rf.grad(_loss))(x)
+    finally:
+        mosaic_gpu._lowers_cached.cache_clear()
+    with rf.kernels.use("reference"):
+        chex.assert_trees_all_close(got, rf.grad(_loss)(x), rtol=1e-6, atol=1e-8)
