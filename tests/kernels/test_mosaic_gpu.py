@@ -1,4 +1,5 @@
-"""The Mosaic GPU softmax (``rumus_fx/kernels/mosaic_gpu.py``).
+"""The Mosaic GPU row kernels (``rumus_fx/kernels/mosaic_gpu.py``): softmax,
+layer norm, cross-entropy and batch norm, forward and backward.
 
 Which checks are which:
 * LOWERING ONLY: ``test_lowers_for_cuda_*`` lower the ``plgpu.kernel`` for
@@ -25,7 +26,7 @@ import pytest
 from jax.experimental import pallas as _pallas  # noqa: F401 - loaded before the Triton module is hidden
 
 import rumus_fx as rf
-from rumus_fx.kernels import dispatch, mosaic_gpu, softmax
+from rumus_fx.kernels import batch_norm, cross_entropy, dispatch, layer_norm, mosaic_gpu, softmax
 
 MOSAIC_CALL = "mosaic_gpu"
 TRITON = "__gpu$xla.gpu.triton"
@@ -44,6 +45,54 @@ def test_lowers_for_cuda_forward_and_backward(shape, dtype):
     for text, name in ((fwd, "softmax_fwd_mgpu"), (bwd, "softmax_bwd_mgpu")):
         assert text.count(f"custom_call @{MOSAIC_CALL}") == 1 and name in text
         assert TRITON not in text
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+f32 = jnp.float32
+# (name, function, abstract args builder(dtype), static, kernel names in the module)
+PUBLIC = {
+    "layer_norm_4096x1024": ((4096, 1024),),
+    "layer_norm_1000x777": ((1000, 777),),
+    "cross_entropy_4096x32000": ((4096, 32000),),
+    "cross_entropy_1000x777": ((1000, 777),),
+    "batch_norm_64x128x56x56": ((64, 128, 56, 56),),
+    "batch_norm_6x37x13x11": ((6, 37, 13, 11),),
+}
+
+
+def _lower_case(name, dtype):
+    (shape,) = PUBLIC[name]
+    x, row = _sds(shape, dtype), _sds(shape[:1], f32)
+    if name.startswith("layer_norm"):
+        w = _sds(shape[-1:], dtype)
+        fwd = _lower_text(lambda x, w, b: mosaic_gpu.layer_norm_fwd_mgpu(x, w, b, eps=1e-5), x, w, w)
+        bwd = _lower_text(
+            lambda x, w, m, r, g: mosaic_gpu.layer_norm_bwd_mgpu(x, w, m, r, g, has_bias=True), x, w, row, row, x
+        )
+        return {"layer_norm_fwd_mgpu": fwd, "layer_norm_bwd_mgpu": bwd}
+    if name.startswith("cross_entropy"):
+        t = _sds(shape[:1], jnp.int32)
+        text = _lower_text(lambda lg, t: mosaic_gpu.cross_entropy_mgpu(lg, t, ignore_index=-100), x, t)
+        return {"cross_entropy_mgpu": text}
+    c, stat = _sds(shape[1:2], dtype), _sds(shape[1:2], f32)
+    fwd = _lower_text(lambda x, w, b: mosaic_gpu.batch_norm_train_mgpu(x, w, b, eps=1e-5), x, c, c)
+    bwd = _lower_text(
+        lambda x, w, m, r, g: mosaic_gpu.batch_norm_train_bwd_mgpu(x, w, m, r, g, has_bias=True), x, c, stat, stat, x
+    )
+    return {"batch_norm_moments_mgpu|batch_norm_apply_mgpu": fwd, "batch_norm_grad_sums_mgpu|batch_norm_dx_mgpu": bwd}
+
+
+@pytest.mark.parametrize("name", list(PUBLIC))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_for_cuda_norms_and_cross_entropy(name, dtype):
+    """LOWERING ONLY, at the shapes tests/kernels/test_lowering.py lowers Triton at."""
+    for names, text in _lower_case(name, dtype).items():
+        kernels = names.split("|")
+        assert text.count(f"custom_call @{MOSAIC_CALL}") == len(kernels), names
+        assert all(k in text for k in kernels) and TRITON not in text
 
 
 def test_block_rules():
@@ -91,6 +140,71 @@ def test_gradients_through_the_custom_jvp():
     _, jvp = jax.jvp(loss, (x,), (w,))
     _, want = jax.jvp(oracle, (x,), (w,))
     chex.assert_trees_all_close(jvp, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (70, 300), (130, 128)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_block_algorithm(shape, affine):
+    x, g = _rand(shape, 6) * 3.0 + 2.0, _rand(shape, 7)
+    w, b = (_rand(shape[-1:], 8), _rand(shape[-1:], 9)) if affine else (None, None)
+    got = mosaic_gpu.layer_norm_fwd_mgpu(x, w, b, eps=1e-5)
+    want = layer_norm.layer_norm_fwd_reference(x, w, b, eps=1e-5)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    got = mosaic_gpu.layer_norm_bwd_mgpu(x, w, want[1], want[2], g, has_bias=affine)
+    want = layer_norm.layer_norm_bwd_reference(x, w, want[1], want[2], g, has_bias=affine)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (70, 300)])
+@pytest.mark.parametrize("ignore_index", [None, 0])
+def test_cross_entropy_block_algorithm(shape, ignore_index):
+    logits = _rand(shape, 10) * 3.0
+    targets = jnp.asarray(np.random.default_rng(11).integers(0, shape[1], shape[0]), jnp.int32).at[::2].set(0)
+    got = mosaic_gpu.cross_entropy_mgpu(logits, targets, ignore_index=ignore_index)
+    want = cross_entropy.cross_entropy_reference(logits, targets, ignore_index=ignore_index)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 4, 4), (3, 5, 7, 11)])
+def test_batch_norm_block_algorithm(shape):
+    x, g = _rand(shape, 12) * 1.5 - 0.7, _rand(shape, 13)
+    w, b = _rand(shape[1:2], 14), _rand(shape[1:2], 15)
+    got = mosaic_gpu.batch_norm_train_mgpu(x, w, b, eps=1e-5)
+    want = batch_norm.batch_norm_train_reference(x, w, b, eps=1e-5)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    got = mosaic_gpu.batch_norm_train_bwd_mgpu(x, w, want[1], want[3], g, has_bias=True)
+    want = batch_norm.batch_norm_train_bwd_reference(x, w, want[1], want[3], g, has_bias=True)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_and_cross_entropy_gradients_through_the_custom_jvps():
+    x, w, b = _rand((6, 140), 16), _rand((140,), 17), _rand((140,), 18)
+    xb, wb = _rand((2, 3, 4, 5), 19), _rand((3,), 20)
+    t = jnp.asarray(np.random.default_rng(21).integers(0, 140, 6), jnp.int32)
+
+    def ln(x, w, b):
+        y, _, _ = mosaic_gpu.layer_norm_fwd_mgpu(x, w, b, eps=1e-5)
+        return jnp.sum(jnp.sin(y))
+
+    def ln_oracle(x, w, b):
+        y, _, _ = layer_norm.layer_norm_fwd_reference(x, w, b, eps=1e-5)
+        return jnp.sum(jnp.sin(y))
+
+    def bn(x, w):
+        return jnp.sum(jnp.sin(mosaic_gpu.batch_norm_train_mgpu(x, w, None, eps=1e-5)[0]))
+
+    def bn_oracle(x, w):
+        return jnp.sum(jnp.sin(batch_norm.batch_norm_train_reference(x, w, None, eps=1e-5)[0]))
+
+    def ce(x):
+        return mosaic_gpu.cross_entropy_mgpu(x, t, ignore_index=None)[0]
+
+    def ce_oracle(x):
+        return cross_entropy.cross_entropy_reference(x, t, ignore_index=None)[0]
+
+    for f, o, args in ((ln, ln_oracle, (x, w, b)), (bn, bn_oracle, (xb, wb)), (ce, ce_oracle, (x,))):
+        argnums = tuple(range(len(args)))
+        chex.assert_trees_all_close(jax.grad(f, argnums)(*args), jax.grad(o, argnums)(*args), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- dispatch
