@@ -23,6 +23,10 @@ its own scale:
 * ``norm``: ||kernel|| / ||reference|| (catches a scaled output);
 * any NaN or infinity in the kernel's output fails.
 
+Rows named ``kernel[mgpu]`` check the Mosaic GPU variants of the row kernels
+(``rumus_fx/kernels/mosaic_gpu.py``) the same way; with ``--cpu`` they run the
+jax.numpy emulation of their block algorithm, not the kernels.
+
 The row fails when any output misses any bound (``TOLERANCE``). End-to-end
 rows compare ``rf.grad`` of the benchmark MLP and TinyGPT (benchmarks/models.py)
 under ``auto`` dispatch (``interpret`` with ``--cpu``) against the reference
@@ -63,7 +67,7 @@ import jaxlib
 import numpy as np
 
 import rumus_fx as rf
-from rumus_fx.kernels import attention, batch_norm, cross_entropy, embedding, layer_norm, matmul, softmax
+from rumus_fx.kernels import attention, batch_norm, cross_entropy, embedding, layer_norm, matmul, mosaic_gpu, softmax
 from rumus_fx.kernels._pallas import Config
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -156,7 +160,8 @@ def _upcast(tree: Any) -> Any:
 
 
 def _normal(key: int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(key).standard_normal(shape, dtype=np.float32), dtype)
+    """Standard normal values made on the device (host RNG is seconds per 100M values)."""
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
 
 
 def _shapes(scale: str) -> dict[str, list[tuple]]:
@@ -404,7 +409,30 @@ def cases(scale: str, dtypes: Sequence[str] = DTYPES) -> list[Case]:
                     ("dtable",),
                 )
             )
-    return out
+    return out + _mosaic_twins(out)
+
+
+# The Mosaic GPU variants (rumus_fx/kernels/mosaic_gpu.py) of the row kernels:
+# the same inputs and references; on a CPU (--cpu) they run their jax.numpy
+# emulation, so only a GPU run checks the kernels themselves.
+_MOSAIC = {
+    "softmax": lambda x, cfg: mosaic_gpu.softmax_mgpu(x, axis=-1),
+    "softmax_bwd": lambda y, g, cfg: mosaic_gpu.softmax_bwd_mgpu(y, g, axis=-1),
+    "layer_norm": lambda x, w, b, cfg: mosaic_gpu.layer_norm_fwd_mgpu(x, w, b, eps=1e-5),
+    "layer_norm_bwd": lambda *a, cfg: mosaic_gpu.layer_norm_bwd_mgpu(*a, has_bias=True),
+    "cross_entropy": lambda lg, t, cfg: mosaic_gpu.cross_entropy_mgpu(lg, t, ignore_index=None),
+    "cross_entropy_ignore": lambda lg, t, cfg: mosaic_gpu.cross_entropy_mgpu(lg, t, ignore_index=0),
+    "batch_norm": lambda x, w, b, cfg: mosaic_gpu.batch_norm_train_mgpu(x, w, b, eps=1e-5),
+    "batch_norm_bwd": lambda *a, cfg: mosaic_gpu.batch_norm_train_bwd_mgpu(*a, has_bias=True),
+}
+
+
+def _mosaic_twins(rows: list[Case]) -> list[Case]:
+    return [
+        dataclasses.replace(c, kernel=c.kernel + "[mgpu]", pallas=_MOSAIC[c.kernel])
+        for c in rows
+        if c.kernel in _MOSAIC
+    ]
 
 
 # ---------------------------------------------------------------- running
@@ -581,8 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu
         else f"Pallas kernels compiled for the GPU; median of {iters} timed calls"
     )
+    todo += _select(e2e_cases(scale), only, lambda e: e[0])  # first: they cover every kernel at once
     todo += _select(cases(scale, dtypes), only, lambda c: c.kernel)
-    todo += _select(e2e_cases(scale), only, lambda e: e[0])
     print(f"jax {jax.__version__}, backend {backend} ({device}); {len(todo)} rows", flush=True)
     ok_all = True
     for item in todo:
