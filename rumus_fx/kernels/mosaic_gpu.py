@@ -1,43 +1,58 @@
-"""Mosaic GPU variants of the memory-bound row kernels (softmax so far), in
-``plgpu.kernel`` style: the replacement for Pallas' Triton backend, which jax
-deprecates from 0.11.
+"""Mosaic GPU variants of the memory-bound kernels: softmax, layer norm,
+cross-entropy and batch norm, forward and backward, in ``plgpu.kernel`` style
+(the replacement for Pallas' Triton backend, which jax deprecates from 0.11).
+matmul, attention and the embedding gradient keep Triton until a device can
+measure a Mosaic GPU version.
 
-NOTHING HERE HAS RUN ON A GPU. What is checked on a CPU host:
+NOTHING HERE HAS RUN ON A GPU. What is checked on a CPU host
+(``tests/kernels/test_mosaic_gpu.py``):
 
-* lowering: each kernel lowers for ``cuda`` with Mosaic GPU at the public
-  shapes (``tests/kernels/test_mosaic_gpu.py``): jax's Mosaic GPU lowering
-  accepts its layouts, transfers and shared-memory budget. It does not compile
-  to SASS nor run, so the kernel's numerics on a device are unchecked;
-* numerics of the block algorithm: the chunk steps (``_softmax_stats``,
-  ``_softmax_write``, ...) are plain functions of arrays; the kernel applies
-  them to register tiles, and :func:`softmax_emulated` applies the very same
-  functions to the same padded blocks and chunks with jax.numpy. Its agreement
-  with the reference checks the padding, the masking of padded columns and
-  the online merge across chunks. The copies, barriers and layouts are not
-  in that emulation (Pallas' Mosaic GPU interpreter in jax 0.10 has no rule
-  for ``plgpu.load`` or tiled/swizzled shared memory).
+* LOWERING ONLY: every kernel lowers for ``cuda`` with Mosaic GPU at the
+  public shapes: jax's Mosaic GPU lowering accepts its layouts, transfers,
+  barriers and shared-memory budget. Nothing is compiled to SASS or run, so
+  the kernels' numerics on a device are unchecked until
+  ``benchmarks/gpu_check.py`` (rows ``kernel[mgpu]``) runs on one;
+* numerics of the block algorithm: each kernel is a :class:`RowAlgo`, pure
+  functions of chunk tiles and row vectors; the kernel applies them to
+  register tiles, and the emulation (:func:`emulate_rows`) applies the very
+  same functions to the same padded blocks and chunks with jax.numpy. Its
+  agreement with the references checks the padding, the masking of padded
+  columns and the merges across chunks. The copies, barriers and register
+  layouts are not in the emulation (jax 0.10's Mosaic GPU interpreter has no
+  rule for ``plgpu.load`` or tiled/swizzled shared memory).
 
-Block choices and the Mosaic GPU rules they obey:
+One kernel shape serves all (:func:`_row_kernel`): a program (one 128-thread
+warpgroup) owns ``BLOCK_ROWS = 64`` rows of ``[rows, cols]`` operands; pass 1
+copies each column chunk of every operand to shared memory and folds it into
+per-row statistics, pass 2 copies the chunks again and writes the output
+chunks; per-row outputs (a row's mean, rstd or loss) are copied out last.
+Batch norm reads ``x[N, C, H, W]`` as rows ``[N*C, H*W]`` (a free reshape):
+a moments kernel, XLA merging the N rows of each channel (``[N, C]`` values),
+and an apply kernel (the backward likewise: gradient sums, then dx). The
+layer norm backward's dw and db (column sums across programs) are left to XLA.
 
-* one warpgroup (128 threads) per program; a program owns ``BLOCK_ROWS = 64``
-  rows (the WGMMA register layout's row tile, in which row reductions are
-  supported) and walks the row in column chunks of ``CHUNK = 128`` elements
-  (async copies move at most 256 elements per dimension);
+Block choices and the Mosaic GPU rules they obey (:func:`check_rules`):
+
+* ``BLOCK_ROWS = 64``: the WGMMA register layout's row tile, in which row
+  reductions are supported; ``CHUNK = 128`` columns per copy (async copies
+  move at most 256 elements per dimension);
 * rows are padded to 64 and columns to 128 on the host, so every copy is a
   whole tile and every stride is a multiple of 16 bytes;
-* shared memory: an input chunk and an output chunk, ``64 x 128`` each
-  (64 KiB in float32, 32 KiB in 16-bit types), far under the 227 KiB limit;
-  a whole-row block would need ``64 x cols x 4`` bytes (over 227 KiB beyond
-  ~900 float32 columns), which is why rows are walked in chunks;
-* shared memory is tiled ``(8, 128 // itemsize)`` and 128-byte swizzled
-  (bank-conflict-free WGMMA-layout loads and stores).
+* shared memory: one ``64 x 128`` buffer per tile operand and output (32 KiB
+  in float32; three for the layer norm backward), under the 227 KiB limit at
+  any row length; a whole-row block would need ``64 x cols x 4`` bytes, over
+  227 KiB beyond ~900 float32 columns, which is why rows are walked in chunks;
+* tiles are tiled ``(8, 128 // itemsize)`` and 128-byte swizzled in shared
+  memory (bank-conflict-free WGMMA-layout loads and stores); each operand has
+  its own barrier.
 
 Selection (``dispatch.py``): the cuda branch keeps the Triton kernel while
 this jax has Pallas' Triton backend (those kernels have lowering *and*
 interpret-mode numeric checks); where it does not, or with
 ``RUMUS_FX_GPU_KERNELS=mosaic``, the Mosaic GPU variant is used where it
-lowers at the call's shapes (:func:`lowers`, cached), else the reference with
-one warning. ROCm keeps Triton (Mosaic GPU is NVIDIA-only).
+follows the rules and lowers at the call's shapes (:func:`why_not`, cached),
+else the reference with one warning (``pallas`` mode: an error). Mosaic GPU
+is NVIDIA-only: a rocm lowering of that branch gets the emulation.
 """
 
 from __future__ import annotations
