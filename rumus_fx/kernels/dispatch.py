@@ -56,6 +56,7 @@ from jax import lax
 
 from ..eager import compiled, has_tracer
 from ..errors import KernelFallbackWarning, KernelUnavailable
+from . import mosaic_gpu
 from ._pallas import Config
 from .blocks import GPU, TARGETS, TPU
 
@@ -187,17 +188,13 @@ def _gpu_branch(name: str, pallas: Callable[..., Any], reference: Callable[..., 
     def try_mosaic(xs: tuple[Any, ...]) -> tuple[bool, Any, str]:
         if mosaic is None:
             return False, None, "no Mosaic GPU variant"
-        from . import mosaic_gpu
-
         reason = mosaic_gpu.why_not(mosaic, xs, static)
         if reason is not None:
             return False, None, f"Mosaic GPU variant: {reason}"
         return True, mosaic(*xs, **static), ""
 
     def branch(*xs: Any) -> Any:
-        from .mosaic_gpu import preferred
-
-        if mosaic is not None and preferred():
+        if mosaic is not None and mosaic_gpu.preferred():
             done, out, _ = try_mosaic(xs)
             if done:
                 return out
