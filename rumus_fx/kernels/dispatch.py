@@ -34,6 +34,24 @@ trace staged:
 * ``"interpret"``: the kernels in Pallas' interpreter (plain XLA ops, so any
   platform runs and exports them); this is how the CPU tests exercise them.
 
+The choice is the dispatch's wherever a kernel can serve (the weight gradient
+of ``x @ W`` included), so what a program holds depends on the platform it is
+lowered for, never on whether the tracing process has an accelerator (beyond
+``auto``'s CPU-only shortcut above).
+
+Kernels that cannot be built
+----------------------------
+The cuda branch runs the Triton kernel while this jax has Pallas' Triton
+backend; its Mosaic GPU variant (``mosaic_gpu.py``: softmax, layer norm,
+cross-entropy, batch norm) where Triton is missing, or first with
+``RUMUS_FX_GPU_KERNELS=mosaic``, when the variant obeys Mosaic GPU's block
+rules and lowers for cuda at the call's shapes (checked once per shape). When
+no kernel can be built (``KernelUnavailable``: Triton removed and no Mosaic GPU
+variant, a rule broken, a lowering failure), ``auto`` runs the reference in
+that branch with one ``KernelFallbackWarning`` per kernel and reason, and
+``pallas`` mode raises the ``KernelUnavailable``. A TPU kernel that raises
+``KernelUnavailable`` is handled the same way.
+
 A function already jitted keeps the kernels it was traced with (as with any
 trace-time Python state), so choose the mode before the first call of a jitted
 function, or jit a fresh one. Float64 inputs always take the reference (the
