@@ -294,3 +294,40 @@ def test_a_failed_mosaic_lowering_falls_back(no_triton, x, monkeypatch):
         mosaic_gpu._lowers_cached.cache_clear()
     with rf.kernels.use("reference"):
         chex.assert_trees_all_close(got, rf.grad(_loss)(x), rtol=1e-6, atol=1e-8)
+
+
+def _ln_loss(x, w, b):
+    return rf.sum(rf.mul(rf.layer_norm(x, w, b), x))
+
+
+def _ce_loss(x, t):
+    return rf.cross_entropy(x, t)
+
+
+def _bn_loss(x, w, b):
+    c = x.shape[1]
+    y, _, _ = rf.batch_norm_2d(x, w, b, jnp.zeros(c), jnp.ones(c), training=True)
+    return rf.sum(rf.mul(y, x))
+
+
+@pytest.mark.parametrize(
+    "loss,args,argnums,n_kernels",
+    [
+        (_ln_loss, ((6, 300), (300,), (300,)), (0, 1, 2), 2),
+        (_ce_loss, ((6, 300), None), (0,), 1),
+        (_bn_loss, ((2, 3, 5, 7), (3,), (3,)), (0, 1, 2), 4),
+    ],
+    ids=["layer_norm", "cross_entropy", "batch_norm"],
+)
+def test_public_ops_export_mosaic_kernels_for_cuda(monkeypatch, loss, args, argnums, n_kernels):
+    """rf.grad of each public op, pallas mode, Mosaic GPU preferred: the cuda
+    program holds the Mosaic GPU kernels (forward and backward) and no Triton."""
+    monkeypatch.setenv("RUMUS_FX_GPU_KERNELS", "mosaic")
+    vals = tuple(jnp.zeros((6,), jnp.int32) if shape is None else _rand(shape, i) for i, shape in enumerate(args))
+    with rf.kernels.use("pallas"):
+        text = jax.export.export(
+            jax.jit(rf.grad(loss, argnums=argnums)),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")],
+        )(*vals).mlir_module()
+    assert text.count(f"custom_call @{MOSAIC_CALL}") == n_kernels and TRITON not in text
