@@ -248,34 +248,36 @@ def _emulate(
     out_dtypes: tuple[Any, ...],
 ) -> tuple[jax.Array, ...]:
     """The kernel's walk with jax.numpy on padded operands: per block of
-    ``BLOCK_ROWS`` rows, the stats pass over the chunks, then the write pass."""
+    ``BLOCK_ROWS`` rows (the blocks vmapped, as the programs of the grid), the
+    stats pass over the chunks, then the write pass."""
     rows_pad, cols_pad = tiles[0].shape
-    n_chunks = cols_pad // CHUNK
+    n_chunks, n_blocks = cols_pad // CHUNK, rows_pad // BLOCK_ROWS
     shape = (BLOCK_ROWS, CHUNK)
-    outs: list[list[jax.Array]] = [[] for _ in out_dtypes]
-    row_outs: list[list[jax.Array]] = [[] for _ in range(algo.n_rows_out)]
 
-    def chunks(r: int, c: int) -> list[jax.Array]:
-        cs = slice(c * CHUNK, (c + 1) * CHUNK)
-        got = [upcast(t[r : r + BLOCK_ROWS, cs]) for t in tiles]
-        return got + [jnp.broadcast_to(upcast(p[cs])[None, :], shape) for p in params]
+    def program(block_tiles, block_rows):
+        def chunks(c: int) -> list[jax.Array]:
+            cs = slice(c * CHUNK, (c + 1) * CHUNK)
+            got = [upcast(t[:, cs]) for t in block_tiles]
+            return got + [jnp.broadcast_to(upcast(p[cs])[None, :], shape) for p in params]
 
-    for r in range(0, rows_pad, BLOCK_ROWS):
-        carry = algo.init(*(upcast(v[r : r + BLOCK_ROWS]) for v in rows_in))
+        def cols(c: int) -> jax.Array:
+            return lax.broadcasted_iota(jnp.int32, shape, 1) + c * CHUNK
+
+        carry = algo.init(*(upcast(v) for v in block_rows))
         for c in range(n_chunks):
-            carry = algo.stats(carry, chunks(r, c), lax.broadcasted_iota(jnp.int32, shape, 1) + c * CHUNK)
+            carry = algo.stats(carry, chunks(c), cols(c))
         pieces: list[list[jax.Array]] = [[] for _ in out_dtypes]
         for c in range(n_chunks if out_dtypes else 0):
-            for i, o in enumerate(
-                algo.write(carry, chunks(r, c), lax.broadcasted_iota(jnp.int32, shape, 1) + c * CHUNK)
-            ):
+            for i, o in enumerate(algo.write(carry, chunks(c), cols(c))):
                 pieces[i].append(o.astype(out_dtypes[i]))
-        for i, p in enumerate(pieces):
-            outs[i].append(jnp.concatenate(p, axis=1))
-        del pieces
-        for i, v in enumerate(algo.rows_out(carry)):
-            row_outs[i].append(v)
-    return tuple(jnp.concatenate(o, axis=0) for o in outs) + tuple(jnp.concatenate(o) for o in row_outs)
+        outs = tuple(jnp.concatenate(p, axis=1) for p in pieces)
+        return outs + tuple(algo.rows_out(carry))
+
+    blocked_tiles = tuple(t.reshape(n_blocks, BLOCK_ROWS, cols_pad) for t in tiles)
+    blocked_rows = tuple(v.reshape(n_blocks, BLOCK_ROWS) for v in rows_in)
+    outs = jax.vmap(program)(blocked_tiles, blocked_rows)
+    n_o = len(out_dtypes)
+    return tuple(o.reshape(rows_pad, cols_pad) for o in outs[:n_o]) + tuple(o.reshape(rows_pad) for o in outs[n_o:])
 
 
 # ---------------------------------------------------------------- kernels

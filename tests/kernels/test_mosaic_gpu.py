@@ -142,8 +142,8 @@ def test_gradients_through_the_custom_jvp():
     chex.assert_trees_all_close(jvp, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (70, 300), (130, 128)])
-@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(3, 5), (70, 300), pytest.param((130, 128), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("affine", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_layer_norm_block_algorithm(shape, affine):
     x, g = _rand(shape, 6) * 3.0 + 2.0, _rand(shape, 7)
     w, b = (_rand(shape[-1:], 8), _rand(shape[-1:], 9)) if affine else (None, None)
@@ -155,7 +155,7 @@ def test_layer_norm_block_algorithm(shape, affine):
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (70, 300)])
+@pytest.mark.parametrize("shape", [(3, 5), pytest.param((70, 300), marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ignore_index", [None, 0])
 def test_cross_entropy_block_algorithm(shape, ignore_index):
     logits = _rand(shape, 10) * 3.0
@@ -165,7 +165,7 @@ def test_cross_entropy_block_algorithm(shape, ignore_index):
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("shape", [(2, 8, 4, 4), (3, 5, 7, 11)])
+@pytest.mark.parametrize("shape", [pytest.param((2, 8, 4, 4), marks=pytest.mark.slow), (3, 5, 7, 11)])
 def test_batch_norm_block_algorithm(shape):
     x, g = _rand(shape, 12) * 1.5 - 0.7, _rand(shape, 13)
     w, b = _rand(shape[1:2], 14), _rand(shape[1:2], 15)
@@ -177,6 +177,7 @@ def test_batch_norm_block_algorithm(shape):
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the forward and backward values are checked by default above
 def test_norm_and_cross_entropy_gradients_through_the_custom_jvps():
     x, w, b = _rand((6, 140), 16), _rand((140,), 17), _rand((140,), 18)
     xb, wb = _rand((2, 3, 4, 5), 19), _rand((3,), 20)
