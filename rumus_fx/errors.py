@@ -27,6 +27,27 @@ class ShardingError(ShapeError):
     types and the fix."""
 
 
+class KernelUnavailable(RuntimeError):
+    """A Pallas kernel cannot be built for the running jax and backend (Pallas'
+    Triton backend removed from this jax, a Mosaic GPU rule its blocks would
+    break). ``rf.kernels.use("pallas")`` raises it; ``"auto"`` runs the
+    reference instead, with one :class:`KernelFallbackWarning`."""
+
+    def __init__(self, kernel: str, reason: str) -> None:
+        super().__init__(
+            f"rumus_fx kernel {kernel!r} cannot be built here: {reason}. "
+            'Use rf.kernels.use("auto") to run the jax.numpy reference in its place, '
+            'or rf.kernels.use("reference") everywhere.'
+        )
+        self.kernel = kernel
+        self.reason = reason
+
+
+class KernelFallbackWarning(UserWarning):
+    """``auto`` dispatch ran the jax.numpy reference in place of a kernel that
+    cannot be built here (given once per kernel and reason)."""
+
+
 SHARDING_HINT = (
     "Fix: shard the operands compatibly (each mesh axis on one array axis, e.g. only the batch "
     "axis on 'data'), gather a sharded parameter where it is used with rf.reshard(w, P()) (its "

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..errors import KernelUnavailable
 from ._platform import as_tuple, native_or_interpret
 from .blocks import GPU, SUBLANE, TARGETS, TPU, RowBlocks
 
@@ -56,17 +57,33 @@ class Config:
             raise ValueError(f"unknown kernel target {self.target!r}; expected one of {TARGETS}")
 
 
-def _compiler_params(cfg: Config, *, num_warps: int, num_stages: int | None, semantics: tuple[str, ...]) -> Any:
-    if cfg.interpret:
-        return None
-    if cfg.target == GPU:
-        # Pallas' Triton backend: supported by jax 0.10 and deprecated (not yet
-        # removed) from 0.11, where Mosaic GPU via ``plgpu.kernel`` is the
-        # replacement. Importing it lazily keeps CPU-only use free of it.
+def triton_compiler_params() -> Any:
+    """``jax.experimental.pallas.triton.CompilerParams``, or ``KernelUnavailable``
+    (its ``reason`` says why) where this jax has no Pallas Triton backend.
+
+    Pallas' Triton backend: supported by jax 0.10, deprecated from 0.11 (to be
+    removed), where Mosaic GPU via ``plgpu.kernel`` is the replacement.
+    Importing it lazily keeps CPU-only use free of it."""
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas import triton as pl_triton
-        return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        return pl_triton.CompilerParams
+    except (ImportError, AttributeError) as err:
+        raise KernelUnavailable("triton", f"Pallas' Triton backend is not in jax {jax.__version__} ({err})") from err
+
+
+def _compiler_params(
+    cfg: Config, *, num_warps: int, num_stages: int | None, semantics: tuple[str, ...], name: str = "kernel"
+) -> Any:
+    if cfg.interpret:
+        return None
+    if cfg.target == GPU:
+        try:
+            params = triton_compiler_params()
+        except KernelUnavailable as err:
+            raise KernelUnavailable(name, err.reason) from err
+        return params(num_warps=num_warps, num_stages=num_stages)
     from jax.experimental.pallas import tpu as pl_tpu
 
     return pl_tpu.CompilerParams(dimension_semantics=semantics)
@@ -129,7 +146,9 @@ def pallas_call(
 
     if cfg.interpret:
         return build(True, None)
-    native = build(False, _compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, semantics=semantics))
+    native = build(
+        False, _compiler_params(cfg, num_warps=num_warps, num_stages=num_stages, semantics=semantics, name=name)
+    )
     fallback = build(True, None)
     leaves, tree = jax.tree.flatten(out_shape)
 

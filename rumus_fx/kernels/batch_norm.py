@@ -25,10 +25,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from . import _norm_jvp, blocks
+from . import _norm_jvp, blocks, mosaic_gpu
 from ._pallas import Config, f32, iota, merge_moments, pad_to, pallas_call
 from ._sharding import sharded_call
-from .dispatch import call
+from .dispatch import MOSAIC_GPU, call
 from .precision import compute_dtype, upcast
 
 _AXES = (0, 2, 3)
@@ -293,3 +293,7 @@ def batch_norm_train_bwd(
     return call(
         batch_norm_train_bwd_reference, batch_norm_train_bwd_pallas, x, weight, mean, rstd, g, has_bias=has_bias
     )
+
+
+MOSAIC_GPU[batch_norm_train_pallas] = mosaic_gpu.batch_norm_train_mgpu
+MOSAIC_GPU[batch_norm_train_bwd_pallas] = mosaic_gpu.batch_norm_train_bwd_mgpu

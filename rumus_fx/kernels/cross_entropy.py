@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..sharding import sharding_of
-from . import blocks
+from . import blocks, mosaic_gpu
 from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from .dispatch import call
+from .dispatch import MOSAIC_GPU, call
 from .precision import upcast
 
 # ---------------------------------------------------------------- kernel
@@ -190,3 +190,6 @@ def cross_entropy_fwd(
 ) -> tuple[jax.Array, jax.Array]:
     """``(loss, grad)`` for 2-D logits and 1-D integer targets."""
     return call(cross_entropy_reference, cross_entropy_pallas, logits, targets, ignore_index=ignore_index)
+
+
+MOSAIC_GPU[cross_entropy_pallas] = mosaic_gpu.cross_entropy_mgpu

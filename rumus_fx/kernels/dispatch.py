@@ -34,6 +34,24 @@ trace staged:
 * ``"interpret"``: the kernels in Pallas' interpreter (plain XLA ops, so any
   platform runs and exports them); this is how the CPU tests exercise them.
 
+The choice is the dispatch's wherever a kernel can serve (the weight gradient
+of ``x @ W`` included), so what a program holds depends on the platform it is
+lowered for, never on whether the tracing process has an accelerator (beyond
+``auto``'s CPU-only shortcut above).
+
+Kernels that cannot be built
+----------------------------
+The cuda branch runs the Triton kernel while this jax has Pallas' Triton
+backend; its Mosaic GPU variant (``mosaic_gpu.py``: softmax, layer norm,
+cross-entropy, batch norm) where Triton is missing, or first with
+``RUMUS_FX_GPU_KERNELS=mosaic``, when the variant obeys Mosaic GPU's block
+rules and lowers for cuda at the call's shapes (checked once per shape). When
+no kernel can be built (``KernelUnavailable``: Triton removed and no Mosaic GPU
+variant, a rule broken, a lowering failure), ``auto`` runs the reference in
+that branch with one ``KernelFallbackWarning`` per kernel and reason, and
+``pallas`` mode raises the ``KernelUnavailable``. A TPU kernel that raises
+``KernelUnavailable`` is handled the same way.
+
 A function already jitted keeps the kernels it was traced with (as with any
 trace-time Python state), so choose the mode before the first call of a jitted
 function, or jit a fresh one. Float64 inputs always take the reference (the
@@ -46,6 +64,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +73,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..eager import compiled, has_tracer
+from ..errors import KernelFallbackWarning, KernelUnavailable
+from . import mosaic_gpu
 from ._pallas import Config
 from .blocks import GPU, TARGETS, TPU
 
@@ -146,9 +167,85 @@ def run_reference(reference: Callable[..., Any], args: tuple[Any, ...], static: 
     return compiled(reference, static_argnames=tuple(sorted(static)))(*args, **static)
 
 
+# (kernel, reason) pairs already warned about: ``auto`` warns once for each.
+_WARNED: set[tuple[str, str]] = set()
+# pallas entry point -> its Mosaic GPU variant (``mosaic_gpu.py`` registers them)
+MOSAIC_GPU: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def kernel_name(pallas: Callable[..., Any]) -> str:
+    name = getattr(pallas, "__name__", repr(pallas))
+    return name.removesuffix("_pallas")
+
+
+def _fallback(name: str, err: KernelUnavailable, m: str, reference: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``auto``: warn once per kernel and reason, then run the reference;
+    ``pallas``: raise (the user asked for the kernel)."""
+    if m == "pallas":
+        raise err
+    name = err.kernel if err.kernel != "kernel" else name
+    key = (name, err.reason)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"rumus_fx kernel {name!r} is unavailable ({err.reason}); using the jax.numpy reference instead",
+            KernelFallbackWarning,
+            stacklevel=4,
+        )
+    return reference(*args)
+
+
+def _gpu_branch(name: str, pallas: Callable[..., Any], reference: Callable[..., Any], m: str, static: dict) -> Callable:
+    """The cuda/rocm branch: the Triton kernel; where this jax cannot build it
+    (or with ``RUMUS_FX_GPU_KERNELS=mosaic``, first) the Mosaic GPU variant
+    where there is one and it lowers at these shapes (``mosaic_gpu.py``);
+    else (``auto``) the reference with one warning, or (``pallas``) the error."""
+    triton = functools.partial(pallas, cfg=Config(GPU, False), **static)
+    mosaic = MOSAIC_GPU.get(pallas)
+
+    def try_mosaic(xs: tuple[Any, ...]) -> tuple[bool, Any, str]:
+        if mosaic is None:
+            return False, None, "no Mosaic GPU variant"
+        reason = mosaic_gpu.why_not(mosaic, xs, static)
+        if reason is not None:
+            return False, None, f"Mosaic GPU variant: {reason}"
+        return True, mosaic(*xs, **static), ""
+
+    def branch(*xs: Any) -> Any:
+        if mosaic is not None and mosaic_gpu.preferred():
+            done, out, _ = try_mosaic(xs)
+            if done:
+                return out
+        try:
+            return triton(*xs)
+        except KernelUnavailable as err:
+            done, out, why = try_mosaic(xs)
+            if done:
+                return out
+            err = KernelUnavailable(err.kernel, f"{err.reason}; {why}")
+            return _fallback(name, err, m, reference, xs)
+
+    return branch
+
+
+def _guarded(name: str, kernel: Callable[..., Any], reference: Callable[..., Any], m: str) -> Callable:
+    def branch(*xs: Any) -> Any:
+        try:
+            return kernel(*xs)
+        except KernelUnavailable as err:
+            return _fallback(name, err, m, reference, xs)
+
+    return branch
+
+
 def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args: Any, **static: Any) -> Any:
     """Run ``reference(*args, **static)`` or ``pallas(*args, cfg=Config(...), **static)``
-    according to the mode (see the module docstring)."""
+    according to the mode (see the module docstring).
+
+    A kernel that cannot be built for the running jax (``KernelUnavailable``,
+    e.g. Pallas' Triton backend missing) makes ``auto`` run the reference in
+    that platform's branch, with one ``KernelFallbackWarning`` naming the
+    kernel and the reason; ``pallas`` mode raises the error."""
     m = mode()
     if pallas is None or m == "reference" or not _kernel_ok(args):
         return run_reference(reference, args, static)
@@ -156,9 +253,10 @@ def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args
         return pallas(*args, cfg=Config(_INTERPRET_TARGET.get(), True), **static)
     if m == "auto" and not _accelerator_present():
         return run_reference(reference, args, static)
-    gpu = functools.partial(pallas, cfg=Config(GPU, False), **static)
-    tpu = functools.partial(pallas, cfg=Config(TPU, False), **static)
+    name = kernel_name(pallas)
     ref = functools.partial(reference, **static)
+    gpu = _gpu_branch(name, pallas, ref, m, static)
+    tpu = _guarded(name, functools.partial(pallas, cfg=Config(TPU, False), **static), ref, m)
     # each branch traced once: platform_dependent traces ``default`` apart from the named ones
     if m == "pallas":
         return lax.platform_dependent(*args, cpu=ref, tpu=tpu, default=gpu)

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _norm_jvp, blocks
+from . import _norm_jvp, blocks, mosaic_gpu
 from ._pallas import Config, RowPasses, first_row, iota, merge_moments, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from .dispatch import call
+from .dispatch import MOSAIC_GPU, call
 from .precision import compute_dtype, upcast
 
 _PARTIAL_ROWS = blocks.SUBLANE
@@ -311,3 +311,7 @@ def layer_norm_bwd(
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """``(dx, dweight | None, dbias | None)`` from the saved statistics."""
     return call(layer_norm_bwd_reference, layer_norm_bwd_pallas, x, weight, mean, rstd, g, has_bias=has_bias)
+
+
+MOSAIC_GPU[layer_norm_fwd_pallas] = mosaic_gpu.layer_norm_fwd_mgpu
+MOSAIC_GPU[layer_norm_bwd_pallas] = mosaic_gpu.layer_norm_bwd_mgpu

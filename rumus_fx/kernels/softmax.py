@@ -14,10 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import blocks
+from . import blocks, mosaic_gpu
 from ._pallas import Config, RowPasses, iota, pad_to, pallas_call, unpad
 from ._sharding import sharded_call
-from .dispatch import call
+from .dispatch import MOSAIC_GPU, call
 from .precision import upcast
 
 # ---------------------------------------------------------------- kernels
@@ -184,3 +184,7 @@ def softmax_fwd(x: jax.Array, axis: int = -1) -> jax.Array:
 def softmax_bwd(y: jax.Array, g: jax.Array, axis: int = -1) -> jax.Array:
     """``dx = y * (g - sum(g * y))`` from the saved output ``y``."""
     return call(softmax_bwd_reference, softmax_bwd_pallas, y, g, axis=axis)
+
+
+MOSAIC_GPU[softmax_pallas] = mosaic_gpu.softmax_mgpu
+MOSAIC_GPU[softmax_bwd_pallas] = mosaic_gpu.softmax_bwd_mgpu

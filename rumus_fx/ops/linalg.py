@@ -57,15 +57,30 @@ def _contract_rows(a: Array, g: Array, out_dtype: Any, out_sharding: Any = None,
     # then keeps the weight gradient sharded like the weight on Auto mesh axes
     # too) unless ``merge_rows`` and no mesh is set (Note [Weight gradient as
     # one 2-D dot]): then they are merged first, a free reshape.
-    if out_sharding is not None or kdispatch.backend() == "reference":
-        pref = jnp.float32 if is_low_precision(out_dtype) else None
-        if merge_rows and out_sharding is None and a.ndim > 2 and off_mesh(a, g):
-            a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-        lead = tuple(range(a.ndim - 1))
-        dims = ((lead, lead), ((), ()))
-        return lax.dot_general(a, g, dims, preferred_element_type=pref, out_sharding=out_sharding).astype(out_dtype)
+    if out_sharding is not None:
+        return _contract_rows_reference(a, g, out_dtype=out_dtype, merge_rows=merge_rows, out_sharding=out_sharding)
+    # the choice is the dispatch's, made for the platform lowered for (a program
+    # exported from a CPU host for cuda/tpu in pallas mode holds the kernel)
+    return kdispatch.call(
+        _contract_rows_reference, _contract_rows_pallas, a, g, out_dtype=out_dtype, merge_rows=merge_rows
+    )
+
+
+def _contract_rows_reference(
+    a: Array, g: Array, *, out_dtype: Any, merge_rows: bool, out_sharding: Any = None
+) -> Array:
+    pref = jnp.float32 if is_low_precision(out_dtype) else None
+    if merge_rows and out_sharding is None and a.ndim > 2 and off_mesh(a, g):
+        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    lead = tuple(range(a.ndim - 1))
+    dims = ((lead, lead), ((), ()))
+    return lax.dot_general(a, g, dims, preferred_element_type=pref, out_sharding=out_sharding).astype(out_dtype)
+
+
+def _contract_rows_pallas(a: Array, g: Array, *, out_dtype: Any, merge_rows: bool, cfg: Any) -> Array:
+    del merge_rows
     k, n = a.shape[-1], g.shape[-1]
-    return kmm.matmul(a.reshape(-1, k).T, g.reshape(-1, n), out_dtype=out_dtype)
+    return kmm.matmul_pallas(a.reshape(-1, k).T, g.reshape(-1, n), out_dtype=out_dtype, cfg=cfg)
 
 
 def off_mesh(*xs: Any) -> bool:

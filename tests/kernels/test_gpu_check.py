@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.py runs on a CPU-only machine: it reports that there is
-no GPU, and with --interpret it exercises every row with tiny sizes and writes
-its section of a results file, keeping the others."""
+"""benchmarks/gpu_check.py cannot pass a wrong kernel: faults injected into the
+interpret-mode kernels (a zero or negated gradient, an offset output, a wrong
+row mean, a dropped masked tail, swapped or scaled gradients) each fail their
+rows, and the clean kernels pass. Tiny shapes (the script's ``--cpu`` scale)."""
 
 from __future__ import annotations
 
@@ -10,30 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from rumus_fx.kernels import attention, batch_norm, cross_entropy, embedding, layer_norm, matmul, softmax
+from rumus_fx.kernels._pallas import Config
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-OTHER_SECTIONS = """# Benchmark results
-
-## rumus_fx vs jax.grad (`python -m benchmarks.models`)
-
-| model | jit step |
-|---|---|
-| MLP | 1.00 |
-
-## GPU kernels (`benchmarks/gpu_check.py`)
-
-Not measured.
-
-## Later notes
-
-Kept as they are.
-"""
-
-
-def _run(*flags: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, str(SCRIPT), *flags], env=env, capture_output=True, text=True, timeout=600)
+CPU = Config("gpu", interpret=True)
 
 
 @pytest.fixture(scope="module")
@@ -46,51 +32,172 @@ def gpu_check():
     sys.modules.pop("gpu_check", None)
 
 
-def test_reports_no_gpu(tmp_path):
-    results = tmp_path / "RESULTS.md"
-    proc = _run("--results", str(results))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("no GPU")
-    assert not results.exists()  # nothing measured, nothing written
+def _rows(gpu_check, kernel: str, dtypes=("float32",), unaligned_only: bool = False):
+    """The check's rows of one kernel at the --cpu scale (both shapes, or the unaligned one)."""
+    todo = [c for c in gpu_check.cases("cpu", dtypes) if c.kernel == kernel]
+    assert todo, kernel
+    if unaligned_only:
+        todo = todo[len(todo) // 2 :]
+    return [gpu_check.check_case(c, CPU) for c in todo]
 
 
-@pytest.mark.slow  # the kernels' interpret and lowering tests run by default
-def test_interpret_rows_all_check_out_and_fill_their_section(tmp_path):
-    results = tmp_path / "RESULTS.md"
-    results.write_text(OTHER_SECTIONS)
-    proc = _run("--interpret", "--iters", "1", "--markdown", "--results", str(results))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 19
-    assert all("| ok |" in row for row in rows), "\n".join(rows)
-    text = results.read_text()
-    assert text.count("## GPU kernels") == 1 and "Not measured." not in text
-    assert "| MLP | 1.00 |" in text and "## Later notes\n\nKept as they are.\n" in text
-    assert "NOT GPU measurements" in text and "jax 0." in text
-    assert all(row in text for row in rows)
+def _wrap(monkeypatch, module, name, fault):
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: fault(original(*a, **k)))
 
 
-def test_results_section_is_replaced_not_appended(gpu_check, tmp_path):
-    results = tmp_path / "RESULTS.md"
-    results.write_text(OTHER_SECTIONS)
-    row = ["softmax", "8x8", "float32", "0.0e+00", "ok", "1.000", "2.000", "2.00x", "1", "-", "1%", "1%"]
-    for _ in range(2):
-        gpu_check.write_results(results, [row], devices="NVIDIA H200", scale="full", iters=30, interpret=False)
-    text = results.read_text()
-    assert text.count("## GPU kernels") == 1 and text.count("| softmax | 8x8 |") == 1
-    assert "Device: NVIDIA H200" in text and text.endswith("Kept as they are.\n")
-    assert text.index("## rumus_fx vs jax.grad") < text.index("## GPU kernels") < text.index("## Later notes")
-    fresh = tmp_path / "NEW.md"
-    gpu_check.write_results(fresh, [row], devices="NVIDIA H200", scale="full", iters=30, interpret=False)
-    assert fresh.read_text().startswith("# Benchmark results\n\n## GPU kernels")
+def _peak(x):
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
-def test_roofline_fractions(gpu_check):
-    import jax.numpy as jnp
+FAULTS = {
+    # the faults that passed the old all-outputs-together check
+    "cross_entropy dlogits zero": (
+        cross_entropy,
+        "cross_entropy_pallas",
+        "cross_entropy",
+        lambda out: (out[0], jnp.zeros_like(out[1])),
+    ),
+    "cross_entropy dlogits negated": (
+        cross_entropy,
+        "cross_entropy_pallas",
+        "cross_entropy",
+        lambda out: (out[0], -out[1]),
+    ),
+    "attention output + 0.1": (
+        attention,
+        "attention_fwd_pallas",
+        "attention",
+        lambda out: (out[0] + jnp.asarray(0.1, out[0].dtype), out[1]),
+    ),
+    "layer_norm mean off by 30% of its largest value": (
+        layer_norm,
+        "layer_norm_fwd_pallas",
+        "layer_norm",
+        lambda out: (out[0], out[1] + 0.3 * _peak(out[1]), out[2]),
+    ),
+    # and a few more
+    "softmax_bwd scaled by 1.01": (softmax, "softmax_bwd_pallas", "softmax_bwd", lambda dx: dx * 1.01),
+    "layer_norm_bwd dw and db swapped": (
+        layer_norm,
+        "layer_norm_bwd_pallas",
+        "layer_norm_bwd",
+        lambda out: (out[0], out[2], out[1]),
+    ),
+    "batch_norm_bwd last channel's dx dropped": (
+        batch_norm,
+        "batch_norm_train_bwd_pallas",
+        "batch_norm_bwd",
+        lambda out: (out[0].at[:, -1].set(0), out[1], out[2]),
+    ),
+    "matmul masked tail row lost": (matmul, "matmul_pallas", "matmul", lambda c: c.at[-1].set(0)),
+    "attention_bwd dk halved": (
+        attention,
+        "attention_bwd_pallas",
+        "attention_bwd",
+        lambda out: (out[0], out[1] * 0.5, *out[2:]),
+    ),
+    "embedding_bwd last vocabulary row lost": (
+        embedding,
+        "embedding_bwd_pallas",
+        "embedding_bwd",
+        lambda t: t.at[-1].set(0),
+    ),
+}
 
-    x = jnp.zeros((1000, 1000), jnp.float32)  # 4 MB in, 4 MB out
-    copy = gpu_check.Bench("copy", "", "float32", (x,), None, None)
-    gbs, tflops, roof = gpu_check._rates(copy, x, 8e6 / 4.8e12 * 1e3)  # exactly at the HBM roofline
-    assert (gbs, tflops, roof) == ("4800", "-", "100%")
-    mm = gpu_check.Bench("matmul", "", "bfloat16", (x,), None, None, flops=989e12 * 1e-3)  # 1 ms at peak
-    assert gpu_check._rates(mm, x, 2.0) == ("4", "494.5", "50%")
+
+# the slower interpret-mode kernels run in the slow suite only
+_FAST = {
+    "cross_entropy dlogits negated",
+    "layer_norm mean off by 30% of its largest value",
+    "softmax_bwd scaled by 1.01",
+    "matmul masked tail row lost",
+}
+
+
+@pytest.mark.parametrize("fault", [f if f in _FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAULTS])
+def test_each_injected_fault_fails_its_rows(gpu_check, monkeypatch, fault):
+    module, name, kernel, perturb = FAULTS[fault]
+    _wrap(monkeypatch, module, name, perturb)
+    rows = _rows(gpu_check, kernel, unaligned_only=True)
+    assert all(not r.ok and r.cells[3] == "WRONG" for r in rows), [r.cells for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["cross_entropy dlogits negated", "attention output + 0.1"])
+def test_faults_fail_in_low_precision_too(gpu_check, monkeypatch, fault):
+    module, name, kernel, perturb = FAULTS[fault]
+    _wrap(monkeypatch, module, name, perturb)
+    rows = _rows(gpu_check, kernel, ("bfloat16",), unaligned_only=True)
+    assert all(not r.ok for r in rows), [r.cells for r in rows]
+
+
+def test_a_non_finite_output_fails(gpu_check, monkeypatch):
+    _wrap(monkeypatch, softmax, "softmax_pallas", lambda y: y.at[0, 0].set(jnp.nan))
+    assert not any(r.ok for r in _rows(gpu_check, "softmax", unaligned_only=True))
+
+
+def test_a_kernel_that_raises_is_reported(gpu_check, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr(layer_norm, "layer_norm_fwd_pallas", broken)
+    rows = _rows(gpu_check, "layer_norm")
+    assert all(r.cells[3].startswith("FAIL RuntimeError: lowering failed") for r in rows)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    ["softmax_bwd", "layer_norm"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("cross_entropy", "attention")],
+)
+def test_clean_kernels_pass(gpu_check, kernel):
+    rows = _rows(gpu_check, kernel)
+    assert len(rows) == 2 and all(r.ok for r in rows), [r.cells for r in rows]
+
+
+@pytest.mark.slow
+def test_clean_kernels_pass_every_row(gpu_check):
+    rows = [gpu_check.check_case(c, CPU) for c in gpu_check.cases("cpu", ("float32", "float16"))]
+    assert all(r.ok for r in rows), [r.cells for r in rows if not r.ok]
+
+
+def test_compare_scales_each_output_on_its_own(gpu_check):
+    big, small = jnp.full((4,), 1000.0), jnp.full((4,), 1e-3)
+    (b, s) = gpu_check.compare(("big", "small"), (big, small * 2), (big, small))
+    assert b.rel == 0 and s.rel == pytest.approx(1.0) and s.norm == pytest.approx(2.0)
+    (z,) = gpu_check.compare(("zero",), (jnp.zeros(3),), (jnp.arange(3.0),))
+    assert z.cos == 0 and not z.ok(gpu_check.TOLERANCE["float32"])
+    # below the noise floor (a gradient zero in exact arithmetic): error against the floor only
+    got, want = (big, jnp.full(3, -1e-9)), (big, jnp.full(3, 1e-9))
+    _, n = gpu_check.compare(("big", "noise"), got, want, noise=1e-4)
+    assert n.ok(gpu_check.TOLERANCE["float32"]) and n.rel == pytest.approx(2e-9 / 0.1)
+    _, n = gpu_check.compare(("big", "noise"), (big, jnp.full(3, 1e-2)), want, noise=1e-4)
+    assert not n.ok(gpu_check.TOLERANCE["float32"])
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(SCRIPT), *flags], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_reports_no_gpu(gpu_check, tmp_path, capsys):
+    out = tmp_path / "check.md"
+    assert gpu_check.main(["--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("no GPU") and not out.exists()
+
+
+def test_cpu_run_writes_its_table(gpu_check, tmp_path):
+    out = tmp_path / "sub" / "check.md"
+    assert gpu_check.main(["--cpu", "--only", "softmax_bwd", "--dtypes", "float32", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "NOT a GPU run" in text and f"jax {jax.__version__}" in text
+    assert text.count("| softmax_bwd |") == 2 and "| ok |" in text
+
+
+@pytest.mark.slow  # a subprocess (the limit ends the process)
+def test_time_limit_is_hard_and_keeps_the_table(tmp_path):
+    out = tmp_path / "check.md"
+    proc = _run("--cpu", "--only", "attention", "--out", str(out), "--time-limit", "3")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "time limit" in proc.stdout
+    assert "SKIPPED (time limit)" in out.read_text()
