@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import AutogradError
-from .lazy import _PENDING, Lazy
+from .lazy import _LOCAL as _LAZY_LOCAL
+from .lazy import Lazy
 from .lazy import flush as lazy_flush
 from .lazy import value as lazy_value
 from .recording import current_tape
@@ -143,7 +144,7 @@ class Tensor:
             sub = CAPTURE.value(self)
             if sub is not None:
                 return sub
-        if _PENDING:  # any read computes every deferred value (Note [Deferred elementwise ops] in lazy.py)
+        if _LAZY_LOCAL.q.nodes:  # any read computes this thread's deferred values (Note [Deferred elementwise ops] in lazy.py)
             lazy_flush()
         layout = self._layout
         storage = self._storage

@@ -162,7 +162,7 @@ def gradients(
     zeros for None. ``create_graph_on``: the tape the walk is recorded on
     (``backward(create_graph=True)``, Note [Create graph] in
     rumus_fx/lift/higher.py); the gradients are then Tensors."""
-    lazy.flush()  # deferred forward values, and the records that saved them (rumus_fx/lazy.py)
+    lazy.flush_for(e.op for e in entries)  # deferred forward values, and the records that saved them (rumus_fx/lazy.py)
     by_id: dict[int, Any] = {}
     for gid, ct in seeds:
         if gid is not None:

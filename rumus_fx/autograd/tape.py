@@ -128,7 +128,7 @@ class Tape:
     # -- inspection ----------------------------------------------------------
     @property
     def entries(self) -> tuple[TapeEntry, ...]:
-        lazy.flush()  # records show arrays, not deferred values (rumus_fx/lazy.py)
+        lazy.flush_for(e.op for e in self._entries)  # records show arrays, not deferred values (rumus_fx/lazy.py)
         return tuple(self._entries)
 
     def __len__(self) -> int:
