@@ -7,6 +7,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import rumus_fx as rf
 from rumus_fx import lazy
@@ -135,3 +136,110 @@ def test_a_tape_recorded_in_one_thread_backwarded_in_another():
     g = box["tape"].backward(box["loss"])[box["x"]]
     want = jax.grad(lambda v: jnp.sum(jnp.tanh(jax.nn.sigmoid(v * 2.0) - 0.5)))(x0)
     np.testing.assert_allclose(g, want, rtol=1e-6)
+
+
+# -- backward(create_graph=True) on the Tape API, under an enclosing tape ---------
+
+_X = np.random.default_rng(3).standard_normal((4, 3))
+_W0 = np.random.default_rng(4).standard_normal(3)
+_B0 = np.float64(0.3)
+
+
+def _penalty_jnp(w, b, track="wb"):
+    """The sum of squares of the loss's gradients with respect to ``track``."""
+    x = jnp.asarray(_X)
+
+    def loss(w, b):
+        return jnp.sum(jnp.tanh(x @ w + b) * (x @ w))
+
+    argnums = tuple(i for i, k in enumerate("wb") if k in track)
+    return sum(jnp.sum(g * g) for g in jax.grad(loss, argnums=argnums)(w, b))
+
+
+def _penalty_rf(w0, b0, track, backward=True):
+    """The PyTorch-style gradient penalty: the inner tape's backward recorded
+    on ``outer``; returns the penalty, ``outer``'s length and its gradients
+    (with respect to the tensors in ``track``, the tracked ones)."""
+    with rf.Tape() as outer:
+        w = rf.tensor(w0, requires_grad="w" in track)
+        b = rf.tensor(b0, requires_grad="b" in track)
+        x = rf.tensor(jnp.asarray(_X))
+        with rf.Tape() as inner:
+            loss = rf.sum(rf.tanh(x @ w + b) * (x @ w))
+        grads = inner.backward(loss, create_graph=True)
+        wanted = [t for t, k in ((w, "w"), (b, "b")) if k in track]
+        penalty = rf.sum(grads[wanted[0]] * grads[wanted[0]])
+        for t in wanted[1:]:
+            penalty = penalty + rf.sum(grads[t] * grads[t])
+    n = len(outer)
+    if not backward:
+        return penalty.value, n, []
+    g = outer.backward(penalty)
+    return penalty.value, n, [g[t] for t in wanted]
+
+
+def _fd(f, x, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        d = np.zeros_like(x)
+        d[i] = eps
+        out[i] = (f(x + d) - f(x - d)) / (2 * eps)
+    return out
+
+
+@pytest.mark.parametrize("track", ["w", "b", "wb"])
+def test_create_graph_gradient_penalty_recorded_on_the_enclosing_tape(x64, track):
+    """Each differentiable argument alone and both together, against jax.grad."""
+    w0, b0 = jnp.asarray(_W0), jnp.asarray(_B0)
+    value, n, got = _penalty_rf(w0, b0, track)
+    assert n > 0  # the walk (and the inner forward it reads) is on ``outer``
+    np.testing.assert_allclose(value, _penalty_jnp(w0, b0, track), rtol=1e-12)
+    argnums = tuple(i for i, k in enumerate("wb") if k in track)
+    want = jax.grad(lambda w, b: _penalty_jnp(w, b, track), argnums=argnums)(w0, b0)
+    for g, wv in zip(got, want):
+        np.testing.assert_allclose(g, wv, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_create_graph_gradient_penalty_finite_differences(x64):
+    w0, b0 = jnp.asarray(_W0), jnp.asarray(_B0)
+    _, _, (gw, gb) = _penalty_rf(w0, b0, "wb")
+    fd_w = _fd(lambda w: float(_penalty_rf(jnp.asarray(w), b0, "wb", False)[0]), w0)
+    fd_b = _fd(lambda b: float(_penalty_rf(w0, jnp.asarray(b), "wb", False)[0]), b0)
+    np.testing.assert_allclose(gw, fd_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(gb, fd_b, rtol=1e-5, atol=1e-7)
+
+
+def test_create_graph_gradient_penalty_under_jit():
+    w0 = jnp.asarray(_W0, jnp.float32)
+    b0 = jnp.asarray(_B0, jnp.float32)
+
+    @jax.jit
+    def step(w, b):
+        return _penalty_rf(w, b, "wb")[2]
+
+    got = step(w0, b0)
+    want = jax.grad(_penalty_jnp, argnums=(0, 1))(w0, b0)
+    for g, wv in zip(got, want):
+        np.testing.assert_allclose(g, wv, rtol=2e-5, atol=1e-6)
+
+
+def test_third_derivative_through_three_nested_tapes(x64):
+    w0 = jnp.asarray([0.3, -0.7, 1.1])
+
+    def f_jnp(w):
+        return jnp.sum(jnp.tanh(w) * w * w)
+
+    def sum_grad(f):
+        return lambda w: jnp.sum(jax.grad(f)(w))
+
+    want = jax.grad(sum_grad(sum_grad(f_jnp)))(w0)
+    with rf.Tape() as t1:
+        w = rf.tensor(w0, requires_grad=True)
+        with rf.Tape() as t2:
+            with rf.Tape() as t3:
+                y = rf.sum(rf.tanh(w) * w * w)
+            s1 = rf.sum(t3.backward(y, create_graph=True)[w])  # recorded on t2
+        s2 = rf.sum(t2.backward(s1, create_graph=True)[w])  # recorded on t1
+    np.testing.assert_allclose(t1.backward(s2)[w], want, rtol=1e-10)
