@@ -26,7 +26,6 @@ from .errors import ShapeError, ShapeTypeError
 from .lift import lift
 from .tensor import Tensor
 
-
 # words of a shape-related message of jax's TypeError/ValueError
 _SHAPE_WORDS = re.compile(r"shape|size|dimension|broadcast|\brank|\baxis|\baxes|ndim", re.IGNORECASE)
 
