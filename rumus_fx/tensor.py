@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as _jax_core  # pytype_aval_mappings: jax.core's alias is deprecated
 
 from .errors import AutogradError
 from .lazy import _LOCAL as _LAZY_LOCAL
@@ -301,7 +302,7 @@ TrackedTensor.__qualname__ = TrackedTensor.__name__ = (
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``jnp.sin(t)``, an optax update or ``jax.jit(f)(t)`` on a tracked Tensor
 # would cut it out of the gradient, so JAX must refuse it: JAX asks
-# ``jax.core.pytype_aval_mappings`` for its abstract value, and the entry for
+# ``pytype_aval_mappings`` (jax's core) for its abstract value, and the entry for
 # TrackedTensor raises ``TypeError`` naming the function (found on the stack:
 # the jitted function JAX is tracing, else the caller outside jax), the
 # tensor in short (shape, dtype, grad id -- never its data) and the way out
@@ -350,7 +351,7 @@ def _refuse_tracked(t: Tensor) -> Any:
     raise TypeError(detail)
 
 
-jax.core.pytype_aval_mappings[TrackedTensor] = _refuse_tracked
+_jax_core.pytype_aval_mappings[TrackedTensor] = _refuse_tracked
 
 
 def _flatten_tensor(t: Tensor) -> tuple[tuple[jax.Array], None]:
