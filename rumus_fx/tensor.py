@@ -148,7 +148,7 @@ class Tensor:
             sub = CAPTURE.value(self)
             if sub is not None:
                 return sub
-        if _LAZY_LOCAL.q.nodes:  # any read computes this thread's deferred values (Note [Deferred elementwise ops] in lazy.py)
+        if _LAZY_LOCAL.q.nodes:  # a read computes this thread's deferred values (Note in lazy.py)
             lazy_flush()
         layout = self._layout
         storage = self._storage

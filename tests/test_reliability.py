@@ -12,15 +12,14 @@ import pytest
 import rumus_fx as rf
 from rumus_fx import lazy
 
-_LENGTHS = (5, 50, 200, 7, 13, 1, 100, 33)  # one chain length per thread
 
-
-def _chain_work(n: int, k: int) -> list:
-    """Three tapes of ``tanh(h * 1.1 + 0.01)`` chains of ``n`` ops: the
-    values, record names and gradients of each."""
+def _chain_work(n: int, k: int, reps: int = 3) -> list:
+    """``reps`` tapes of ``tanh(h * 1.1 + 0.01)`` chains of ``n`` ops: the
+    values, record names and gradients of each (the first sighting of a run
+    goes op by op, later ones as one compiled program)."""
     x0 = np.linspace(-1.0, 1.0, 6).astype(np.float32) * (k + 1) / 8
     out = []
-    for _ in range(3):
+    for _ in range(reps):
         with rf.Tape() as tape:
             x = rf.tensor(x0, requires_grad=True)
             h = x
@@ -62,14 +61,21 @@ def _in_threads(target, args_list, at_once: bool) -> dict:
     return results
 
 
-def test_threads_record_and_backward_their_own_chains_exactly():
-    """Eight threads at a tiny switch interval, each recording its own tapes of
-    tanh chains of different lengths: each thread's values, records and
-    gradients are bit for bit those of the same thread run alone."""
-    args = [(n, k) for k, n in enumerate(_LENGTHS)]
+@pytest.mark.parametrize(
+    "lengths,reps",
+    [
+        pytest.param((3, 9, 5, 2, 1, 6, 4, 8), 2, id="short"),
+        pytest.param((5, 50, 200, 7, 13, 1, 100, 260, 33, 2), 3, id="long", marks=pytest.mark.slow),
+    ],
+)
+def test_threads_record_and_backward_their_own_chains_exactly(lengths, reps):
+    """Eight or more threads at a tiny switch interval, each recording its own
+    tapes of tanh chains of different lengths: each thread's values, records
+    and gradients are bit for bit those of the same thread run alone."""
+    args = [(n, k, reps) for k, n in enumerate(lengths)]
     alone = _in_threads(_chain_work, args, at_once=False)
     together = _in_threads(_chain_work, args, at_once=True)
-    for k, n in enumerate(_LENGTHS):
+    for k, n in enumerate(lengths):
         for (v0, r0, g0), (v1, r1, g1) in zip(alone[k], together[k]):
             assert r1 == r0 and len(r0) == 3 * n + 1
             np.testing.assert_array_equal(v1, v0)
@@ -78,7 +84,7 @@ def test_threads_record_and_backward_their_own_chains_exactly():
     x0 = np.linspace(-1.0, 1.0, 6).astype(np.float32) / 8
 
     def f(x):
-        for _ in range(5):
+        for _ in range(lengths[0]):
             x = jnp.tanh(x * 1.1 + 0.01)
         return jnp.sum(x)
 

@@ -161,8 +161,7 @@ def _scalar_output(out: Any, name: str) -> tuple[jax.Array, Tensor | None]:
             value = jnp.asarray(out)
         except (TypeError, ValueError):
             raise TypeError(
-                f"{name}: the function must return a scalar (an rf.Tensor or array of size 1), "
-                f"got {type(out).__name__}"
+                f"{name}: the function must return a scalar (an rf.Tensor or array of size 1), got {type(out).__name__}"
             ) from None
         tracked = None
     if value.size != 1:
