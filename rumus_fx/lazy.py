@@ -54,8 +54,10 @@ that saved them): one thread's flush never computes, or clears, nodes another
 thread is still building, and each thread's runs -- hence its values, records
 and gradients -- are exactly those of the same code run alone. A node knows
 its queue, so a value read in another thread (a Tensor handed over) flushes
-the run it belongs to, under that queue's lock; every change of a queue
-(appending a node, a flush, recomputing an unreferenced node) holds that lock.
+the run it belongs to, under that queue's lock, which every flush and every
+recomputation of an unreferenced node hold; appending a node does not (a
+flush takes a prefix of the queue with atomic list operations, so a node
+appended meanwhile waits for the next flush).
 A node made on another thread's pending node computes that node first, so a
 run never reads another queue's nodes and no two locks are ever held at once.
 A backward and a tape's inspection flush this thread's queue, and another
@@ -221,18 +223,19 @@ def defer(kind: Kind, src: Any, scalar: Any = None) -> Lazy:
     node.pos = 0
     node.run = None
     node.queue = q
-    with q.lock:
-        nodes = q.nodes
-        context = q.context
-        if nodes and (device is not context[0] or mesh is not context[1] or x64 is not context[2]):
-            _flush(q)
-        if not nodes:
-            context[:] = device, mesh, x64
-        if type(src) is Lazy:
-            src.consumers += 1
-        nodes.append(node)
-        if len(nodes) >= MAX_PENDING:
-            _flush(q)
+    # no lock: a flush from another thread takes a prefix of ``nodes`` with
+    # atomic list operations, so a node appended meanwhile waits for the next
+    nodes = q.nodes
+    context = q.context
+    if nodes and (device is not context[0] or mesh is not context[1] or x64 is not context[2]):
+        flush(q)
+    if not nodes:
+        context[:] = device, mesh, x64
+    if type(src) is Lazy:
+        src.consumers += 1
+    nodes.append(node)
+    if len(nodes) >= MAX_PENDING:
+        flush(q)
     return node
 
 
@@ -242,12 +245,8 @@ def saves(rec: Any, field: str, node: Any) -> None:
         q = _LOCAL.q
         if node.queue is not q or node.pos < 0:  # computed already, or another thread's
             object.__setattr__(rec, field, value(node))
-            return
-        with q.lock:
-            if node.pos >= 0:
-                q.saved.append((rec, field, node))
-                return
-        object.__setattr__(rec, field, value(node))
+        else:  # (computed meanwhile by another thread: replaced at this thread's next flush)
+            q.saved.append((rec, field, node))
 
 
 def value(node: Lazy) -> jax.Array:
@@ -327,9 +326,10 @@ def _flush(q: Queue) -> None:
     """``flush(q)`` with ``q.lock`` held."""
     pending = q.nodes
     if pending:
-        nodes = pending[:]
-        pending.clear()
-        device, mesh, x64 = q.context
+        device, mesh, x64 = q.context  # first: the owner sets it only on an empty queue
+        n = len(pending)
+        nodes = pending[:n]
+        del pending[:n]  # not clear(): a node the owner appended meanwhile waits on
         try:
             if _config.jax_default_device is device and _abstract_mesh() is mesh and _config.jax_enable_x64 is x64:
                 _run(nodes)
@@ -341,8 +341,9 @@ def _flush(q: Queue) -> None:
                 n.pos, n.run = -1, None
             del nodes
     if q.saved:
-        saved = q.saved[:]
-        q.saved.clear()
+        n = len(q.saved)
+        saved = q.saved[:n]
+        del q.saved[:n]
         for rec, field, node in saved:
             object.__setattr__(rec, field, value(node))
 
