@@ -11,6 +11,7 @@ so the mirror never drifts from it.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -21,19 +22,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ops
+from .errors import ShapeError, ShapeTypeError
 from .lift import lift
 from .tensor import Tensor
 
+# words of a shape-related message of jax's TypeError/ValueError
+_SHAPE_WORDS = re.compile(r"shape|size|dimension|broadcast|\brank|\baxis|\baxes|ndim", re.IGNORECASE)
+
+
+def display_name(qualname: str) -> str:
+    """``jax.numpy.linalg.solve`` -> ``rnp.linalg.solve``; ``jax.lax.x`` -> ``rf.lax.x``."""
+    for jax_prefix, rf_prefix in (("jax.numpy.", "rnp."), ("jax.lax.", "rf.lax.")):
+        if qualname.startswith(jax_prefix):
+            return rf_prefix + qualname[len(jax_prefix) :]
+    return qualname
+
+
+def as_shape_error(name: str, e: BaseException) -> ShapeError | None:
+    """jax's shape-related ``TypeError``/``ValueError`` (exactly those types) as
+    an ``rf.ShapeError`` (``ShapeTypeError`` for a TypeError: still caught as
+    one) whose message names the function ``name``; None for any other error."""
+    if type(e) not in (TypeError, ValueError) or not _SHAPE_WORDS.search(str(e)):
+        return None
+    cls = ShapeTypeError if type(e) is TypeError else ShapeError
+    return cls(f"{name}: {e}")
+
 
 def lifted_function(fn: Callable, qualname: str) -> Callable:
-    out = lift(fn, name=qualname)
-    try:
-        out.__name__ = getattr(fn, "__name__", qualname.rsplit(".", 1)[-1])
-        out.__qualname__ = qualname
-        out.__doc__ = f"``{qualname}``, recorded on the tape (see rf.lift).\n\n{getattr(fn, '__doc__', '') or ''}"
-    except (AttributeError, TypeError):  # pragma: no cover
-        pass
-    return out
+    lifted = lift(fn, name=qualname)
+    name = display_name(qualname)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return lifted(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            err = as_shape_error(name, e)
+            if err is None:
+                raise
+            raise err from e
+
+    call.__wrapped_lift__ = lifted.__wrapped_lift__  # type: ignore[attr-defined]
+    call.__wrapped__ = fn  # type: ignore[attr-defined]  # its signature
+    call.__module__ = getattr(fn, "__module__", None) or call.__module__
+    call.__name__ = getattr(fn, "__name__", qualname.rsplit(".", 1)[-1])
+    call.__qualname__ = qualname
+    call.__doc__ = f"``{qualname}``, recorded on the tape (see rf.lift).\n\n{getattr(fn, '__doc__', '') or ''}"
+    return call
 
 
 def with_fused(fused: Callable, fallback: Callable, accepts: Callable[..., bool]) -> Callable:

@@ -53,6 +53,7 @@ from jax.experimental import checkify
 
 from .autograd import engine
 from .errors import AutogradError
+from .lift import interpreter
 from .storage import live_storage_count
 
 _MODES = ("callback", "checkify")
@@ -212,6 +213,53 @@ def anomaly_check() -> engine.AnomalyCheck | None:
 
 
 engine.set_anomaly_hook(anomaly_check)
+
+
+class _RowOp:
+    """A lifted call's primitive record, named for anomaly messages:
+    ``SqrtBackward in rf.lift(jax.numpy.sqrt)``."""
+
+    __slots__ = ("name", "rec")
+
+    def __init__(self, rec: Any, program_name: str):
+        self.rec = rec
+        self.name = f"{rec.name} in rf.lift({program_name})"
+
+    def saved_arrays(self) -> dict[str, Any]:
+        return self.rec.saved_arrays()
+
+
+class _RowEntry:
+    """The ``TapeEntry``-like view of one row of a lifted call that
+    ``check_finite`` reads (inputs: which get gradients; avals)."""
+
+    __slots__ = ("input_avals", "inputs", "op")
+
+    def __init__(self, rec: Any, program_name: str):
+        st = rec._step
+        self.op = _RowOp(rec, program_name)
+        self.inputs = tuple(0 if need else None for need in st.needs)
+        self.input_avals = tuple((tuple(a.shape), a.dtype) for a in st.in_avals)
+
+
+def lifted_anomaly_check(program: Any) -> Any:
+    """The check a lifted call's backward runs after each primitive's rule in
+    anomaly mode (None otherwise): the error names the primitive record, its
+    row (``"<tape index>.<row>"``, as the tape prints it) and the lifted
+    function, eagerly and under jit (Note [Anomaly mode])."""
+    mode = ANOMALY.get()
+    walk = engine.ANOMALY_WALK.get()
+    if mode is None or walk is None:
+        return None
+
+    def check(rec: Any, row: int, grad_out: Any, in_grads: Sequence[Any]) -> None:
+        grads = [g if need else None for g, need in zip(in_grads, rec._step.needs)]
+        walk[1] = check_finite(_RowEntry(rec, program.name), f"{walk[0]}.{row}", grad_out, grads, walk[1], mode)
+
+    return check
+
+
+interpreter.ANOMALY_CHECK = lifted_anomaly_check
 
 
 def check_finite(

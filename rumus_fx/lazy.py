@@ -32,7 +32,7 @@ What the semantics need, kept:
 - shape and dtype are known without computing (a python scalar with a float
   array keeps the array's dtype), so shape errors and records are as before;
 - records that save a node (tanh's output, relu's input) hold the node until
-  the flush, which replaces it by its array in the record (``_SAVED``); every
+  the flush, which replaces it by its array in the record (``Queue.saved``); every
   flush does, and at most ``MAX_PENDING`` nodes wait, so nothing accumulates;
 - a tensor's version counter, snapshots and in-place writes see one storage,
   as before (a write flushes first);
@@ -46,6 +46,25 @@ What the semantics need, kept:
   operand alive until then;
 - nothing defers under a trace (``jax.jit``, ``vmap``, ``rf.lift``): a tracer
   is never an operand here.
+
+Note [Deferred ops and threads]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each thread has its own pending run (a ``Queue``: nodes, context, the records
+that saved them): one thread's flush never computes, or clears, nodes another
+thread is still building, and each thread's runs -- hence its values, records
+and gradients -- are exactly those of the same code run alone. A node knows
+its queue, so a value read in another thread (a Tensor handed over) flushes
+the run it belongs to, under that queue's lock, which every flush and every
+recomputation of an unreferenced node hold; appending a node does not (a
+flush takes a prefix of the queue with atomic list operations, so a node
+appended meanwhile waits for the next flush).
+A node made on another thread's pending node computes that node first, so a
+run never reads another queue's nodes and no two locks are ever held at once.
+A backward and a tape's inspection flush this thread's queue, and another
+thread's only when it holds records of that tape (``flush_for``): a thread's
+runs are cut where its own reads cut them, and a run structure compiles on
+the thread's own second sighting, so its values are bit for bit those of
+the same code run alone.
 """
 
 from __future__ import annotations
@@ -53,6 +72,8 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,8 +112,9 @@ class Lazy:
     """A deferred op result: shape and dtype now, the array at the next flush."""
 
     # pos: >= 0 while pending, then its position in the run being computed
-    # (valid with that run's token in ``run``); -1 once its run is done
-    __slots__ = ("array", "consumers", "dtype", "kind", "pos", "run", "scalar", "shape", "src")
+    # (valid with that run's token in ``run``); -1 once its run is done;
+    # queue: the thread's queue it was made in
+    __slots__ = ("array", "consumers", "dtype", "kind", "pos", "queue", "run", "scalar", "shape", "src")
     weak_type = False
 
     @property
@@ -108,11 +130,40 @@ class Lazy:
         return f"Lazy({self.kind.name}, shape={self.shape}, dtype={self.dtype}, {state})"
 
 
-_PENDING: list[Lazy] = []
-_CONTEXT: list[Any] = [None, None, False]  # (default device, abstract mesh, x64) of the pending run
-_SAVED: list[tuple[Any, str, Lazy]] = []  # (record, field, node) to replace at the flush
-_PROGRAMS: dict[Any, list[Any]] = {}  # run structure -> [sightings, compiled run or None]
+class Queue:
+    """One thread's pending run: its nodes, their context, the records that
+    saved them, and the lock that a flush -- from this thread or from one
+    reading a value of this run -- holds (Note [Deferred ops and threads])."""
+
+    __slots__ = ("__weakref__", "context", "lock", "nodes", "saved", "seen")
+
+    def __init__(self) -> None:
+        self.nodes: list[Lazy] = []
+        self.context: list[Any] = [None, None, False]  # (default device, abstract mesh, x64) of the run
+        self.saved: list[tuple[Any, str, Lazy]] = []  # (record, field, node) to replace at the flush
+        self.lock = threading.RLock()
+        self.seen: dict[Any, int] = {}  # run structure -> sightings in this thread
+
+
+_QUEUES: weakref.WeakSet[Queue] = weakref.WeakSet()  # every thread's queue (``flush_all``)
+_QUEUES_LOCK = threading.Lock()
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.q = Queue()
+        with _QUEUES_LOCK:
+            _QUEUES.add(self.q)
+
+
+_LOCAL = _Local()  # ``_LOCAL.q``: this thread's queue
+_PROGRAMS: dict[Any, Any] = {}  # run structure -> its compiled run (shared by the threads)
 _ENABLED = [True]
+
+
+def queue() -> Queue:
+    """This thread's queue."""
+    return _LOCAL.q
 
 
 def enabled() -> bool:
@@ -121,16 +172,16 @@ def enabled() -> bool:
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn deferral on or off (flushing what waits); returns the old setting."""
-    flush()
+    """Turn deferral on or off (flushing what waits, in every thread); returns the old setting."""
+    flush_all()
     old = _ENABLED[0]
     _ENABLED[0] = bool(on)
     return old
 
 
 def pending() -> int:
-    """Nodes waiting for the next flush."""
-    return len(_PENDING)
+    """Nodes of this thread waiting for its next flush."""
+    return len(_LOCAL.q.nodes)
 
 
 def operand(storage: Any) -> Any:
@@ -158,12 +209,9 @@ def operand(storage: Any) -> Any:
 def defer(kind: Kind, src: Any, scalar: Any = None) -> Lazy:
     """A pending ``kind.fun(src[, scalar])`` with ``src``'s shape and dtype."""
     device, mesh, x64 = _config.jax_default_device, _abstract_mesh(), _config.jax_enable_x64
-    queue = _PENDING
-    context = _CONTEXT
-    if queue and (device is not context[0] or mesh is not context[1] or x64 is not context[2]):
-        flush()
-    if not queue:
-        context[:] = device, mesh, x64
+    q = _LOCAL.q
+    if type(src) is Lazy and src.queue is not q:  # another thread's node: computed there first
+        src = value(src)
     node = Lazy.__new__(Lazy)
     node.kind = kind
     node.src = src
@@ -174,29 +222,45 @@ def defer(kind: Kind, src: Any, scalar: Any = None) -> Lazy:
     node.consumers = 0
     node.pos = 0
     node.run = None
+    node.queue = q
+    # no lock: a flush from another thread takes a prefix of ``nodes`` with
+    # atomic list operations, so a node appended meanwhile waits for the next
+    nodes = q.nodes
+    context = q.context
+    if nodes and (device is not context[0] or mesh is not context[1] or x64 is not context[2]):
+        flush(q)
+    if not nodes:
+        context[:] = device, mesh, x64
     if type(src) is Lazy:
         src.consumers += 1
-    queue.append(node)
-    if len(queue) >= MAX_PENDING:
-        flush()
+    nodes.append(node)
+    if len(nodes) >= MAX_PENDING:
+        flush(q)
     return node
 
 
 def saves(rec: Any, field: str, node: Any) -> None:
     """``rec.field`` holds ``node``: replace it by the array at the flush."""
     if type(node) is Lazy:
-        _SAVED.append((rec, field, node))
+        q = _LOCAL.q
+        if node.queue is not q or node.pos < 0:  # computed already, or another thread's
+            object.__setattr__(rec, field, value(node))
+        else:  # (computed meanwhile by another thread: replaced at this thread's next flush)
+            q.saved.append((rec, field, node))
 
 
 def value(node: Lazy) -> jax.Array:
-    """The array of ``node`` (flushing, or recomputing an unreferenced one)."""
+    """The array of ``node`` (flushing its run, or recomputing an unreferenced
+    node; either in whichever thread made it)."""
     a = node.array
     if a is None:
+        q = node.queue
         if node.pos >= 0:
-            flush()
+            flush(q)
         a = node.array
         if a is None:
-            a = _recompute(node)
+            with q.lock:
+                a = _recompute(node)
     return a
 
 
@@ -224,13 +288,48 @@ def _recompute(node: Lazy) -> jax.Array:
     return x
 
 
-def flush() -> None:
-    """Compute every pending node, and put the arrays into the records that
-    saved them (Note [Deferred elementwise ops])."""
-    if _PENDING:
-        nodes = _PENDING[:]
-        del _PENDING[: len(nodes)]  # not clear(): a node appended meanwhile (another thread) waits on
-        device, mesh, x64 = _CONTEXT
+def flush(q: Queue | None = None) -> None:
+    """Compute every pending node of this thread (or of the queue ``q``), and
+    put the arrays into the records that saved them (Note [Deferred
+    elementwise ops])."""
+    if q is None:
+        q = _LOCAL.q
+    if q.nodes or q.saved:
+        with q.lock:
+            _flush(q)
+
+
+def flush_all() -> None:
+    """``flush`` every thread's queue."""
+    with _QUEUES_LOCK:
+        queues = [q for q in _QUEUES if q.nodes or q.saved]
+    for q in queues:
+        flush(q)
+
+
+def flush_for(records: Any) -> None:
+    """``flush`` this thread's queue, and any other thread's whose pending
+    records include one of ``records`` (a backward or an inspection of a tape
+    made in another thread); other threads' runs are left as they are."""
+    flush()
+    q = _LOCAL.q
+    with _QUEUES_LOCK:
+        others = [o for o in _QUEUES if o is not q and o.saved]
+    if others:
+        ids = {id(r) for r in records}
+        for o in others:
+            if any(id(rec) in ids for rec, _, _ in o.saved[:]):
+                flush(o)
+
+
+def _flush(q: Queue) -> None:
+    """``flush(q)`` with ``q.lock`` held."""
+    pending = q.nodes
+    if pending:
+        device, mesh, x64 = q.context  # first: the owner sets it only on an empty queue
+        n = len(pending)
+        nodes = pending[:n]
+        del pending[:n]  # not clear(): a node the owner appended meanwhile waits on
         try:
             if _config.jax_default_device is device and _abstract_mesh() is mesh and _config.jax_enable_x64 is x64:
                 _run(nodes)
@@ -241,9 +340,10 @@ def flush() -> None:
             for n in nodes:
                 n.pos, n.run = -1, None
             del nodes
-    if _SAVED:
-        saved = _SAVED[:]
-        del _SAVED[: len(saved)]
+    if q.saved:
+        n = len(q.saved)
+        saved = q.saved[:n]
+        del q.saved[:n]
         for rec, field, node in saved:
             object.__setattr__(rec, field, value(node))
 
@@ -291,15 +391,20 @@ def _run(nodes: list[Lazy]) -> None:
     del s, n
     outputs = _outputs(nodes)
     key = (tuple(structure), outputs)
-    entry = _PROGRAMS.get(key)
-    if entry is None and len(_PROGRAMS) < _MAX_PROGRAMS:
-        entry = _PROGRAMS[key] = [0, None]
-    if entry is not None and entry[1] is None:
-        entry[0] += 1
-        if entry[0] >= _COMPILE_AT:
-            entry[1] = jax.jit(functools.partial(_replay, key[0], outputs))
-    if entry is not None and entry[1] is not None:
-        arrays = entry[1](external, [scalar_operand(s) for s in scalars])
+    program = _PROGRAMS.get(key)
+    if program is None:
+        seen = nodes[0].queue.seen  # sightings count per thread: its runs are those it would make alone
+        if key in seen or len(seen) < _MAX_PROGRAMS:
+            count = seen[key] = seen.get(key, 0) + 1
+            if count >= _COMPILE_AT and len(_PROGRAMS) < _MAX_PROGRAMS:
+                program = _PROGRAMS[key] = jax.jit(functools.partial(_replay, key[0], outputs))
+    elif key not in nodes[0].queue.seen:  # compiled by another thread: used from this thread's own second sighting
+        seen = nodes[0].queue.seen
+        if len(seen) < _MAX_PROGRAMS:
+            seen[key] = 1
+        program = None
+    if program is not None:
+        arrays = program(external, [scalar_operand(s) for s in scalars])
         for i, a in zip(outputs, arrays):
             nodes[i].array = a
         for m in nodes:

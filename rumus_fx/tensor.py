@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as _jax_core  # pytype_aval_mappings: jax.core's alias is deprecated
 
 from .errors import AutogradError
-from .lazy import _PENDING, Lazy
+from .lazy import _LOCAL as _LAZY_LOCAL
+from .lazy import Lazy
 from .lazy import flush as lazy_flush
 from .lazy import value as lazy_value
 from .recording import current_tape
@@ -143,7 +148,7 @@ class Tensor:
             sub = CAPTURE.value(self)
             if sub is not None:
                 return sub
-        if _PENDING:  # any read computes every deferred value (Note [Deferred elementwise ops] in lazy.py)
+        if _LAZY_LOCAL.q.nodes:  # a read computes this thread's deferred values (Note in lazy.py)
             lazy_flush()
         layout = self._layout
         storage = self._storage
@@ -268,7 +273,19 @@ class Tensor:
         return self
 
 
-class TrackedTensor(Tensor):
+class _TrackedMeta(type):
+    """The type of ``TrackedTensor``: its repr, which JAX prints when it refuses
+    one (``<class ...>``), explains the refusal (Note [A tracked Tensor in a
+    plain JAX function])."""
+
+    def __repr__(cls) -> str:
+        detail = _REFUSED.__dict__.pop("detail", None)
+        if detail is not None:
+            return f"<{detail}>"
+        return "<class 'rumus_fx.Tensor (tracked: pass it through rf.lift / rf.lax, not a raw jax transformation)'>"
+
+
+class TrackedTensor(Tensor, metaclass=_TrackedMeta):
     """A Tensor with a grad id. Not a pytree (untracked Tensors are): the
     ``jax.tree`` functions keep it as one leaf, so tree maps inside a loss keep
     gradients, and a raw JAX transformation refuses it, with a message (the
@@ -280,6 +297,61 @@ class TrackedTensor(Tensor):
 TrackedTensor.__qualname__ = TrackedTensor.__name__ = (
     "Tensor (tracked: pass it through rf.lift / rf.lax, not a raw jax transformation)"
 )
+
+# Note [A tracked Tensor in a plain JAX function]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``jnp.sin(t)``, an optax update or ``jax.jit(f)(t)`` on a tracked Tensor
+# would cut it out of the gradient, so JAX must refuse it: JAX asks
+# ``pytype_aval_mappings`` (jax's core) for its abstract value, and the entry for
+# TrackedTensor raises ``TypeError`` naming the function (found on the stack:
+# the jitted function JAX is tracing, else the caller outside jax), the
+# tensor in short (shape, dtype, grad id -- never its data) and the way out
+# (``rf.lift``, ``rumus_fx.numpy``). Where JAX catches that TypeError and
+# raises its own ("Error interpreting argument to <fn> ... of type <class>"),
+# the class's repr is that same text (set per thread just before raising).
+_REFUSED = threading.local()
+_JAX_FILES = (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep, os.sep + "rumus_fx" + os.sep)
+
+
+def _refused_function() -> tuple[str, bool]:
+    """The function JAX refuses a tracked Tensor for, and whether JAX catches
+    the TypeError to raise its own (then the class's repr carries the text)."""
+    frame = sys._getframe(2)
+    caller = None
+    caught = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("_infer_input_type", "valid_jaxtype"):
+            caught = True
+        if code.co_name in ("_infer_input_type", "_infer_params") and "fun" in frame.f_locals:
+            fun = frame.f_locals["fun"]
+            fun = getattr(fun, "__wrapped__", fun)
+            name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None)
+            module = getattr(fun, "__module__", None) or ""
+            if module.startswith("jax._src.numpy"):
+                module = "jax.numpy"
+            if name:
+                return (f"{module}.{name}" if module and "<" not in name else name), caught
+        if caller is None and not any(p in code.co_filename for p in _JAX_FILES):
+            caller = f"{frame.f_globals.get('__name__', '?')}.{code.co_name}"
+        frame = frame.f_back
+    return caller or "a JAX function", caught
+
+
+def _refuse_tracked(t: Tensor) -> Any:
+    fn, caught = _refused_function()
+    detail = (
+        f"a tracked rf.Tensor (shape {tuple(t.shape)}, dtype {np.dtype(t.dtype).name}, grad_id={t.grad_id}) "
+        f"passed to the plain JAX function {fn}, which would cut it out of the gradient: wrap that function "
+        "in rf.lift (rf.lift(fn)(...)), or use its rumus_fx.numpy (rnp) / rf.lax counterpart; take "
+        "t.value or t.detach() for an untracked array"
+    )
+    if caught:
+        _REFUSED.detail = detail
+    raise TypeError(detail)
+
+
+_jax_core.pytype_aval_mappings[TrackedTensor] = _refuse_tracked
 
 
 def _flatten_tensor(t: Tensor) -> tuple[tuple[jax.Array], None]:

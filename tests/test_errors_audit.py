@@ -11,6 +11,7 @@ out-of-range indices.
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -240,6 +241,9 @@ TRANSFORM_CASES = [
     ("vjp", lambda: rf.vjp(lambda x: x * 2.0, jnp.ones(2))[1]((jnp.ones(2),)), TypeError, ("structure",)),
     ("vjp", lambda: rf.vjp(lambda x: x * 2.0, jnp.ones(2))[1](jnp.ones(3)), ValueError, ("(3,)", "(2,)")),
     ("has_aux", lambda: rf.vjp(lambda x: x * 2.0, jnp.ones(2), has_aux=True), TypeError, ("pair",)),
+    ("grad", lambda: rf.grad(_sq, argnums=(0, 0))(jnp.ones(2)), TypeError, ("argnums=(0, 0)", "more than once")),
+    ("value_and_grad", lambda: rf.value_and_grad(_sq, argnums=(0, -1))(jnp.ones(2)), TypeError, ("once",)),
+    ("grad", lambda: rf.grad(lambda x: None)(jnp.ones(2)), TypeError, ("must return a scalar", "NoneType")),
 ]
 
 
@@ -284,3 +288,143 @@ def test_tensor_constructor_errors():
         rf.tensor(np.arange(3, dtype=np.int32), requires_grad=True)
     with pytest.raises(TypeError, match="object"):
         rf.tensor(object())
+
+
+# -- more refusals: each names the op or function ------------------------------
+
+
+def test_grad_errors_under_jit():
+    with pytest.raises(TypeError, match="more than once"):
+        jax.jit(rf.grad(_sq, argnums=(0, 0)))(jnp.ones(2))
+    with pytest.raises(TypeError, match="must return a scalar"):
+        jax.jit(rf.grad(lambda x: None))(jnp.ones(2))
+
+
+def test_traced_out_of_range_class_targets_give_nan():
+    """Eagerly an out-of-range target raises; under jit (unchecked) the loss
+    and every gradient are NaN, never a finite loss of a wrapped class."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4)), jnp.float32)
+    with pytest.raises(IndexError, match="cross_entropy"):
+        rf.cross_entropy(logits, jnp.array([0, -1, 2]))
+    vg = jax.jit(rf.value_and_grad(lambda lg, t: rf.cross_entropy(lg, t)))
+    for bad in ([0, -1, 2], [0, 4, 2]):
+        loss, g = vg(logits, jnp.array(bad))
+        assert np.isnan(loss) and np.isnan(np.asarray(g)).all()
+    loss, g = vg(logits, jnp.array([0, 3, 2]))  # in range: finite, as jax.grad's
+    want = jax.grad(lambda lg: -jnp.mean(jax.nn.log_softmax(lg)[jnp.arange(3), jnp.array([0, 3, 2])]))(logits)
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
+    ignored = jax.jit(rf.grad(lambda lg, t: rf.cross_entropy(lg, t, ignore_index=-1)))(logits, jnp.array([0, -1, 2]))
+    assert np.isfinite(np.asarray(ignored)).all()  # the ignore_index is not out of range
+
+
+def test_mse_loss_of_empty_inputs_is_nan():
+    out = rf.mse_loss(jnp.zeros((0, 3)), jnp.zeros((0, 3)))
+    assert np.isnan(float(out.value)) and np.isnan(jnp.mean(jnp.zeros((0, 3)) ** 2))
+    gp, gt = rf.grad(lambda p, t: rf.mse_loss(p, t), argnums=(0, 1))(jnp.zeros((0, 3)), jnp.zeros((0, 3)))
+    assert gp.shape == (0, 3) and gt.shape == (0, 3)
+
+
+def test_attention_over_zero_keys_names_the_op():
+    _expect_rejected(
+        lambda: rf.scaled_dot_product_attention(jnp.ones((2, 4)), jnp.ones((0, 4)), jnp.ones((0, 2))),
+        rf.ShapeError,
+        "scaled_dot_product_attention",
+        ("Sk = 0",),
+    )
+
+
+RNP_SHAPE_CASES = [
+    ("einsum", lambda rnp: rnp.einsum("ij,jk->ik", jnp.ones((2, 3)), jnp.ones((4, 5)))),
+    ("linalg.solve", lambda rnp: rnp.linalg.solve(jnp.ones((3, 3)), jnp.ones((4,)))),
+    ("linalg.inv", lambda rnp: rnp.linalg.inv(jnp.ones((2, 3)))),
+    ("dot", lambda rnp: rnp.dot(jnp.ones((2, 3)), jnp.ones((4, 5)))),
+    ("concatenate", lambda rnp: rnp.concatenate([jnp.ones((2, 3)), jnp.ones((4, 5))])),
+    ("where", lambda rnp: rnp.where(jnp.ones((2, 3)) > 0, jnp.ones((4, 5)), 0.0)),
+    ("broadcast_to", lambda rnp: rnp.broadcast_to(jnp.ones((2, 3)), (4, 5))),
+]
+
+
+@pytest.mark.parametrize("name,call", RNP_SHAPE_CASES, ids=[c[0] for c in RNP_SHAPE_CASES])
+def test_rnp_shape_errors_name_the_function(name, call):
+    import rumus_fx.numpy as rnp
+
+    err = _expect_rejected(lambda: call(rnp), rf.ShapeError, name)
+    assert re.search(rf"(rnp|jax\.numpy)\.{name}", str(err)), str(err)
+    with pytest.raises(rf.ShapeError, match=rf"(rnp|jax\.numpy)\.{name}"):  # under jit alike
+        jax.jit(lambda: call(rnp))()
+
+
+def test_rnp_shape_error_with_tracked_operands():
+    import rumus_fx.numpy as rnp
+
+    def f(a):
+        return rnp.sum(rnp.einsum("ij,jk->ik", a, jnp.ones((4, 5))))
+
+    with pytest.raises(rf.ShapeError, match=r"rnp\.einsum"):
+        rf.grad(f)(jnp.ones((2, 3)))
+    with pytest.raises(rf.ShapeError, match=r"rnp\.linalg\.solve"):
+        jax.jit(rf.grad(lambda a: rnp.sum(rnp.linalg.solve(a, jnp.ones((4,))))))(jnp.eye(3))
+
+
+def test_tracked_tensor_into_a_plain_jax_function():
+    """jnp and optax functions refuse a tracked Tensor with rf's message: the
+    function, the tensor in short (no data), and rf.lift / rnp."""
+    optax = pytest.importorskip("optax")
+    data = np.arange(1000, dtype=np.float32)  # its values must not be printed
+    calls = [
+        ("jax.numpy.sin", lambda w: jnp.sin(w)),
+        ("jax.numpy.dot", lambda w: jnp.dot(w, w)),
+        ("tree_bias_correction", lambda w: optax.adam(1e-3).update({"w": w}, optax.adam(1e-3).init({"w": data}))),
+    ]
+    for fn_name, call in calls:
+        with rf.Tape() as tape:
+            w = rf.tensor(data, requires_grad=True)
+            with pytest.raises(TypeError) as info:
+                call(w)
+        msg = str(info.value)
+        for part in (fn_name, "rf.lift", "rnp", "shape (1000,)", "float32", "grad_id="):
+            assert part in msg, f"{part!r} missing from: {msg}"
+        assert "999" not in msg, msg
+        assert len(tape) == 0 or fn_name == "tree_bias_correction", tape  # optax's arithmetic before it is recorded
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_anomaly_inside_a_lifted_call_names_the_primitive(jit):
+    """The error names the primitive record, its row in the lifted call
+    (``<tape index>.<row>``) and the lifted function."""
+    import rumus_fx.numpy as rnp
+
+    @rf.lift
+    def rootsum(v):
+        return jnp.sum(jnp.sqrt(jnp.abs(jnp.sin(v)) * 2.0))  # several rows: sqrt is not the first
+
+    x = jnp.asarray([0.0, 1.0])
+    wrap = jax.jit if jit else (lambda h: h)
+    cases = [
+        (lambda x: rnp.sum(rnp.sqrt(x * 1.0)), r"SqrtBackward in rf\.lift\(jax\.numpy\.sqrt\) \(tape index 1\.0\)"),
+        (lambda x: rootsum(x * 1.0), r"SqrtBackward in rf\.lift\(rootsum\) \(tape index 1\.[1-9]\d*\)"),
+    ]
+    for f, pattern in cases:
+        with pytest.raises(rf.debug.AnomalyError, match=pattern):
+            with rf.debug.detect_anomaly():
+                wrap(rf.grad(f))(x)
+
+
+def test_refusals_stay_refusals():
+    """Writes that would leave an alias silently stale keep raising, with
+    deferred elementwise ops in the way or not."""
+
+    def through_untracked_base(b):
+        x = rf.tensor(jnp.ones((2, 2)))
+        x.T.mul_(b * 1.0)
+        return rf.sum(x)
+
+    def through_detach(w):
+        y = rf.tanh(w * 1.0)
+        y.detach().add_(w)  # y would show tanh(w) + w without that history
+        return rf.sum(y)
+
+    with pytest.raises(rf.AutogradError, match="untracked base"):
+        rf.grad(through_untracked_base)(jnp.full((2, 2), 2.0))
+    with pytest.raises(rf.AutogradError):
+        rf.grad(through_detach)(jnp.ones(2))

@@ -19,6 +19,7 @@ here calls JAX's autodiff: records are plain jnp/lax/Pallas.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,9 @@ def _anomaly_off() -> AnomalyCheck | None:
 
 
 _anomaly_hook: Callable[[], AnomalyCheck | None] = _anomaly_off
+# in anomaly mode, while a record's rule runs: [its tape index, the walk's
+# anomaly state], which a lifted call's rule reads and updates (rumus_fx/debug.py)
+ANOMALY_WALK: contextvars.ContextVar[list | None] = contextvars.ContextVar("rumus_fx_anomaly_walk", default=None)
 
 
 def set_anomaly_hook(hook: Callable[[], AnomalyCheck | None] | None) -> None:
@@ -119,7 +123,16 @@ def walk(
         if live is not None:
             live.append(index)
         needs = tuple(i is not None for i in entry.inputs)
-        in_grads = run_backward_rule(op, grad_out, needs) if rule is None else rule(entry, grad_out, needs)
+        if anomaly is None:
+            in_grads = run_backward_rule(op, grad_out, needs) if rule is None else rule(entry, grad_out, needs)
+        else:  # a lifted call checks its primitives' rules inside (Note [Anomaly mode] in rumus_fx/debug.py)
+            walk = [index, anomaly_state]
+            token = ANOMALY_WALK.set(walk)
+            try:
+                in_grads = run_backward_rule(op, grad_out, needs) if rule is None else rule(entry, grad_out, needs)
+            finally:
+                ANOMALY_WALK.reset(token)
+            anomaly_state = walk[1]
         if keep is not None:
             for o in entry.outputs:
                 if o not in keep:
@@ -162,7 +175,7 @@ def gradients(
     zeros for None. ``create_graph_on``: the tape the walk is recorded on
     (``backward(create_graph=True)``, Note [Create graph] in
     rumus_fx/lift/higher.py); the gradients are then Tensors."""
-    lazy.flush()  # deferred forward values, and the records that saved them (rumus_fx/lazy.py)
+    lazy.flush_for(e.op for e in entries)  # deferred forward values, and the records that saved them (rumus_fx/lazy.py)
     by_id: dict[int, Any] = {}
     for gid, ct in seeds:
         if gid is not None:

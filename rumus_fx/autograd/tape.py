@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -128,7 +128,7 @@ class Tape:
     # -- inspection ----------------------------------------------------------
     @property
     def entries(self) -> tuple[TapeEntry, ...]:
-        lazy.flush()  # records show arrays, not deferred values (rumus_fx/lazy.py)
+        lazy.flush_for(e.op for e in self._entries)  # records show arrays, not deferred values (rumus_fx/lazy.py)
         return tuple(self._entries)
 
     def __len__(self) -> int:
@@ -217,7 +217,13 @@ class Tape:
                 )
         if not (is_leaf_id(loss.grad_id) or self._recorded(loss.grad_id)):
             raise AutogradError(FOREIGN_LOSS_MESSAGE.format(gid=loss.grad_id))
-        target = (current_tape() or self) if create_graph else None
+        target = None
+        if create_graph:
+            # ``is None``, not truth: an enclosing tape with no entries yet (len 0) is still the target
+            active = current_tape()
+            target = self if active is None else active
+            if target is not self:
+                target._adopt(self._entries)
         grads = gradients(self._entries, [(loss.grad_id, seed)], foreign=check_history, create_graph_on=target)
         if create_graph:
             return GradientStore(grads)
@@ -225,6 +231,13 @@ class Tape:
             self._entries = []
             self._consumed = True
         return GradientStore(grads)
+
+    def _adopt(self, entries: Sequence[TapeEntry]) -> None:
+        """Append the ``entries`` of an inner tape this tape does not hold yet:
+        the walk that ``backward(create_graph=True)`` records here reads their
+        outputs, so this tape's backward must reach through them."""
+        have = {id(e) for e in self._entries}
+        self._entries.extend(e for e in entries if id(e) not in have)
 
     def _recorded(self, grad_id: int) -> bool:
         """Whether an entry of this tape produced ``grad_id`` (the loss is

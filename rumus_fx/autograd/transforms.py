@@ -53,7 +53,14 @@ def _argnums_tuple(argnums: int | Sequence[int], nargs: int, name: str) -> tuple
                 f"{max(a + 1, -a)} positional arguments to be passed by the caller, but got only "
                 f"{nargs} positional arguments."
             )
-    return tuple(a % nargs for a in nums), single
+    normal = tuple(a % nargs for a in nums)
+    repeated = sorted({a for a in normal if normal.count(a) > 1})
+    if repeated:
+        raise TypeError(
+            f"{name}: argnums={argnums} names argument {repeated[0]} more than once; each "
+            "positional argument can be differentiated only once (pass each index once)"
+        )
+    return normal, single
 
 
 def _check_float_leaf(x: jax.Array, name: str) -> None:
@@ -149,10 +156,12 @@ def _scalar_output(out: Any, name: str) -> tuple[jax.Array, Tensor | None]:
         tracked = out if out.grad_id is not None else None
     else:
         try:
+            if out is None:
+                raise TypeError
             value = jnp.asarray(out)
-        except TypeError:
+        except (TypeError, ValueError):
             raise TypeError(
-                f"{name}: the function must return a scalar rf.Tensor or array, got {type(out).__name__}"
+                f"{name}: the function must return a scalar (an rf.Tensor or array of size 1), got {type(out).__name__}"
             ) from None
         tracked = None
     if value.size != 1:
@@ -217,7 +226,7 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
                     f"has_aux=True requires the function to return a pair (output, aux), got {type(out).__name__}"
                 )
             out, aux = out
-        value, loss = _scalar_output(out, "grad")
+        value, loss = _scalar_output(out, name)
         seeds = [(loss.grad_id, ones_like_value(loss.value))] if loss is not None else []
         wrt = [(t, t.value) for tensors, _ in tracked for t in tensors]
         flat = gradients(tape._entries, seeds, wrt, _foreign_check(first))

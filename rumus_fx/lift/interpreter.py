@@ -272,15 +272,17 @@ class Program:
             return ref.value
         return values[self.residual_index[ref]]
 
-    def backward(self, residuals: Any, out_grads: Sequence[Any]) -> list[Any]:
-        """Gradients of the inputs (None where none) from the outputs' gradients."""
+    def backward(self, residuals: Any, out_grads: Sequence[Any], check: Callable | None = None) -> list[Any]:
+        """Gradients of the inputs (None where none) from the outputs' gradients;
+        ``check(record, row, grad_out, in_grads)`` after each rule (anomaly mode)."""
         grads: dict[int, Any] = {}
         for r, g, sh in zip(self.out_refs, out_grads, self.out_shardings):
             if g is not None and isinstance(r, int) and self.tracked[r]:
                 g = _conform(g, sh, f"{self.name} output")
                 grads[r] = g if r not in grads else grads[r] + g
         recs = self.records(residuals)
-        for rec in reversed(recs):
+        for row in range(len(recs) - 1, -1, -1):
+            rec = recs[row]
             st = rec._step
             gs = [grads.pop(s, None) for s in st.outs]
             if all(g is None for g in gs):
@@ -293,6 +295,8 @@ class Program:
                 in_grads = _run_rule(rec, gs, st.needs)
             else:
                 in_grads = _run_rule(rec, gs[0], st.needs)
+            if check is not None:
+                check(rec, row, gs if len(gs) > 1 else gs[0], in_grads)
             for k, (x, need, g, aval) in enumerate(zip(st.ins, st.needs, in_grads, st.in_avals)):
                 if not need or g is None:
                     continue
@@ -363,7 +367,8 @@ class LiftedBackward(Record):
     versions: tuple[VersionSnapshot, ...]
 
     def backward(self, g, needs):
-        return tuple(self.program.backward((self.residuals, self.extras), g))
+        check = None if ANOMALY_CHECK is None else ANOMALY_CHECK(self.program)
+        return tuple(self.program.backward((self.residuals, self.extras), g, check))
 
     def records(self) -> list[PrimitiveRecord]:
         return self.program.records((self.residuals, self.extras))
@@ -445,6 +450,9 @@ class _Capture:
         return None
 
 
+# set by rumus_fx.debug: ``ANOMALY_CHECK(program)`` is None outside anomaly mode,
+# else the check a lifted call runs after each primitive's rule
+ANOMALY_CHECK: Callable[[Program], Callable | None] | None = None
 _PROGRAMS: dict[Any, tuple[Program, Any]] = {}
 _MAX_PROGRAMS = 2048
 

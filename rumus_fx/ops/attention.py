@@ -130,6 +130,7 @@ def _attention_errors() -> list[BadInput]:
         BadInput("integer mask", (F(5, 4), F(5, 4), F(5, 2), A(np.ones((5, 5)), jnp.int32)), TypeError),
         BadInput("scale a string", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"scale": "x"}),
         BadInput("integer q", (N(5, 4), F(5, 4), F(5, 2)), TypeError),
+        BadInput("zero keys", (F(5, 4), F(0, 4), F(0, 2)), ShapeError, ("Sk = 0",)),
     ]
 
 
@@ -163,6 +164,8 @@ def scaled_dot_product_attention(
         raise ShapeError(
             f"{op}: expects q [..., Sq, D], k [..., Sk, D], v [..., Sk, Dv], got {qv.shape}, {kv.shape}, {vv.shape}"
         )
+    if kv.shape[-2] == 0:
+        raise ShapeError(f"{op}: k and v have zero keys (Sk = 0, k {kv.shape}): there is nothing to attend to")
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {causal!r}")
     sk = kv.shape[-2]

@@ -48,7 +48,7 @@ class MseLossBackward(Record):
 
     def backward(self, g, needs):
         diff = self.pred - self.target
-        scale = g * (2.0 / self.numel)
+        scale = g * (2.0 / self.numel if self.numel else np.nan)  # empty: the gradients are empty too
         gp = diff * scale
         return (
             cast(gp, self.pred_dtype) if needs[0] else None,
@@ -69,14 +69,14 @@ class MseLossBackward(Record):
     ],
 )
 def mse_loss(pred: Any, target: Any) -> Tensor:
-    """Mean squared error over all elements; both inputs get gradients (records MseLossBackward)."""
+    """Mean squared error over all elements; both inputs get gradients (records
+    MseLossBackward). Empty inputs give NaN, as ``jnp.mean``."""
     pv = array_of(pred, "mse_loss", "pred")
     tv = array_of(target, "mse_loss", "target")
     if shape_of(pv) != shape_of(tv):
         raise ShapeError(f"mse_loss: pred and target must have the same shape, got {shape_of(pv)} and {shape_of(tv)}")
     diff = pv - tv
-    n = max(diff.size, 1)
-    out = acc_sum(diff * diff) / n
+    out = acc_sum(diff * diff) / diff.size  # empty inputs: 0 / 0 = NaN, as jnp.mean
     tape = tape_for(pred, target)
     if tape is None:
         return Tensor._wrap(out)
@@ -138,7 +138,12 @@ def ref_cross_entropy(logits: Any, targets: Any, ignore_index: int | None = None
 def cross_entropy(logits: Any, targets: Any, *, ignore_index: int | None = None) -> Tensor:
     """Mean cross-entropy over all positions of ``logits[..., C]`` with integer
     class ``targets[...]``; positions whose target equals ``ignore_index`` are
-    left out of the mean (records CrossEntropyBackward)."""
+    left out of the mean (records CrossEntropyBackward).
+
+    A concrete target outside ``0..C-1`` (other than ``ignore_index``) raises
+    ``IndexError``; a traced one (under ``jax.jit``) cannot be checked, so the
+    loss and every gradient are then NaN -- as ``embedding`` gives NaN rows
+    for out-of-range ids -- never a finite loss of a wrapped-around class."""
     op = "cross_entropy"
     lv = array_of(logits, op, "logits")
     tv = array_of(targets, op, "targets")
@@ -152,6 +157,12 @@ def cross_entropy(logits: Any, targets: Any, *, ignore_index: int | None = None)
     c = lv.shape[-1]
     check_index_range(op, tv, c, "target class", ignore_index)
     loss, grad = kce.cross_entropy_fwd(shd.reshape(lv, (-1, c)), shd.reshape(tv, (-1,)), ignore_index)
+    if isinstance(tv, jax.core.Tracer):  # unchecked above: an out-of-range target makes it all NaN
+        bad = (tv < 0) | (tv >= c)
+        if ignore_index is not None:
+            bad &= tv != ignore_index
+        bad = jnp.any(bad)
+        loss, grad = jnp.where(bad, np.nan, loss), jnp.where(bad, np.nan, grad)
     tape = tape_for(logits)
     if tape is None:
         return Tensor._wrap(loss)
