@@ -143,7 +143,7 @@ COMPLEX_OK.update(
         "select_n",
         # linear maps: transposed, not conjugated
         "dot_general", "conv_general_dilated", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
-        "reduce_window_sum", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+        "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
         "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack",
         "tile", "gather", "scatter", "scatter-add", "scatter-sub", "lu", "triangular_solve", "custom_linear_solve",
         # calls and control flow (their bodies' rules are checked one by one)
