@@ -4,11 +4,14 @@ per-primitive rules (one module per family; importing them declares the rules)."
 from ..autograd import engine as _engine
 from ..autograd import transforms as _transforms
 from . import higher as _higher
+from . import rules_complex as rules_complex
 from . import rules_control as rules_control
 from . import rules_conv as rules_conv
 from . import rules_elementwise as rules_elementwise
+from . import rules_fft as rules_fft
 from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg
+from . import rules_reduce as rules_reduce
 from . import rules_structural as rules_structural
 from .interpreter import LiftedBackward as LiftedBackward
 from .interpreter import Program as Program

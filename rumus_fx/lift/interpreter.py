@@ -48,7 +48,7 @@ from ..kernels.dispatch import use as kernel_mode
 from ..ops._declare import Lazy
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
-from .rules import NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_float
+from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_complex, is_float
 
 Array = jax.Array
 _Tracer = jax.core.Tracer
@@ -192,6 +192,12 @@ class Program:
                     "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
                     "Write the computation with primitives rf.lift supports, or wrap it in "
                     "jax.custom_vjp with a hand-written backward."
+                )
+            if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
+                raise AutogradError(
+                    f"rf.lift: the backward rule of the primitive '{name}' (in {self.name}) is not "
+                    "defined for complex values, and a complex value that depends on a tracked Tensor "
+                    "reaches it; compute it on the real and imaginary parts (jnp.real, jnp.imag)."
                 )
             step.rule = rule
             step.needs = needs
@@ -395,7 +401,6 @@ def _no_rule_errors() -> list[BadProgram]:
         return BadProgram(f"no rule for {prim}", fun, args, AutogradError, also, names=("rf.lift", prim), **kw)
 
     return [
-        case("fft", lambda x: jnp.fft.fft(x).real, (np.ones(4),)),
         case("eig", lambda a: jnp.real(jnp.linalg.eigvals(a)), (mat(3, 3),)),
         case(
             "householder_product",
