@@ -27,8 +27,7 @@ import rumus_fx as rf
 from rumus_fx.testing import check_grads
 
 
-
-def X64():
+def _x64():
     return jax.enable_x64(True)
 
 
@@ -51,14 +50,14 @@ def _grad(f, jit=False, argnums=0):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_relu_at_zero_follows_the_rule(jit):
     f = lambda x: jnp.sum(jax.nn.relu(x))  # noqa: E731
-    with X64():
+    with _x64():
         x = jnp.array([0.0, 1.0, -1.0])
         np.testing.assert_array_equal(_grad(f, jit)(x), jax.grad(f)(x))
         np.testing.assert_array_equal(_grad(f, jit)(x), [0.0, 1.0, 0.0])
 
 
 def test_frexp_and_ldexp_gradients_are_not_zero():
-    with X64():
+    with _x64():
         x = jnp.array([3.0, 0.7, -5.0, 12.5])
         fr = lambda x: jnp.sum(jnp.frexp(x)[0] * x)  # noqa: E731
         np.testing.assert_allclose(_grad(fr)(x), jax.grad(fr)(x), rtol=1e-12)
@@ -71,11 +70,11 @@ def test_frexp_and_ldexp_gradients_are_not_zero():
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_sinc_second_derivative_at_zero(jit):
     f = lambda x: jnp.sinc(x)  # noqa: E731
-    with X64():
+    with _x64():
         gg = rf.grad(rf.grad(rf.lift(f)))
         if jit:
             gg = jax.jit(gg)
-        np.testing.assert_allclose(gg(jnp.array(0.0)), -np.pi**2 / 3, rtol=1e-12)
+        np.testing.assert_allclose(gg(jnp.array(0.0)), -(np.pi**2) / 3, rtol=1e-12)
         np.testing.assert_allclose(gg(jnp.array(0.3)), jax.grad(jax.grad(f))(0.3), rtol=1e-10)
         _check(lambda x: jnp.sum(jnp.sinc(x)), (jnp.array([0.0, 0.3, -1.2]),), jit=jit)
 
@@ -89,7 +88,7 @@ def test_rule_not_primal_defines_the_gradient():
 
     f.defjvp(lambda p, t: (f(p[0]), 3.0 * t[0]))
     g = lambda x: jnp.sum(f(jnp.sin(x)))  # noqa: E731
-    with X64():
+    with _x64():
         x = jnp.array([0.2, -0.4])
         np.testing.assert_allclose(_grad(g)(x), 3 * jnp.cos(x), rtol=1e-12)
         np.testing.assert_allclose(_grad(g, jit=True)(x), jax.grad(g)(x), rtol=1e-12)
@@ -115,7 +114,7 @@ def test_symbolic_zeros_jvp_rule_gets_markers():
 
     k.defjvp(k_jvp, symbolic_zeros=True)
     f = lambda x, y: jnp.sum(k(x, y))  # noqa: E731
-    with X64():
+    with _x64():
         x, y = jnp.array([0.5, -1.0]), jnp.array([2.0, 0.25])
         seen.clear()
         np.testing.assert_allclose(_grad(f)(x, y), 3 * y)
@@ -147,7 +146,7 @@ def _outer_jvp(p, t):
 
 def test_nested_custom_rules_first_and_second_order():
     f = lambda x, y: jnp.sum(_outer(x, y) * x)  # noqa: E731
-    with X64():
+    with _x64():
         x, y = jnp.array([0.3, -0.2]), jnp.array([1.5, 0.5])
         for nums in (0, 1, (0, 1)):
             chex.assert_trees_all_close(_grad(f, argnums=nums)(x, y), jax.grad(f, argnums=nums)(x, y), rtol=1e-12)
@@ -177,7 +176,7 @@ def _closing_rule(x, w, scan: bool):
 
 def test_custom_jvp_under_jit_closing_over_a_value():
     f = functools.partial(_closing_rule, scan=False)
-    with X64():
+    with _x64():
         x, w = jnp.array([0.1, 0.4]), jnp.array([0.5, 2.0])
         np.testing.assert_allclose(_grad(f)(x, w), 4 * w * x, rtol=1e-12)
         np.testing.assert_allclose(_grad(f, jit=True)(x, w), jax.grad(f)(x, w), rtol=1e-12)
@@ -190,7 +189,7 @@ def test_custom_jvp_in_scan():
 
         return jnp.sum(lax.scan(body, x, jnp.arange(3.0))[0])
 
-    with X64():
+    with _x64():
         x, w = jnp.array([0.1, -0.3]), jnp.array([0.5, 2.0])
         _check(f, (x, w))
         x0 = jnp.array([0.0, 1.0])  # relu's and sinc's rules at 0 (no finite differences there)
@@ -207,7 +206,7 @@ def test_custom_jvp_rule_closing_over_a_value_outside_a_scan_body_raises():
 
 def test_vmap_of_the_gradient():
     f = lambda x: jnp.sum(jax.nn.relu(x) * jnp.sinc(x))  # noqa: E731
-    with X64():
+    with _x64():
         xs = jnp.array([[0.0, 1.0], [2.0, -1.0], [0.5, 0.0]])
         np.testing.assert_allclose(jax.vmap(_grad(f))(xs), jax.vmap(jax.grad(f))(xs), rtol=1e-12)
 
@@ -242,7 +241,7 @@ def _newton_sqrt(a):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_custom_root_with_iterative_solver(jit):
     f = lambda a: _newton_sqrt(a) * a  # noqa: E731
-    with X64():
+    with _x64():
         a = jnp.array(2.0)
         np.testing.assert_allclose(_grad(f, jit)(a), 1.5 * np.sqrt(2.0), rtol=1e-10)
         np.testing.assert_allclose(_grad(f, jit)(a), jax.grad(f)(a), rtol=1e-12)
@@ -265,7 +264,7 @@ def test_custom_linear_solve_with_iterative_solver():
         x = lax.custom_linear_solve(lambda v: a @ v, b, _richardson, symmetric=True)
         return jnp.sum(jnp.sin(x))
 
-    with X64():
+    with _x64():
         m = jnp.array([[0.5, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.4, 0.2, 0.5]])
         b = jnp.array([1.0, -0.5, 0.25])
         _check(f, (m, b), fd_tol=1e-5)
@@ -295,7 +294,7 @@ _scaled_mul.defvjp(_scaled_mul_fwd, _scaled_mul_bwd)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_custom_vjp_none_cotangent_and_static_residuals(jit):
     f = lambda x, y: jnp.sum(_scaled_mul(x, y))  # noqa: E731
-    with X64():
+    with _x64():
         x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
         for nums in (0, 1, (0, 1)):
             chex.assert_trees_all_close(_grad(f, jit, nums)(x, y), jax.grad(f, argnums=nums)(x, y))
@@ -334,7 +333,7 @@ _sz.defvjp(_sz_fwd, _sz_bwd, symbolic_zeros=True)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_custom_vjp_symbolic_zeros_protocol(jit):
     f = lambda x, y: jnp.sum(_sz(x, y)[0])  # noqa: E731
-    with X64():
+    with _x64():
         x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
         _PERTURBED.clear()
         _CTS.clear()
@@ -368,7 +367,7 @@ def test_equinox_filter_custom_vjp(jit):
         return (jnp.cos(x) * w * scale * g,)
 
     f = lambda x, w: jnp.sum(e((x,), w, 2.0))  # noqa: E731
-    with X64():
+    with _x64():
         x, w = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
         got = _grad(f, jit)(x, w)
         np.testing.assert_allclose(got, jax.grad(f)(x, w))
@@ -440,7 +439,7 @@ def _library_params():
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("f, args, tol", list(_library_params()))
 def test_library_custom_jvp_functions(f, args, tol, jit):
-    with X64():
+    with _x64():
         _check(f, tuple(jnp.asarray(a) for a in args), jit=jit, fd=tol is not None, fd_tol=tol or 1e-6)
 
 
@@ -448,7 +447,7 @@ def test_library_second_order_sample():
     """Second order through a library rule (softplus, log_softmax): the recorded
     reverse walk over the rule differentiates again."""
     f = lambda x: jnp.sum(jax.nn.log_softmax(x) * jnp.arange(3.0)) + jnp.sum(jax.nn.softplus(x) ** 2)  # noqa: E731
-    with X64():
+    with _x64():
         x = jnp.asarray(_R)
         h = functools.partial(jnp.dot, jnp.array([0.5, -1.0, 2.0]))
         got = rf.grad(lambda x: rf.lift(h)(rf.grad(rf.lift(f))(x)))(x)
