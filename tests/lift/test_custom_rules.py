@@ -225,6 +225,32 @@ def test_custom_jvp_closing_over_a_tracked_value_raises():
         rf.grad(rf.lift(f), argnums=1)(x, x)
 
 
+def test_equinox_filter_custom_jvp_in_scan():
+    eqx = pytest.importorskip("equinox")
+
+    @eqx.filter_custom_jvp
+    def f(x, y, fn):
+        return fn(x) * y
+
+    @f.def_jvp
+    def f_jvp(primals, tangents):
+        x, y, fn = primals
+        tx, ty, _ = tangents  # None: a symbolic zero
+        tx = jnp.zeros_like(x) if tx is None else tx
+        ty = jnp.zeros_like(y) if ty is None else ty
+        return f(x, y, fn), 2.0 * (jnp.cos(x) * y * tx + fn(x) * ty)  # twice the primal's derivative
+
+    def loss(x, y):
+        return jnp.sum(lax.scan(lambda c, _: (c + f(c, y, jnp.sin), None), x, None, length=3)[0])
+
+    with _x64():
+        x, y = jnp.array([0.3, 0.5]), jnp.array([1.5, -2.0])
+        for nums in (0, 1, (0, 1)):
+            want = jax.grad(loss, argnums=nums)(x, y)
+            chex.assert_trees_all_close(_grad(loss, argnums=nums)(x, y), want, rtol=1e-12)
+            chex.assert_trees_all_close(_grad(loss, True, nums)(x, y), want, rtol=1e-12)
+
+
 # -- lax.custom_root and lax.custom_linear_solve ----------------------------------------
 
 
