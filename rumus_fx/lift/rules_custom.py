@@ -33,10 +33,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 from ..autograd.record import Aval
-from ..autograd.registry import Sample, TableEntry
+from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
 from .interpreter import Program
@@ -200,6 +201,53 @@ def _pair_jvp(p, t):
     return _pair(x, y), (jnp.cos(x) * y * dx + jnp.sin(x) * dy, dx + dy)
 
 
+def _closes_over_tracked(x, w):
+    """A custom_jvp function (and its rule) closing over ``w``, a tracked input."""
+
+    @jax.custom_jvp
+    def f(v):
+        return jnp.sin(v) * w
+
+    f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * w * t[0]))
+    return f(x)
+
+
+def _rule_closes_over_outside_scan(x, w):
+    """The rule closes over ``w`` from outside the scan body that calls it."""
+
+    @jax.custom_jvp
+    def f(v):
+        return jnp.tanh(v) * w
+
+    f.defjvp(lambda p, t: (f(p[0]), w * t[0]))
+    return lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0]
+
+
+def _custom_jvp_errors():
+    ones = np.ones(3)
+    names = ("rf.lift", "jax.custom_jvp")
+    return [
+        BadProgram(
+            "closes over a tracked value",
+            _closes_over_tracked,
+            (ones, ones),
+            AutogradError,
+            ("closes over a tracked value",),
+            argnums=1,
+            names=names,
+            jax_too=True,
+        ),
+        BadProgram(
+            "rule closes over a value from outside a scan body",
+            _rule_closes_over_outside_scan,
+            (ones, ones),
+            AutogradError,
+            ("pass the value to the custom_jvp function as an argument",),
+            names=names,
+        ),
+    ]
+
+
 def _binary_samples(r):
     return [Sample((normal(r, 3), normal(r, 3)), diff=(0, 1))]
 
@@ -210,6 +258,7 @@ defrule(
     lambda needs: (tuple(range(len(needs))), ()),
     forward=_custom_jvp_forward,
     multiple_results=True,
+    errors=_custom_jvp_errors,
     table=(
         # (the rule, not the primal, defines the derivative: no finite differences)
         TableEntry("custom_jvp_call", lambda x: _clipped_id(jnp.sin(x)) * x, unary_samples(), fd=False),
