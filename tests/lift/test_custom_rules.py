@@ -196,10 +196,39 @@ def test_custom_jvp_in_scan():
         chex.assert_trees_all_close(_grad(f, argnums=(0, 1))(x0, w), jax.grad(f, argnums=(0, 1))(x0, w))
 
 
-def test_custom_jvp_rule_closing_over_a_value_outside_a_scan_body_raises():
-    """A known limit, loud: the rule's closure crosses a scan body (jax.grad can)."""
+def test_custom_jvp_in_scan_and_cond_closing_over_a_value():
     f = functools.partial(_closing_rule, scan=True)
+
+    def g(x, w):
+        @jax.custom_jvp
+        def h(v):
+            return jnp.sin(v) * w
+
+        h.defjvp(lambda p, t: (h(p[0]), 3.0 * w * t[0]))
+        return jnp.sum(lax.cond(x[0] > 0, lambda v: jax.checkpoint(h)(v * v), lambda v: v, x))
+
+    with _x64():
+        x, w = jnp.array([0.1, 0.4]), jnp.array([0.5, 2.0])
+        for fun in (f, g):
+            np.testing.assert_allclose(_grad(fun)(x, w), jax.grad(fun)(x, w), rtol=1e-12)
+            np.testing.assert_allclose(_grad(fun, jit=True)(x, w), jax.grad(fun)(x, w), rtol=1e-12)
+        np.testing.assert_allclose(_grad(g)(x, w), 6 * w * x, rtol=1e-12)
+
+
+def test_custom_jvp_rule_alone_closing_over_a_value_outside_a_scan_body_raises():
+    """A known limit, loud: only the rule uses a value from outside the scan body
+    (it never reaches the body); jax.grad can."""
+
+    def f(x, w):
+        @jax.custom_jvp
+        def g(v):
+            return jnp.tanh(v)
+
+        g.defjvp(lambda p, t: (g(p[0]), w * t[0]))
+        return jnp.sum(lax.scan(lambda c, _: (g(c), None), x, None, length=2)[0])
+
     x = jnp.array([0.1, 0.4])
+    jax.grad(f)(x, x)
     with pytest.raises(rf.AutogradError, match="pass the value to the custom_jvp function as an argument"):
         rf.grad(rf.lift(f))(x, x)
 
