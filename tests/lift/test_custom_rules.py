@@ -182,7 +182,8 @@ def test_custom_jvp_under_jit_closing_over_a_value():
         np.testing.assert_allclose(_grad(f, jit=True)(x, w), jax.grad(f)(x, w), rtol=1e-12)
 
 
-def test_custom_jvp_in_scan():
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["grad", "full"])
+def test_custom_jvp_in_scan(full):
     def f(x, w):
         def body(c, xi):
             return c + jnp.sinc(xi * c) * w + jax.nn.relu(c - xi), None
@@ -191,7 +192,8 @@ def test_custom_jvp_in_scan():
 
     with _x64():
         x, w = jnp.array([0.1, -0.3]), jnp.array([0.5, 2.0])
-        _check(f, (x, w))
+        if full:
+            _check(f, (x, w))
         x0 = jnp.array([0.0, 1.0])  # relu's and sinc's rules at 0 (no finite differences there)
         chex.assert_trees_all_close(_grad(f, argnums=(0, 1))(x0, w), jax.grad(f, argnums=(0, 1))(x0, w))
 
@@ -318,6 +320,18 @@ def test_custom_linear_solve_with_iterative_solver():
         a = m @ m.T + 3.0 * jnp.eye(3)
         x = lax.custom_linear_solve(lambda v: a @ v, b, _richardson, symmetric=True)
         return jnp.sum(jnp.sin(x))
+
+    with _x64():
+        m = jnp.array([[0.5, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.4, 0.2, 0.5]])
+        b = jnp.array([1.0, -0.5, 0.25])
+        chex.assert_trees_all_close(_grad(f, argnums=(0, 1))(m, b), jax.grad(f, argnums=(0, 1))(m, b), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_custom_linear_solve_with_iterative_solver_each_argument_and_fd():
+    def f(m, b):
+        a = m @ m.T + 3.0 * jnp.eye(3)
+        return jnp.sum(jnp.sin(lax.custom_linear_solve(lambda v: a @ v, b, _richardson, symmetric=True)))
 
     with _x64():
         m = jnp.array([[0.5, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.4, 0.2, 0.5]])
@@ -511,6 +525,7 @@ def test_library_custom_jvp_functions(name, f, args, tol, jit):
         _check(f, tuple(jnp.asarray(a) for a in args), jit=jit, fd=tol is not None, fd_tol=tol or 1e-6)
 
 
+@pytest.mark.slow
 def test_library_second_order_sample():
     """Second order through a library rule (softplus, log_softmax): the recorded
     reverse walk over the rule differentiates again."""
