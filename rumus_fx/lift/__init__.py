@@ -7,6 +7,7 @@ from . import higher as _higher
 from . import rules_complex as rules_complex
 from . import rules_control as rules_control
 from . import rules_conv as rules_conv
+from . import rules_custom as rules_custom
 from . import rules_elementwise as rules_elementwise
 from . import rules_fft as rules_fft
 from . import rules_indexing as rules_indexing

@@ -5,8 +5,8 @@ Note [Lifting]
 ``lift(fun)(*args)`` traces ``fun`` once per signature (the avals of its array
 leaves, the values of its static leaves, which leaves are tracked) with
 ``jax.make_jaxpr`` and compiles the jaxpr into a ``Program``: a flat list of
-steps (calls such as ``jit`` and ``custom_jvp_call`` are inlined, so rf
-differentiates the primal implementation of a ``custom_jvp`` function), each with
+steps (calls such as ``jit`` are inlined; a ``custom_jvp_call`` stays one step
+whose rule honours the user's JVP rule, ``lift/rules_custom.py``), each with
 the rule of its primitive (``lift/rules.py``) and the slots it reads and writes.
 A static pass marks which slots depend on tracked inputs; a differentiable
 primitive without a rule on that path raises ``AutogradError`` naming it.
@@ -25,6 +25,7 @@ gradient is never silently lost.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import os
@@ -53,8 +54,11 @@ from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecor
 Array = jax.Array
 _Tracer = jax.core.Tracer
 
+# the (program, step) whose rule is building nested programs (a scan's body, ...)
+_ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
+
 # call primitives inlined into the program (their body is run with rf's rules)
-INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_lin"}
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
 
 
 class _Const:
@@ -83,6 +87,7 @@ class Step:
     saved_in: tuple[int, ...] = ()
     saved_out: tuple[int, ...] = ()
     sub: Any = None  # control flow: nested programs
+    program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
 
 
 def _aval(v: Any) -> Aval:
@@ -112,6 +117,8 @@ class Program:
         self.in_slots = [self._new() for _ in jaxpr.invars]
         self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
         self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
+        self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
+        self.enclosing = _ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
         env: dict[Any, Any] = {}
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
@@ -171,11 +178,13 @@ class Program:
                     tuple(_aval(v) for v in eqn.outvars),
                     tuple(_sharding(v) for v in eqn.invars),
                     tuple(_sharding(v) for v in eqn.outvars),
+                    program=self,
                 )
             )
+        self.var_refs.update(env)
 
     def _mark(self, tracked_in: Sequence[bool]) -> None:
-        tracked = [False] * self.nslots
+        tracked = self.tracked = [False] * self.nslots
         for s, t in zip(self.in_slots, tracked_in):
             tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
         for step in self.steps:
@@ -203,8 +212,12 @@ class Program:
             step.needs = needs
             prepare = getattr(rule.vjp, "prepare", None)
             if prepare is not None:  # control flow: nested programs for the bodies
-                step.sub = prepare(step)
-            si, so = rule.saves(needs, step.params)
+                token = _ENCLOSING.set((self, step))
+                try:
+                    step.sub = prepare(step)
+                finally:
+                    _ENCLOSING.reset(token)
+            si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
             step.saved_in = tuple(si)
             step.saved_out = tuple(so)
             for k, s in enumerate(step.outs):
@@ -237,7 +250,8 @@ class Program:
                 outs, extra = step.rule.forward(step, vals)
                 extras.append(extra)
             else:
-                outs = step.prim.bind(*vals, **step.params)
+                # (a call primitive binds its jaxpr as a function, as jax's eval_jaxpr does)
+                outs = step.prim.bind(*vals, **step.prim.get_bind_params(step.params))
                 if not step.prim.multiple_results:
                     outs = (outs,)
             for s, o in zip(step.outs, outs):
@@ -293,7 +307,9 @@ class Program:
             gs = [grads.pop(s, None) for s in st.outs]
             if all(g is None for g in gs):
                 continue
-            if st.rule.multiple_results or st.prim.multiple_results:
+            if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
+                in_grads = _run_rule(rec, tuple(gs), st.needs)
+            elif st.rule.multiple_results or st.prim.multiple_results:
                 gs = tuple(
                     shd.zeros(a.shape, a.dtype, sh) if g is None else g
                     for g, a, sh in zip(gs, st.out_avals, st.out_shardings)

@@ -1,0 +1,307 @@
+"""The rule of ``custom_jvp_call``: rf honours a ``jax.custom_jvp`` function's own
+JVP rule, in reverse mode, with its own rules.
+
+Note [Reverse mode from a custom JVP rule]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``custom_jvp_call`` equation carries the primal (``call_jaxpr``) and a function
+that traces the user's JVP rule (``jvp_jaxpr_fun``), given which input tangents
+are symbolic zeros. The traced rule maps (primals, tangents) to (primal outputs,
+tangent outputs) and is linear in the tangents: ``t -> J t``. rf traces it once
+per signature (when the lifted program is built), makes it a nested ``Program``
+whose tracked inputs are the tangents, and in backward runs that program's own
+reverse walk seeded with the outputs' cotangents ``u``: the walk returns
+``J^T u`` exactly, at any tangent point (rf takes 0). Every step of it is one of
+rf's hand-written rules; nothing calls JAX's transpose rules or ``jax.vjp``.
+
+The primal runs forward as written (the equation is bound as jax binds it, so a
+``custom_jvp`` nested in the primal is evaluated, not differentiated). The record
+saves the call's inputs; the backward recomputes the rule's primal-side values
+from them. Since the backward walk is made of ordinary primitives (a nested
+``custom_jvp_call`` among them), recording it on an enclosing tape
+differentiates it again: second order works as for any other rule.
+
+``symbolic_zeros=True`` rules receive JAX's ``SymbolicZero`` markers for the
+tangents of the inputs that carry no gradient (jax.grad gives the same); other
+rules receive zeros, as jax instantiates them. A tangent output the rule returns
+as a symbolic zero takes no cotangent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from ..autograd.record import Aval
+from ..autograd.registry import BadProgram, Sample, TableEntry
+from ..errors import AutogradError
+from ..ops._declare import normal, unary_samples
+from .interpreter import Program
+from .rules import defrule, is_float
+
+_Tracer = jax.core.Tracer
+
+
+class _Linear:
+    """A custom JVP rule traced as a program of (consts, primals, tangents)."""
+
+    __slots__ = ("const_refs", "n", "n_out", "nc", "nz", "out_nz", "program", "tangent_avals")
+
+    def __init__(self, program, const_refs, nc, n, nz, n_out, out_nz, tangent_avals):
+        self.program = program
+        self.const_refs = const_refs  # per rule constant: ("in", k) an input of the call, ("value", c)
+        self.nc = nc
+        self.n = n
+        self.nz = nz  # the inputs (0..n-1, without the call's constants) whose tangent the rule takes
+        self.n_out = n_out
+        self.out_nz = out_nz  # the outputs whose tangent the rule returns (not a symbolic zero)
+        self.tangent_avals = tangent_avals
+
+
+def _tracer_var(c: Any) -> Any:
+    """The jaxpr variable of a tracer of the (finished) trace that recorded the
+    call: a JVP rule that closes over a traced value holds that tracer."""
+    return getattr(c, "val", None)
+
+
+def _same_ref(x: Any, ref: Any) -> bool:
+    return x is ref or (isinstance(x, int) and isinstance(ref, int) and x == ref)
+
+
+def _body_input(step, k: int) -> int | None:
+    """Which input of a body program input ``k`` of ``step`` (a scan, cond or
+    checkpoint) becomes, when it is the same value in every run of the body."""
+    name = step.prim.name
+    if name == "scan":
+        return k if k < step.params["num_consts"] else None
+    if name == "cond":
+        return k - 1 if k >= 1 else None
+    if name in ("checkpoint", "remat2"):
+        return k
+    return None
+
+
+def _find_ref(program, var: Any) -> Any:
+    """The ref of jaxpr variable ``var`` in ``program``: one of its own
+    variables, or a value of an enclosing program that enters this body as a
+    constant input of the enclosing step."""
+    if program is None or var is None:
+        return None
+    ref = program.var_refs.get(var)
+    if ref is not None or program.enclosing is None:
+        return ref
+    outer, ostep = program.enclosing
+    oref = _find_ref(outer, var)
+    if oref is None:
+        return None
+    if not isinstance(oref, int):  # a constant
+        return oref
+    for k, x in enumerate(ostep.ins):
+        j = _body_input(ostep, k) if _same_ref(x, oref) else None
+        if j is not None and j < len(program.in_slots):
+            return program.in_slots[j]
+    return None
+
+
+def _closure_input(step, c: Any, name: str) -> tuple[str, int]:
+    """A value the JVP rule closes over, as an input of the step: found among
+    the variables of the program (the lifted function, the calls inlined in it,
+    and the constants a scan/cond/checkpoint body receives) and added to the
+    step's inputs if it is not one already. It carries no gradient through the
+    rule (jax.grad cannot differentiate a rule that closes over a differentiated
+    value either)."""
+    program = step.program
+    ref = _find_ref(program, _tracer_var(c))
+    if ref is None:
+        raise AutogradError(
+            f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a traced value "
+            "that does not reach the body that calls it (only the rule uses it); pass the value to the "
+            "custom_jvp function as an argument."
+        )
+    if isinstance(ref, int) and program.tracked[ref]:
+        raise AutogradError(
+            f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a tracked value; "
+            "its rule only takes the tangents of its arguments (jax.grad cannot differentiate it "
+            "either). Pass the value as an argument."
+        )
+    for k, x in enumerate(step.ins):
+        if _same_ref(x, ref):
+            return ("in", k)
+    step.ins = (*step.ins, ref)
+    step.in_avals = (*step.in_avals, Aval(tuple(c.aval.shape), np.dtype(c.aval.dtype)))
+    if step.in_shardings:
+        step.in_shardings = (*step.in_shardings, None)
+    step.needs = (*step.needs, False)
+    return ("in", len(step.ins) - 1)
+
+
+def _custom_jvp_prepare(step) -> _Linear:
+    p = step.params
+    nc = p["num_consts"]
+    n = len(step.ins) - nc
+    name = p.get("name", "?")
+    if any(step.needs[:nc]):
+        raise AutogradError(
+            f"rf.lift: the jax.custom_jvp function '{name}' closes over a tracked value; "
+            "its JVP rule only takes the tangents of its arguments (jax.grad cannot differentiate it "
+            "either). Pass the value as an argument."
+        )
+    needs = step.needs[nc:]
+    in_zeros = [not nd for nd in needs] if p["symbolic_zeros"] else [False] * n
+    jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*in_zeros)
+    const_refs = [_closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
+    nz = tuple(k for k in range(n) if not in_zeros[k])
+    tangent_avals = tuple(v.aval for v in jaxpr.invars[n:])
+    const_avals = [jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts]
+
+    def linear(cs, primals, tangents):
+        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, list(cs)))(*primals, *tangents)
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+
+    closed = jax.make_jaxpr(linear)(
+        const_avals, [spec(v.aval) for v in jaxpr.invars[:n]], [spec(a) for a in tangent_avals]
+    )
+    tracked = [False] * (len(consts) + n) + [bool(needs[k]) and is_float(step.in_avals[nc + k]) for k in nz]
+    try:
+        program = Program(closed, tracked, f"the JVP rule of custom_jvp {name}")
+    except AutogradError as e:
+        raise AutogradError(f"{e} (rf.lift differentiates the JVP rule of jax.custom_jvp '{name}')") from e
+    n_out = len(out_zeros)
+    out_nz = tuple(k for k in range(n_out) if not out_zeros[k])
+    return _Linear(program, tuple(const_refs), nc, n, nz, n_out, out_nz, tangent_avals)
+
+
+def _zero_tangent(a: Any) -> Any:
+    if a.dtype == jax.dtypes.float0:
+        return np.zeros(a.shape, dtype=jax.dtypes.float0)
+    return jnp.zeros(a.shape, a.dtype)
+
+
+def _custom_jvp_vjp(r, g):
+    lin: _Linear = r._step.sub
+    nc = lin.nc
+    vals = r.ins
+    cs = [vals[ref] if kind == "in" else ref for kind, ref in lin.const_refs]
+    primals = list(vals[nc:])
+    tangents = [_zero_tangent(a) for a in lin.tangent_avals]
+    prog = lin.program
+    _, residuals = prog.forward([*cs, *primals, *tangents])
+    seeds: list[Any] = [None] * len(prog.out_refs)
+    for j, k in enumerate(lin.out_nz):
+        gk = g[k]
+        if gk is not None and is_float(r.out_avals[k]):
+            seeds[lin.n_out + j] = gk
+    grads = prog.backward(residuals, seeds)
+    t_grads = grads[len(cs) + lin.n :]
+    out: list[Any] = [None] * (nc + lin.n)
+    for k, gt in zip(lin.nz, t_grads):
+        if r.needs[nc + k] and gt is not None:
+            out[nc + k] = gt
+    return tuple(out)
+
+
+_custom_jvp_vjp.prepare = _custom_jvp_prepare
+
+
+def _custom_jvp_forward(step, vals):
+    """The primal, as jax binds the equation (inputs a closure added are not its own)."""
+    nc = step.params["num_consts"]
+    n = step.sub.n
+    return step.prim.bind(*vals[: nc + n], **step.prim.get_bind_params(step.params)), ()
+
+
+# -- the table's programs: rules that differ from their primal ---------------------------
+
+
+@jax.custom_jvp
+def _clipped_id(x):
+    """The identity whose rule says the derivative is 2 (differs from the primal's 1)."""
+    return x
+
+
+_clipped_id.defjvp(lambda p, t: (p[0], 2.0 * t[0]))
+
+
+@jax.custom_jvp
+def _pair(x, y):
+    return jnp.sin(x) * y, x + y
+
+
+@_pair.defjvp
+def _pair_jvp(p, t):
+    x, y = p
+    dx, dy = t
+    return _pair(x, y), (jnp.cos(x) * y * dx + jnp.sin(x) * dy, dx + dy)
+
+
+def _closes_over_tracked(x, w):
+    """A custom_jvp function (and its rule) closing over ``w``, a tracked input."""
+
+    @jax.custom_jvp
+    def f(v):
+        return jnp.sin(v) * w
+
+    f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * w * t[0]))
+    return f(x)
+
+
+def _rule_closes_over_outside_scan(x, w):
+    """Only the rule (not the primal) closes over ``w``, from outside the scan
+    body that calls it: ``w`` does not reach the body."""
+
+    @jax.custom_jvp
+    def f(v):
+        return jnp.tanh(v)
+
+    f.defjvp(lambda p, t: (f(p[0]), w * t[0]))
+    return lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0]
+
+
+def _custom_jvp_errors():
+    ones = np.ones(3)
+    names = ("rf.lift", "jax.custom_jvp")
+    return [
+        BadProgram(
+            "closes over a tracked value",
+            _closes_over_tracked,
+            (ones, ones),
+            AutogradError,
+            ("closes over a tracked value",),
+            argnums=1,
+            names=names,
+            jax_too=True,
+        ),
+        BadProgram(
+            "only the rule closes over a value from outside a scan body",
+            _rule_closes_over_outside_scan,
+            (ones, ones),
+            AutogradError,
+            ("pass the value to the custom_jvp function as an argument",),
+            names=names,
+        ),
+    ]
+
+
+def _binary_samples(r):
+    return [Sample((normal(r, 3), normal(r, 3)), diff=(0, 1))]
+
+
+defrule(
+    "custom_jvp_call",
+    _custom_jvp_vjp,
+    lambda needs: (tuple(range(len(needs))), ()),
+    forward=_custom_jvp_forward,
+    multiple_results=True,
+    errors=_custom_jvp_errors,
+    table=(
+        # (the rule, not the primal, defines the derivative: no finite differences)
+        TableEntry("custom_jvp_call", lambda x: _clipped_id(jnp.sin(x)) * x, unary_samples(), fd=False),
+        TableEntry("custom_jvp_call_pair", lambda x, y: sum(_pair(x, y)), _binary_samples),
+    ),
+)
