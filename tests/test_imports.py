@@ -268,3 +268,16 @@ def test_static_op_names_are_the_declared_ops(package, toplevel):
     for name, fn in declared.items():
         assert fn.__name__ == name
         assert fn.__module__.endswith("." + static[name].split(".")[-1]), (name, fn.__module__, static[name])
+
+
+def test_no_jax_private_modules():
+    """rumus_fx reads JAX through its public modules only: no ``jax._src``
+    import, attribute or logger name anywhere in the package."""
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{k}"
+        for path, _ in MODULES.values()
+        for k, line in enumerate(path.read_text().splitlines(), 1)
+        if "jax._src" in line
+    ]
+    assert not found, "jax._src in rumus_fx:\n" + "\n".join(found)
+

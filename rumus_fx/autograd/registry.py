@@ -37,7 +37,7 @@ A declaration (``OpDecl``) holds:
   cases are the differentiable primitives without a rule), the programs it
   refuses (``BadProgram``), the exception and what its message names.
 
-The sample generators (``normal``, ``positive``, ``unit``, ``away``,
+The sample generators (``normal``, ``positive``, ``unit``, ``away_from_zero``, ``far_from_zero``,
 ``distinct``, ``wellcond``, ``spd``, ``unary_samples``, ``binary_samples``) and
 the placeholders of malformed inputs live in ``rumus_fx/ops/_declare.py``, for
 both kinds; they are functions of an rng (nothing is built at import).
@@ -75,7 +75,7 @@ class Sample:
 
 @dataclasses.dataclass(frozen=True)
 class BadInput:
-    """A malformed call: ``args``/``kwargs`` (placeholders such as ``F(3, 4)``
+    """A malformed call: ``args``/``kwargs`` (placeholders such as ``tracked(3, 4)``
     are built when the case runs, see ``rumus_fx.ops._declare``), the exception
     type(s) it must raise and substrings its message must contain (besides the
     op's name)."""

@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
-from ..ops._declare import Lazy, normal, positive, spd, unary_samples, wellcond
+from ..ops._declare import Placeholder, normal, positive, spd, unary_samples, wellcond
 from .interpreter import Program
 from .rules import defrule, in_, out_
 from .rules_elementwise import unbroadcast
@@ -64,7 +64,7 @@ def _gauge(v, ref=None):
 
 def _mat(*shape):
     """A well-conditioned float64 matrix for an error case (built when it runs)."""
-    return Lazy(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
+    return Placeholder(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
 
 
 def _mm(a, b):

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the names static tools see; tests/test_imports.py checks th
     from .embedding import embedding as embedding
     from .linalg import bmm as bmm
     from .linalg import matmul as matmul
-    from .linalg import matmul_any as matmul_any
+    from .linalg import matmul_or_bmm as matmul_or_bmm
     from .loss import cross_entropy as cross_entropy
     from .loss import mse_loss as mse_loss
     from .norm import batch_norm_2d as batch_norm_2d

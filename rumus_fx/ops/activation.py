@@ -28,7 +28,7 @@ from ._core import (
     snapshot,
     tape_for,
 )
-from ._declare import BadInput, F, N, Sample, away_from_zero, normal, op, unary_samples
+from ._declare import BadInput, Sample, away_from_zero, integers, normal, op, tracked, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -181,7 +181,7 @@ def _saves_input(x: Any, out: Array, rec_cls: type, *extra: Any) -> Tensor:
     records=(SigmoidBackward,),
     ref=jax.nn.sigmoid,
     samples=unary_samples(_UNARY_SHAPES),
-    errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+    errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
 def sigmoid(x: Any) -> Tensor:
     """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
@@ -197,7 +197,7 @@ def sigmoid(x: Any) -> Tensor:
     records=(TanhBackward,),
     ref=jnp.tanh,
     samples=unary_samples(_UNARY_SHAPES),
-    errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+    errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
 def tanh(x: Any) -> Tensor:
     """Hyperbolic tangent (records TanhBackward, which saves the output)."""
@@ -218,8 +218,8 @@ def tanh(x: Any) -> Tensor:
         Sample((normal(r, 4, 6),), {"approximate": True}),
     ],
     errors=lambda: [
-        BadInput("integer input", (N(3),), TypeError),
-        BadInput("approximate not a bool", (F(3),), TypeError, ("'tanh'",), {"approximate": "tanh"}),
+        BadInput("integer input", (integers(3),), TypeError),
+        BadInput("approximate not a bool", (tracked(3),), TypeError, ("'tanh'",), {"approximate": "tanh"}),
     ],
 )
 def gelu(x: Any, approximate: bool = True) -> Tensor:
@@ -237,8 +237,8 @@ def gelu(x: Any, approximate: bool = True) -> Tensor:
     ref=lambda x, alpha=0.01: jax.nn.leaky_relu(x, alpha),
     samples=lambda r: [Sample((away_from_zero(r, 3, 5),)), Sample((away_from_zero(r, 2, 3, 7), 0.2))],
     errors=lambda: [
-        BadInput("alpha a string", (F(3),), TypeError, ("'0.1'",), {"alpha": "0.1"}),
-        BadInput("integer input", (N(3),), TypeError),
+        BadInput("alpha a string", (tracked(3),), TypeError, ("'0.1'",), {"alpha": "0.1"}),
+        BadInput("integer input", (integers(3),), TypeError),
     ],
 )
 def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
@@ -261,9 +261,9 @@ def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
         Sample((normal(r, 2, 3, 7) * 5,), {"axis": 0}),
     ],
     errors=lambda: [
-        BadInput("axis out of range", (F(3, 4),), ShapeError, kwargs={"axis": 2}),
-        BadInput("scalar", (F(),), ShapeError),
-        BadInput("integer input", (N(3),), TypeError),
+        BadInput("axis out of range", (tracked(3, 4),), ShapeError, kwargs={"axis": 2}),
+        BadInput("scalar", (tracked(),), ShapeError),
+        BadInput("integer input", (integers(3),), TypeError),
     ],
 )
 def softmax(x: Any, axis: int = -1) -> Tensor:

@@ -35,13 +35,13 @@ from ._core import (
     static_int,
     tape_for,
 )
-from ._declare import BadInput, F, Lazy, N, Sample, normal, op
+from ._declare import BadInput, Placeholder, Sample, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 try:  # a value traced by jax.jit (not vmap, jvp ...): Note [Max pool under jit]
-    from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
+    from jax.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
 except ImportError:  # pragma: no cover - a jax without it keeps the reduction
     _JitTracer = ()
 
@@ -153,12 +153,12 @@ def ref_im2col(x: Any, k: int, stride: int = 1, padding: int = 0) -> Array:
         Sample((normal(r, 3, 5, 5), 3, 1, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-2 input", (F(5, 6), 3), ShapeError, ("(5, 6)",)),
-        BadInput("kernel larger than padded input", (F(2, 5, 6), 8, 1, 1), ValueError, ("8",)),
-        BadInput("kernel 0", (F(2, 5, 6), 0), ValueError),
-        BadInput("float kernel", (F(2, 5, 6), 2.0), TypeError, ("2.0",)),
-        BadInput("stride 0", (F(2, 5, 6), 3, 0), ValueError),
-        BadInput("negative padding", (F(2, 5, 6), 3, 1, -1), ValueError),
+        BadInput("rank-2 input", (tracked(5, 6), 3), ShapeError, ("(5, 6)",)),
+        BadInput("kernel larger than padded input", (tracked(2, 5, 6), 8, 1, 1), ValueError, ("8",)),
+        BadInput("kernel 0", (tracked(2, 5, 6), 0), ValueError),
+        BadInput("float kernel", (tracked(2, 5, 6), 2.0), TypeError, ("2.0",)),
+        BadInput("stride 0", (tracked(2, 5, 6), 3, 0), ValueError),
+        BadInput("negative padding", (tracked(2, 5, 6), 3, 1, -1), ValueError),
     ],
 )
 def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tensor:
@@ -589,17 +589,17 @@ def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0)
         Sample((normal(r, 2, 5, 5, 4), normal(r, 3, 5, 3, 3), normal(r, 3), 1, 1), diff=(0, 1, 2)),
     ],
     errors=lambda: [
-        BadInput("channels differ", (F(2, 3, 6, 6), F(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),
-        BadInput("rank-3 input", (F(3, 6, 6), F(4, 3, 3, 3)), ShapeError),
-        BadInput("non-square kernel", (F(2, 3, 6, 6), F(4, 3, 3, 2)), ShapeError),
-        BadInput("bias size", (F(2, 3, 6, 6), F(4, 3, 3, 3), F(3)), ShapeError, ("bias",)),
-        BadInput("kernel larger than padded input", (F(1, 2, 4, 4), F(3, 2, 7, 7), None, 1, 1), ValueError),
-        BadInput("stride 0", (F(1, 2, 6, 6), F(3, 2, 3, 3), None, 0), ValueError),
-        BadInput("float padding", (F(1, 2, 6, 6), F(3, 2, 3, 3), None, 1, 1.5), TypeError),
-        BadInput("integer weight", (F(1, 2, 6, 6), N(3, 2, 3, 3)), TypeError),
+        BadInput("channels differ", (tracked(2, 3, 6, 6), tracked(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),
+        BadInput("rank-3 input", (tracked(3, 6, 6), tracked(4, 3, 3, 3)), ShapeError),
+        BadInput("non-square kernel", (tracked(2, 3, 6, 6), tracked(4, 3, 3, 2)), ShapeError),
+        BadInput("bias size", (tracked(2, 3, 6, 6), tracked(4, 3, 3, 3), tracked(3)), ShapeError, ("bias",)),
+        BadInput("kernel larger than padded input", (tracked(1, 2, 4, 4), tracked(3, 2, 7, 7), None, 1, 1), ValueError),
+        BadInput("stride 0", (tracked(1, 2, 6, 6), tracked(3, 2, 3, 3), None, 0), ValueError),
+        BadInput("float padding", (tracked(1, 2, 6, 6), tracked(3, 2, 3, 3), None, 1, 1.5), TypeError),
+        BadInput("integer weight", (tracked(1, 2, 6, 6), integers(3, 2, 3, 3)), TypeError),
         BadInput(
             "x and weight dtypes differ",
-            (F(1, 2, 6, 6), Lazy(lambda: Tensor._wrap(jnp.ones((3, 2, 3, 3), jnp.bfloat16)))),
+            (tracked(1, 2, 6, 6), Placeholder(lambda: Tensor._wrap(jnp.ones((3, 2, 3, 3), jnp.bfloat16)))),
             TypeError,
             ("float32", "bfloat16"),
         ),
@@ -692,9 +692,9 @@ def _add_channel_bias(xv: Array, bv: Array) -> Array:
         Sample((normal(r, 2, 4, 7), normal(r, 4)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("channels differ", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
-        BadInput("rank-1 input", (F(5), F(5)), ShapeError),
-        BadInput("rank-2 bias", (F(3, 5), F(3, 1)), ShapeError),
+        BadInput("channels differ", (tracked(3, 5), tracked(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("rank-1 input", (tracked(5), tracked(5)), ShapeError),
+        BadInput("rank-2 bias", (tracked(3, 5), tracked(3, 1)), ShapeError),
     ],
 )
 def add_channel_bias(x: Any, b: Any) -> Tensor:
@@ -879,12 +879,12 @@ def ref_max_pool2d(x: Any, k: int, stride: int | None = None, padding: int = 0) 
         Sample((normal(r, 1, 2, 7, 7), 2, 3)),  # stride > kernel
     ],
     errors=lambda: [
-        BadInput("rank-2 input", (F(6, 6), 2), ShapeError),
-        BadInput("kernel larger than input", (F(1, 6, 6), 8), ValueError, ("8",)),
-        BadInput("padding above kernel // 2", (F(1, 6, 6), 2, 2, 2), ValueError),
-        BadInput("float kernel", (F(1, 6, 6), 1.5), TypeError),
-        BadInput("stride 0", (F(1, 6, 6), 2, 0), ValueError),
-        BadInput("integer input", (N(1, 6, 6), 2), TypeError),
+        BadInput("rank-2 input", (tracked(6, 6), 2), ShapeError),
+        BadInput("kernel larger than input", (tracked(1, 6, 6), 8), ValueError, ("8",)),
+        BadInput("padding above kernel // 2", (tracked(1, 6, 6), 2, 2, 2), ValueError),
+        BadInput("float kernel", (tracked(1, 6, 6), 1.5), TypeError),
+        BadInput("stride 0", (tracked(1, 6, 6), 2, 0), ValueError),
+        BadInput("integer input", (integers(1, 6, 6), 2), TypeError),
     ],
 )
 def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int = 0) -> Tensor:
@@ -974,11 +974,11 @@ def ref_adaptive_avg_pool2d(x: Any, out: Any) -> Array:
         Sample((normal(r, 1, 2, 3, 5), (5, 7))),  # bins overlap when upsampling
     ],
     errors=lambda: [
-        BadInput("rank-2 input", (F(6, 6), 2), ShapeError),
-        BadInput("output size 0", (F(1, 6, 6), 0), ValueError),
-        BadInput("three output sizes", (F(1, 6, 6), (2, 3, 4)), ValueError),
-        BadInput("float output size", (F(1, 6, 6), 1.5), TypeError),
-        BadInput("negative output size", (F(1, 6, 6), (2, -1)), ValueError),
+        BadInput("rank-2 input", (tracked(6, 6), 2), ShapeError),
+        BadInput("output size 0", (tracked(1, 6, 6), 0), ValueError),
+        BadInput("three output sizes", (tracked(1, 6, 6), (2, 3, 4)), ValueError),
+        BadInput("float output size", (tracked(1, 6, 6), 1.5), TypeError),
+        BadInput("negative output size", (tracked(1, 6, 6), (2, -1)), ValueError),
     ],
 )
 def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:

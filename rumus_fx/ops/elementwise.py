@@ -39,7 +39,7 @@ from ._core import (
     tape_for,
     value_of,
 )
-from ._declare import BadInput, F, Sample, normal, op, positive, ranked, unary_samples
+from ._declare import BadInput, Sample, normal, op, positive, ranked, tracked, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -352,8 +352,8 @@ _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
     ref=ranked(jnp.add),
     samples=_binary_samples(),
     errors=lambda: [
-        BadInput("shapes that do not broadcast", (F(3, 4), F(5)), ShapeError, ("(3, 4)", "(5,)")),
-        BadInput("swapped axes", (F(2, 3), F(3, 2)), ShapeError),
+        BadInput("shapes that do not broadcast", (tracked(3, 4), tracked(5)), ShapeError, ("(3, 4)", "(5,)")),
+        BadInput("swapped axes", (tracked(2, 3), tracked(3, 2)), ShapeError),
     ],
 )
 def add(a: Any, b: Any) -> Tensor:
@@ -365,7 +365,7 @@ def add(a: Any, b: Any) -> Tensor:
     records=(SubBackward, BroadcastSubBackward),
     ref=ranked(jnp.subtract),
     samples=_binary_samples(),
-    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 3, 4), F(3, 2)), ShapeError, ("(3, 2)",))],
+    errors=lambda: [BadInput("shapes that do not broadcast", (tracked(2, 3, 4), tracked(3, 2)), ShapeError, ("(3, 2)",))],
 )
 def sub(a: Any, b: Any) -> Tensor:
     """``a - b`` with NumPy broadcasting (records SubBackward or BroadcastSubBackward)."""
@@ -376,7 +376,7 @@ def sub(a: Any, b: Any) -> Tensor:
     records=(MulBackward, BroadcastMulBackward),
     ref=ranked(jnp.multiply),
     samples=_binary_samples(),
-    errors=lambda: [BadInput("shapes that do not broadcast", (F(4), F(3)), ShapeError, ("(4,)", "(3,)"))],
+    errors=lambda: [BadInput("shapes that do not broadcast", (tracked(4), tracked(3)), ShapeError, ("(4,)", "(3,)"))],
 )
 def mul(a: Any, b: Any) -> Tensor:
     """``a * b`` with NumPy broadcasting (records MulBackward or BroadcastMulBackward)."""
@@ -387,7 +387,7 @@ def mul(a: Any, b: Any) -> Tensor:
     records=(DivBackward,),
     ref=ranked(jnp.divide),
     samples=_binary_samples(positive_rhs=True),
-    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 5), F(2, 4)), ShapeError)],
+    errors=lambda: [BadInput("shapes that do not broadcast", (tracked(2, 5), tracked(2, 4)), ShapeError)],
 )
 def div(a: Any, b: Any) -> Tensor:
     """``a / b`` with NumPy broadcasting (records DivBackward)."""
@@ -465,9 +465,9 @@ def _ref_add_bias(m: Any, b: Any) -> Any:
         Sample((normal(r, 2, 3, 5), normal(r, 5)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-2 bias", (F(3, 5), F(2, 5)), ShapeError, ("(2, 5)",)),
-        BadInput("bias size", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
-        BadInput("scalar input", (F(), F(1)), ShapeError),
+        BadInput("rank-2 bias", (tracked(3, 5), tracked(2, 5)), ShapeError, ("(2, 5)",)),
+        BadInput("bias size", (tracked(3, 5), tracked(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("scalar input", (tracked(), tracked(1)), ShapeError),
     ],
 )
 def add_bias(m: Any, b: Any) -> Tensor:

@@ -26,7 +26,7 @@ from ._core import (
     tape_for,
     value_of,
 )
-from ._declare import BadInput, F, N, Sample, normal, op
+from ._declare import BadInput, Sample, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -244,10 +244,10 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
         Sample((normal(r, 2, 2, 3, 4), normal(r, 4, 3)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-1 lhs", (F(3), F(3, 4)), ShapeError, ("(3,)",)),
-        BadInput("inner sizes differ", (F(2, 3), F(4, 5)), ShapeError, ("(2, 3)", "(4, 5)")),
-        BadInput("rank-3 rhs", (F(2, 3), F(2, 3, 4)), ShapeError),
-        BadInput("integer lhs", (N(2, 3), F(3, 4)), TypeError, ("int32",)),
+        BadInput("rank-1 lhs", (tracked(3), tracked(3, 4)), ShapeError, ("(3,)",)),
+        BadInput("inner sizes differ", (tracked(2, 3), tracked(4, 5)), ShapeError, ("(2, 3)", "(4, 5)")),
+        BadInput("rank-3 rhs", (tracked(2, 3), tracked(2, 3, 4)), ShapeError),
+        BadInput("integer lhs", (integers(2, 3), tracked(3, 4)), TypeError, ("int32",)),
     ],
 )
 def matmul(a: Any, b: Any) -> Tensor:
@@ -263,11 +263,11 @@ def matmul(a: Any, b: Any) -> Tensor:
         Sample((normal(r, 2, 3, 4, 5), normal(r, 2, 3, 5, 7)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-2 operands", (F(3, 4), F(4, 5)), ShapeError, ("(3, 4)",)),
-        BadInput("batch sizes differ", (F(2, 3, 4), F(3, 4, 5)), ShapeError),
-        BadInput("inner sizes differ", (F(2, 3, 4), F(2, 5, 5)), ShapeError),
-        BadInput("ranks differ", (F(2, 2, 3, 4), F(2, 4, 5)), ShapeError),
-        BadInput("integer operand", (N(2, 3, 4), F(2, 4, 5)), TypeError),
+        BadInput("rank-2 operands", (tracked(3, 4), tracked(4, 5)), ShapeError, ("(3, 4)",)),
+        BadInput("batch sizes differ", (tracked(2, 3, 4), tracked(3, 4, 5)), ShapeError),
+        BadInput("inner sizes differ", (tracked(2, 3, 4), tracked(2, 5, 5)), ShapeError),
+        BadInput("ranks differ", (tracked(2, 2, 3, 4), tracked(2, 4, 5)), ShapeError),
+        BadInput("integer operand", (integers(2, 3, 4), tracked(2, 4, 5)), TypeError),
     ],
 )
 def bmm(a: Any, b: Any) -> Tensor:
@@ -277,7 +277,7 @@ def bmm(a: Any, b: Any) -> Tensor:
 
 
 @op(records=(MatmulBackward, BmmBackward), toplevel=False)  # the @ operator: no table entry of its own
-def matmul_any(a: Any, b: Any) -> Tensor:
+def matmul_or_bmm(a: Any, b: Any) -> Tensor:
     """The ``@`` operator: ``matmul`` when ``b`` is 2-D, ``bmm`` when both have
     the same rank >= 3."""
     na, nb = len(shape_of(a)), len(shape_of(b))
