@@ -9,6 +9,7 @@ from . import rules_conv as rules_conv
 from . import rules_elementwise as rules_elementwise
 from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg
+from . import rules_special as rules_special
 from . import rules_structural as rules_structural
 from .interpreter import LiftedBackward as LiftedBackward
 from .interpreter import Program as Program

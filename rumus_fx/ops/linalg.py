@@ -83,22 +83,18 @@ def off_mesh(*xs: Any) -> bool:
 # Merged to ``[B*T, K]`` and ``[B*T, N]`` first (a bitcast in row-major
 # layout), the dot contracts dimension 0 of both operands, which XLA:CPU's
 # Eigen dot reads in place (a transpose flag, no copy). Which is faster
-# depends on where ``x`` comes from:
+# depends on where ``x`` comes from (the timings: benchmarks/RESULTS.md, "Thresholds in the code"):
 #
 # * ``x`` a materialised array (eager: a rule's own program, or the whole-tape
 #   walk, whose saved arrays are its arguments): the transpose is a plain copy
-#   and YNNPACK's dot beats Eigen's; the merged form took 1.13-1.58x as long
-#   for the products measured alone (TinyGPT's [16, 64, 512] x 128 the most).
+#   and YNNPACK's dot beats Eigen's, so the merged form is slower.
 # * ``x`` computed in the same traced program (a user's jit): XLA fuses its
 #   elementwise producer into the transposing copy and recomputes it there, in
-#   the copy's strided order: TinyGPT's GELU output, transposed to [512, 1024]
-#   for fc2's weight gradient, made the two largest thunks of the step. The
-#   merged form has no copy: TinyGPT's jit step 27.7 -> 23.8 ms.
+#   the copy's strided order (TinyGPT's GELU output, transposed for fc2's
+#   weight gradient). The merged form has no copy, and is faster.
 # * ``x`` an argument of the traced program (a jitted function's input fed
 #   straight to ``x @ W``), or the output of a dot or a layout op (reshape,
-#   transpose) in it: a plain transpose again; merging made such programs
-#   (an MLP block's forward + backward, a product's weight gradient behind
-#   a dot or a reshape) 1.04-1.27x slower.
+#   transpose) in it: a plain transpose again, and merging is slower.
 #
 # So ``matmul`` notes whether it saved an ``x`` with an elementwise producer in
 # the trace (``merge_rows``, from the tracer's producing equation), and only
