@@ -42,15 +42,17 @@ The sample generators (``normal``, ``positive``, ``unit``, ``away_from_zero``, `
 the placeholders of malformed inputs live in ``rumus_fx/ops/_declare.py``, for
 both kinds; they are functions of an rng (nothing is built at import).
 
-Derived from the registry: ``rumus_fx.ops``' and ``rumus_fx``'s exports
-(``exports()``), ``rf.autograd.BackwardOp`` (``declared_records()``), the op
+Checked against the registry: the exports of ``rumus_fx.ops`` and ``rumus_fx``,
+one explicit ``from .<family> import <op> as <op>`` line per op in their
+``__init__.py`` (``tests/test_imports.py`` compares them with ``exports()``).
+Derived from the registry: ``rf.autograd.BackwardOp`` (``declared_records()``), the op
 table ``tests/ops/optable.py``, the primitive table ``tests/lift/ptable.py``
 (every ``TableEntry``; ``tests/lift/test_ptable.py`` also checks that every rule
 is exercised by one), the error audit ``tests/test_errors_audit.py`` (``errors``
 of every kind), and the README check that the "Ops and their records" table
-names every op and record. Adding a fused op touches its family module and one
-README table row; adding a primitive rule touches its ``rules_<family>.py``
-module only. ``tests/ops/test_registry.py`` checks that an op and a rule
+names every op and record. Adding a fused op touches its family module, its
+export lines and one README table row; adding a primitive rule touches its
+``rules_<family>.py`` module only. ``tests/ops/test_registry.py`` checks that an op and a rule
 declared in a test module reach all of them.
 """
 
