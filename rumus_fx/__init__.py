@@ -33,6 +33,7 @@ from .ops.activation import leaky_relu as leaky_relu
 from .ops.activation import relu as relu
 from .ops.activation import sigmoid as sigmoid
 from .ops.activation import softmax as softmax
+from .ops.activation import softplus as softplus
 from .ops.activation import tanh as tanh
 from .ops.attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .ops.cast import tensor as tensor

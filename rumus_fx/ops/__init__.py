@@ -21,6 +21,7 @@ from .activation import leaky_relu as leaky_relu
 from .activation import relu as relu
 from .activation import sigmoid as sigmoid
 from .activation import softmax as softmax
+from .activation import softplus as softplus
 from .activation import tanh as tanh
 from .attention import scaled_dot_product_attention as scaled_dot_product_attention
 from .cast import cast_to as cast_to

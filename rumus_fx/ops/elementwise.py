@@ -1,5 +1,6 @@
 """Elementwise arithmetic: add, sub, mul, div (NumPy broadcasting), neg, exp,
-log, add_bias — forward functions with their backward records side by side."""
+log (declared by family: Note [Unary op family] in ``_unary.py``), add_bias —
+forward functions with their backward records side by side."""
 
 from __future__ import annotations
 
@@ -15,18 +16,17 @@ from ..eager import PY_SCALARS, compiled
 from ..errors import ShapeError
 from ..recording import current_tape
 from ..tensor import Tensor, next_grad_id
+from . import _formulas as formulas
 from ._core import (
     BroadcastInfo,
     acc_sum,
     align_rank,
-    array_of,
     aval_of,
     broadcast_info,
     broadcast_shapes,
     cast,
     deferrable,
     deferred_scalar,
-    deferred_unary,
     eager_jit,
     new_output,
     reads,
@@ -34,12 +34,12 @@ from ._core import (
     record_deferred,
     scalar_operand,
     shape_of,
-    snapshot,
     sum_to,
     tape_for,
     value_of,
 )
 from ._declare import BadInput, Sample, normal, op, positive, ranked, tracked, unary_samples
+from ._unary import unary_op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -181,36 +181,6 @@ class DivBackward(Record):
 
 
 @frozen
-class NegBackward(Record):
-    """``y = -x``: ``dx = -dy``. Reads no data."""
-
-    def backward(self, g, needs):
-        return (-g,)
-
-
-@frozen
-class ExpBackward(Record):
-    """``y = exp(x)``: ``dx = dy * y``. Saves the **output**."""
-
-    output: Array
-    output_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        return (g * self.output,)
-
-
-@frozen
-class LogBackward(Record):
-    """``y = log(x)``: ``dx = dy / x``. Saves the input."""
-
-    input: Array
-    input_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        return (g / self.input,)
-
-
-@frozen
 class AddBiasBackward(Record):
     """``y = m + b`` with ``m:[..., n]``, ``b:[n]``: ``dm = dy``,
     ``db = dy`` summed over the leading rows. Reads no data."""
@@ -235,8 +205,6 @@ _FORWARD = {
 }
 _JITTED = {k: compiled(f.__wrapped__) for k, f in _FORWARD.items()}  # the jax.jit each one calls eagerly
 _KINDS = {k: lazy.Kind(k, f.__wrapped__, binary=True) for k, f in _FORWARD.items()}  # ``t <op> scalar``, deferred
-_negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
-_NEG, _EXP, _LOG = lazy.Kind("neg", jnp.negative), lazy.Kind("exp", jnp.exp), lazy.Kind("log", jnp.log)
 
 
 def binary_record(
@@ -394,63 +362,44 @@ def div(a: Any, b: Any) -> Tensor:
     return _binary("div", a, b)
 
 
-@op(
-    records=(NegBackward,),
+NegBackward, neg = unary_op(
+    "neg",
+    jnp.negative,
+    formulas.neg,
+    None,
+    floats_only=False,
+    doc="``-x`` (records NegBackward).",
+    record_doc="``y = -x``: ``dx = -dy``. Reads no data.",
     ref=jnp.negative,
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("a python list", ([1.0, 2.0],), TypeError, ("list",))],
 )
-def neg(x: Any) -> Tensor:
-    """``-x`` (records NegBackward)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _NEG, NegBackward, None)
-    xv = array_of(x, "neg")
-    out = _negative(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    return record(tape, NegBackward(), (x,), new_output(out, tape))
 
-
-@op(
-    records=(ExpBackward,),
+ExpBackward, exp = unary_op(
+    "exp",
+    jnp.exp,
+    formulas.exp,
+    "output",
+    floats_only=False,
+    doc="``exp(x)`` (records ExpBackward, which saves the output).",
+    record_doc="``y = exp(x)``: ``dx = dy * y``. Saves the **output**.",
     ref=jnp.exp,
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("None", (None,), TypeError, ("NoneType",))],
 )
-def exp(x: Any) -> Tensor:
-    """``exp(x)`` (records ExpBackward, which saves the output)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _EXP, ExpBackward, "output")
-    xv = array_of(x, "exp")
-    out = _exp(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    res = new_output(out, tape)
-    return record(tape, ExpBackward(out, snapshot(res)), (x,), res)
 
-
-@op(
-    records=(LogBackward,),
+LogBackward, log = unary_op(
+    "log",
+    jnp.log,
+    formulas.log,
+    "input",
+    floats_only=False,
+    doc="Natural logarithm (records LogBackward, which saves the input).",
+    record_doc="``y = log(x)``: ``dx = dy / x``. Saves the input.",
     ref=jnp.log,
     samples=unary_samples(_UNARY_SHAPES, positive),
     errors=lambda: [BadInput("a string", ("1.0",), TypeError, ("str",))],
 )
-def log(x: Any) -> Tensor:
-    """Natural logarithm (records LogBackward, which saves the input)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _LOG, LogBackward, "input")
-    xv = array_of(x, "log")
-    out = _log(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    saved, version = reads(x, True)
-    return record(tape, LogBackward(saved, version), (x,), new_output(out, tape))
 
 
 def _ref_add_bias(m: Any, b: Any) -> Any:
