@@ -297,4 +297,3 @@ def test_no_jax_private_modules():
         if "jax._src" in line
     ]
     assert not found, "jax._src in rumus_fx:\n" + "\n".join(found)
-

@@ -8,7 +8,9 @@ idea of PyTorch's ``derivatives.yaml`` + OpInfo, in one place):
 
 * a fused op of SPEC section 5 (``rumus_fx/ops/<family>.py``) decorates its
   forward with ``@op(records=..., ref=..., samples=..., errors=...)``
-  (``rumus_fx.ops._declare.op``);
+  (``rumus_fx.ops._declare.op``); a fused elementwise op of one array is one
+  ``unary_op(...)`` call, which makes its record and forward and declares
+  them (Note [Unary op family] in ``rumus_fx/ops/_unary.py``);
 * a primitive rule of ``rf.lift`` (``rumus_fx/lift/rules_<family>.py``) is
   declared by ``defrule(name, vjp, saves, table=..., errors=...)``, which makes
   its record type and registers it here. A rule declared by a family helper

@@ -125,9 +125,18 @@ def _attention_errors() -> list[BadInput]:
         BadInput("q and k widths", (tracked(5, 4), tracked(6, 3), tracked(6, 2)), ShapeError),
         BadInput("k and v lengths", (tracked(5, 4), tracked(6, 4), tracked(7, 2)), ShapeError),
         BadInput("leading axes differ", (tracked(2, 5, 4), tracked(3, 6, 4), tracked(3, 6, 2)), ShapeError),
-        BadInput("mask shape", (tracked(5, 4), tracked(6, 4), tracked(6, 2), array(np.ones((5, 5), bool))), ShapeError, ("(5, 5)",)),
-        BadInput("causal not a bool", (tracked(5, 4), tracked(5, 4), tracked(5, 2)), TypeError, kwargs={"causal": "yes"}),
-        BadInput("integer mask", (tracked(5, 4), tracked(5, 4), tracked(5, 2), array(np.ones((5, 5)), jnp.int32)), TypeError),
+        BadInput(
+            "mask shape",
+            (tracked(5, 4), tracked(6, 4), tracked(6, 2), array(np.ones((5, 5), bool))),
+            ShapeError,
+            ("(5, 5)",),
+        ),
+        BadInput(
+            "causal not a bool", (tracked(5, 4), tracked(5, 4), tracked(5, 2)), TypeError, kwargs={"causal": "yes"}
+        ),
+        BadInput(
+            "integer mask", (tracked(5, 4), tracked(5, 4), tracked(5, 2), array(np.ones((5, 5)), jnp.int32)), TypeError
+        ),
         BadInput("scale a string", (tracked(5, 4), tracked(5, 4), tracked(5, 2)), TypeError, kwargs={"scale": "x"}),
         BadInput("integer q", (integers(5, 4), tracked(5, 4), tracked(5, 2)), TypeError),
     ]

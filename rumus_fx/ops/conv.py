@@ -159,6 +159,7 @@ def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tenso
 # conv2d
 # ---------------------------------------------------------------------------
 
+
 def _conv_out_sharding(x: Array, w: Array) -> Any:
     """``[B, O, OH, OW]`` sharded like x's batch and w's output channels (explicit axes)."""
     xs, ws = shd.spec_of(x), shd.spec_of(w)

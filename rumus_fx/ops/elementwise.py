@@ -333,7 +333,9 @@ def add(a: Any, b: Any) -> Tensor:
     records=(SubBackward, BroadcastSubBackward),
     ref=ranked(jnp.subtract),
     samples=_binary_samples(),
-    errors=lambda: [BadInput("shapes that do not broadcast", (tracked(2, 3, 4), tracked(3, 2)), ShapeError, ("(3, 2)",))],
+    errors=lambda: [
+        BadInput("shapes that do not broadcast", (tracked(2, 3, 4), tracked(3, 2)), ShapeError, ("(3, 2)",))
+    ],
 )
 def sub(a: Any, b: Any) -> Tensor:
     """``a - b`` with NumPy broadcasting (records SubBackward or BroadcastSubBackward)."""

@@ -128,7 +128,11 @@ def ref_cross_entropy(logits: Any, targets: Any, ignore_index: int | None = None
         BadInput("target == C", (tracked(3, 5), array([0, 5, 1])), IndexError, ("5",)),
         BadInput("negative target", (tracked(3, 5), array([0, -1, 1])), IndexError, ("-1",)),
         BadInput(
-            "out of range beside ignore_index", (tracked(3, 5), array([-100, 7, 1])), IndexError, ("7",), {"ignore_index": -100}
+            "out of range beside ignore_index",
+            (tracked(3, 5), array([-100, 7, 1])),
+            IndexError,
+            ("7",),
+            {"ignore_index": -100},
         ),
         BadInput("float ignore_index", (tracked(3, 5), indices(3)), TypeError, ("1.5",), {"ignore_index": 1.5}),
         BadInput("integer logits", (integers(3, 5), indices(3)), TypeError),

@@ -302,13 +302,37 @@ def _bn_samples(training: bool) -> Any:
 def _bn_errors() -> list[BadInput]:
     x = tracked(2, 4, 3, 3)
     return [
-        BadInput("rank-3 input", (tracked(3, 4, 5), tracked(3), tracked(3), tracked(3), tracked(3)), ShapeError, ("(3, 4, 5)",), _TRAIN),
+        BadInput(
+            "rank-3 input",
+            (tracked(3, 4, 5), tracked(3), tracked(3), tracked(3), tracked(3)),
+            ShapeError,
+            ("(3, 4, 5)",),
+            _TRAIN,
+        ),
         BadInput("weight size", (x, tracked(3), tracked(4), tracked(4), tracked(4)), ShapeError, ("weight",), _TRAIN),
-        BadInput("running stats size", (x, tracked(4), tracked(4), tracked(5), tracked(4)), ShapeError, ("running_mean",), _EVAL),
-        BadInput("momentum above 1", (x, None, None, tracked(4), tracked(4)), ValueError, ("1.5",), {**_TRAIN, "momentum": 1.5}),
+        BadInput(
+            "running stats size",
+            (x, tracked(4), tracked(4), tracked(5), tracked(4)),
+            ShapeError,
+            ("running_mean",),
+            _EVAL,
+        ),
+        BadInput(
+            "momentum above 1",
+            (x, None, None, tracked(4), tracked(4)),
+            ValueError,
+            ("1.5",),
+            {**_TRAIN, "momentum": 1.5},
+        ),
         BadInput("training not a bool", (x, None, None, tracked(4), tracked(4)), TypeError, kwargs={"training": "yes"}),
         BadInput("negative eps", (x, None, None, tracked(4), tracked(4)), ValueError, kwargs={**_TRAIN, "eps": -1e-5}),
-        BadInput("one value per channel in training", (tracked(1, 4, 1, 1), None, None, tracked(4), tracked(4)), ValueError, (), _TRAIN),
+        BadInput(
+            "one value per channel in training",
+            (tracked(1, 4, 1, 1), None, None, tracked(4), tracked(4)),
+            ValueError,
+            (),
+            _TRAIN,
+        ),
         BadInput("integer input", (integers(2, 4, 3, 3), None, None, tracked(4), tracked(4)), TypeError, (), _TRAIN),
     ]
 
