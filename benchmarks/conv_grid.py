@@ -1,5 +1,5 @@
-"""Timed grid behind conv2d's choice of formulation (Note [Convolution formulations]
-in ``rumus_fx/ops/conv.py``).
+"""Timed grid behind conv2d's choice of formulation (Note [Convolution plan]
+in ``rumus_fx/ops/_conv_plan.py``).
 
 Usage: ``python -m benchmarks.conv_grid [--ynn] [--quick] [--gemm SHAPES]``
 
@@ -9,7 +9,7 @@ padding ``K // 2``) it times each of conv2d's three products -- the forward ``y`
 "dot": im2col slices + one ``dot_general``; for dw also "bdot": one product per
 sample, summed), each as its own compiled program, in alternating blocks (medians
 of several rounds), and prints the ratio dot / conv (below 1.00 the dot is faster)
-next to what ``_conv_plan`` chooses. ``--ynn`` compiles with
+next to what ``conv_plan`` chooses. ``--ynn`` compiles with
 ``rf.CPU_COMPILER_OPTIONS`` instead of XLA's defaults.
 
 A product timed alone is not the whole story: XLA fuses the consumers of a
@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import rumus_fx as rf
-from rumus_fx.ops import conv as C
+from rumus_fx.ops import _conv_formulations as C
+from rumus_fx.ops import _conv_plan as P
 
 from .compare import _blocks
 
@@ -128,12 +129,12 @@ def gemm_step_ratio(b: int, c_in: int, c_out: int, hw: int, s: int, rounds: int 
 
     steps = []
     for gemm in (True, False):
-        saved = C._GEMM_MAX_C
-        C._GEMM_MAX_C = saved if gemm else 0  # read by _conv_plan while tracing
+        saved = P.GEMM_MAX_C
+        P.GEMM_MAX_C = saved if gemm else 0  # read by conv_plan while tracing
         try:
             steps.append(jax.jit(rf.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile())
         finally:
-            C._GEMM_MAX_C = saved
+            P.GEMM_MAX_C = saved
     (_, ga), (_, gb) = steps[0](x, w), steps[1](x, w)
     for a, r in zip(ga, gb):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(r))))
@@ -148,8 +149,8 @@ def gemm_table(shapes: list[tuple[int, ...]]) -> None:
     print("| input | C_out | stride | im2col elements | plan (y, dx, dw) | plan ms | gemm off ms | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for b, c_in, c_out, hw, s in shapes:
-        cols = C._cols_size(b, c_in, hw, hw, 3, s, 1)
-        plan = ", ".join(C._conv_plan(c_in, c_out, 3, s, cols=cols))
+        cols = P.cols_size(b, c_in, hw, hw, 3, s, 1)
+        plan = ", ".join(P.conv_plan(c_in, 3, s, cols=cols))
         t_plan, t_off = gemm_step_ratio(b, c_in, c_out, hw, s)
         print(
             f"| [{b}, {c_in}, {hw}, {hw}] | {c_out} | {s} | {cols / 2**20:.1f}M | {plan} "
@@ -182,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
             for s in STRIDES:
                 r = measure(c_in, k, s, options, rounds=1 if args.quick else 3)
                 cells = " | ".join(f"{td / ta:.2f} ({1e3 * ta:.2f})" for ta, td in r.values())
-                cols = C._cols_size(b, c_in, hw, hw, k, s, k // 2)
-                plan = ", ".join(C._conv_plan(c_in, c_out, k, s, cols=cols))
+                cols = P.cols_size(b, c_in, hw, hw, k, s, k // 2)
+                plan = ", ".join(P.conv_plan(c_in, k, s, cols=cols))
                 print(f"| {c_in} | {c_out} | {k} | {s} | {b}, {hw}x{hw} | {cells} | {plan} |", flush=True)
 
 

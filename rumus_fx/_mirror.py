@@ -179,7 +179,7 @@ def _mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
 
 
 NUMPY_FUSED = {
-    "matmul": (ops.matmul_any, _matmul_ok),
+    "matmul": (ops.matmul_or_bmm, _matmul_ok),
     "add": (ops.add, _binary_ok),
     "subtract": (ops.sub, _binary_ok),
     "multiply": (ops.mul, _binary_ok),

@@ -438,4 +438,5 @@ class _DropOwnCallbackErrors(logging.Filter):
         return not isinstance(exc, AnomalyError)
 
 
-logging.getLogger("jax._src.debugging").addFilter(_DropOwnCallbackErrors())
+# the logger of the module that runs debug callbacks (and logs their exceptions)
+logging.getLogger(jax.debug.callback.__module__).addFilter(_DropOwnCallbackErrors())

@@ -57,8 +57,8 @@ def compiled(
 # with the options the user gives. The convolutions use this on a single CPU
 # device (``cpu_options``): ``compiler.CPU_COMPILER_OPTIONS`` runs their
 # convolutions through XLA:CPU's own (Eigen) kernels rather than YNNPACK's,
-# which in the benchmark CNN's shapes computed ``dw`` in about half the time of
-# YNNPACK's convolution and of the per-sample dots (RESULTS.md, issue 16).
+# which in the benchmark CNN's shapes compute ``dw`` faster than YNNPACK's
+# convolution and than the per-sample dots (benchmarks/RESULTS.md, "Thresholds in the code").
 
 
 def cpu_options(*arrays: Any) -> Mapping[str, str] | None:
@@ -128,8 +128,9 @@ def eager_jit(fun: Callable[..., Any] | None = None, *, static_argnums: Sequence
 # Layout-only steps that ops take outside their own compiled forward (a bias
 # given leading unit axes, a view materialised, a reshape) and the backward's
 # seed: eagerly, ``jnp.reshape``/``jnp.transpose``/``jnp.ones`` each bind a
-# primitive through JAX's Python dispatch (20-60 µs); these are one cached
-# compiled call each (about 7 µs). Under a trace they are the jnp functions.
+# primitive through JAX's Python dispatch; these are one cached compiled call
+# each, several times cheaper (benchmarks/RESULTS.md, "Thresholds in the code"). Under a
+# trace they are the jnp functions.
 reshape = eager_jit(jnp.reshape, static_argnums=(1,))  # (x, shape: a tuple of ints)
 transpose = eager_jit(jnp.transpose, static_argnums=(1,))  # (x, axes: a tuple of ints)
 _ones = jax.jit(jnp.ones, static_argnums=(0, 1))

@@ -175,13 +175,6 @@ class StorageHandle:
         self._aval = None
         self._cell.value += 1
 
-    def _tensors(self) -> list:
-        """Live tensors registered as viewing this storage."""
-        if self._views is None:
-            return []
-        alive = [r() for r, _ in self._views]
-        return [t for t in alive if t is not None]
-
     def _family(self, tensor: Any) -> int:
         if self._views is not None:
             for r, family in self._views:

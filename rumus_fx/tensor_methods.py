@@ -210,13 +210,13 @@ def _ne(self: Tensor, other: Any) -> Any:
 
 def _matmul(self: Tensor, other: Any) -> Any:
     if matmul_fits(self, other):
-        return ops.matmul_any(self, other)
+        return ops.matmul_or_bmm(self, other)
     return rnp.matmul(self, other)
 
 
 def _rmatmul(self: Tensor, other: Any) -> Any:
     if matmul_fits(other, self):
-        return ops.matmul_any(other, self)
+        return ops.matmul_or_bmm(other, self)
     return rnp.matmul(other, self)
 
 

@@ -162,9 +162,9 @@ def test_conv_grid_gemm_step_compares_the_plan_with_gemm_off():
     """``python -m benchmarks.conv_grid --gemm``: both steps give the same
     gradients (asserted inside), and the switch is put back."""
     from benchmarks.conv_grid import gemm_step_ratio
-    from rumus_fx.ops import conv as C
+    from rumus_fx.ops import _conv_plan as P
 
-    before = C._GEMM_MAX_C
-    assert C._conv_plan(4, 4, 3, 1, cols=C._cols_size(2, 4, 6, 6, 3, 1, 1))[0] == "gemm"
+    before = P.GEMM_MAX_C
+    assert P.conv_plan(4, 3, 1, cols=P.cols_size(2, 4, 6, 6, 3, 1, 1))[0] == "gemm"
     t_plan, t_off = gemm_step_ratio(2, 4, 4, 6, 1, rounds=1)
-    assert t_plan > 0 and t_off > 0 and C._GEMM_MAX_C == before
+    assert t_plan > 0 and t_off > 0 and P.GEMM_MAX_C == before

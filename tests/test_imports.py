@@ -25,6 +25,7 @@ not counted.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import subprocess
 import sys
@@ -241,30 +242,58 @@ def test_import_starts_no_jax_backend():
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
-def _type_checking_names(path: pathlib.Path) -> dict[str, str]:
-    """``{name: module}`` imported under the ``if TYPE_CHECKING:`` block of ``path``."""
+def _op_imports(path: pathlib.Path, package: str) -> dict[str, str]:
+    """``{name: module}`` of the explicit re-exports ``from .<family> import
+    <name> as <name>`` (``from .ops.<family> ...`` in the top package) at the
+    module level of ``path``, that name a declared op's forward."""
+    from rumus_fx.autograd.registry import declarations
+
+    forwards = {d.fn for d in declarations("op")}
+    mod = importlib.import_module(package)
     out = {}
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            for imp in node.body:
-                assert isinstance(imp, ast.ImportFrom), ast.dump(imp)
-                for a in imp.names:
-                    out[a.asname or a.name] = imp.module
+        if not (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module):
+            continue
+        if package == "rumus_fx" and not node.module.startswith("ops."):
+            continue
+        for a in node.names:
+            name = a.asname or a.name
+            assert a.asname in (None, a.name), f"{path}: {a.name} re-exported as {a.asname}"
+            if getattr(mod, name, None) in forwards:
+                out[name] = node.module
     return out
 
 
 @pytest.mark.parametrize("package, toplevel", [("rumus_fx", True), ("rumus_fx.ops", False)])
 def test_static_op_names_are_the_declared_ops(package, toplevel):
-    """The op names are exported from the declarations at run time; the
-    ``TYPE_CHECKING`` block that lets IDEs and type checkers see them must name
-    exactly those ops, from the modules that define them."""
+    """The op names are exported one by one, ``from .<family> import <op> as
+    <op>`` (what IDEs and type checkers read); they must be exactly the
+    declared ops, from the modules that define them."""
     import rumus_fx  # noqa: F401  (declares every op)
     from rumus_fx.autograd.registry import exports
 
     path = ROOT / ("__init__.py" if package == "rumus_fx" else "ops/__init__.py")
-    static = _type_checking_names(path)
+    static = _op_imports(path, package)
     declared = exports(toplevel=toplevel)
     assert sorted(static) == sorted(declared)
     for name, fn in declared.items():
         assert fn.__name__ == name
         assert fn.__module__.endswith("." + static[name].split(".")[-1]), (name, fn.__module__, static[name])
+
+
+def test_no_runtime_export_from_the_registry():
+    """No ``globals().update(...)``: a name a type checker cannot see is not exported."""
+    for path in (ROOT / "__init__.py", ROOT / "ops" / "__init__.py"):
+        assert "globals()" not in path.read_text(), path
+
+
+def test_no_jax_private_modules():
+    """rumus_fx reads JAX through its public modules only: no ``jax._src``
+    import, attribute or logger name anywhere in the package."""
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{k}"
+        for path, _ in MODULES.values()
+        for k, line in enumerate(path.read_text().splitlines(), 1)
+        if "jax._src" in line
+    ]
+    assert not found, "jax._src in rumus_fx:\n" + "\n".join(found)

@@ -8,7 +8,9 @@ idea of PyTorch's ``derivatives.yaml`` + OpInfo, in one place):
 
 * a fused op of SPEC section 5 (``rumus_fx/ops/<family>.py``) decorates its
   forward with ``@op(records=..., ref=..., samples=..., errors=...)``
-  (``rumus_fx.ops._declare.op``);
+  (``rumus_fx.ops._declare.op``); a fused elementwise op of one array is one
+  ``unary_op(...)`` call, which makes its record and forward and declares
+  them (Note [Unary op family] in ``rumus_fx/ops/_unary.py``);
 * a primitive rule of ``rf.lift`` (``rumus_fx/lift/rules_<family>.py``) is
   declared by ``defrule(name, vjp, saves, table=..., errors=...)``, which makes
   its record type and registers it here. A rule declared by a family helper
@@ -37,20 +39,22 @@ A declaration (``OpDecl``) holds:
   cases are the differentiable primitives without a rule), the programs it
   refuses (``BadProgram``), the exception and what its message names.
 
-The sample generators (``normal``, ``positive``, ``unit``, ``away``,
+The sample generators (``normal``, ``positive``, ``unit``, ``away_from_zero``, ``far_from_zero``,
 ``distinct``, ``wellcond``, ``spd``, ``unary_samples``, ``binary_samples``) and
 the placeholders of malformed inputs live in ``rumus_fx/ops/_declare.py``, for
 both kinds; they are functions of an rng (nothing is built at import).
 
-Derived from the registry: ``rumus_fx.ops``' and ``rumus_fx``'s exports
-(``exports()``), ``rf.autograd.BackwardOp`` (``declared_records()``), the op
+Checked against the registry: the exports of ``rumus_fx.ops`` and ``rumus_fx``,
+one explicit ``from .<family> import <op> as <op>`` line per op in their
+``__init__.py`` (``tests/test_imports.py`` compares them with ``exports()``).
+Derived from the registry: ``rf.autograd.BackwardOp`` (``declared_records()``), the op
 table ``tests/ops/optable.py``, the primitive table ``tests/lift/ptable.py``
 (every ``TableEntry``; ``tests/lift/test_ptable.py`` also checks that every rule
 is exercised by one), the error audit ``tests/test_errors_audit.py`` (``errors``
 of every kind), and the docs check that the "Ops and their records" table of
 ``docs/tape.md`` names every op and record. Adding a fused op touches its family
-module and one row of that table; adding a primitive rule touches its ``rules_<family>.py``
-module only. ``tests/ops/test_registry.py`` checks that an op and a rule
+module, its export lines and one row of that table; adding a primitive rule touches
+its ``rules_<family>.py`` module only. ``tests/ops/test_registry.py`` checks that an op and a rule
 declared in a test module reach all of them.
 """
 
@@ -75,7 +79,7 @@ class Sample:
 
 @dataclasses.dataclass(frozen=True)
 class BadInput:
-    """A malformed call: ``args``/``kwargs`` (placeholders such as ``F(3, 4)``
+    """A malformed call: ``args``/``kwargs`` (placeholders such as ``tracked(3, 4)``
     are built when the case runs, see ``rumus_fx.ops._declare``), the exception
     type(s) it must raise and substrings its message must contain (besides the
     op's name)."""

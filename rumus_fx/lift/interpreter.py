@@ -46,7 +46,7 @@ from ..autograd.registry import BadProgram, OpDecl, declare
 from ..autograd.tape import current_tape, suspend_recording
 from ..errors import SHARDING_HINT, AutogradError, ShapeError, ShapeTypeError, ShardingError
 from ..kernels.dispatch import use as kernel_mode
-from ..ops._declare import Lazy
+from ..ops._declare import Placeholder
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
 from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_complex, is_float
@@ -409,8 +409,8 @@ def _no_rule_errors() -> list[BadProgram]:
     """Differentiable primitives without a rule: the gradient raises, naming the
     primitive (``jax_too``: where jax.grad has no gradient either)."""
 
-    def mat(*shape: int) -> Lazy:
-        return Lazy(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
+    def mat(*shape: int) -> Placeholder:
+        return Placeholder(lambda: np.random.default_rng(0).standard_normal(shape) + shape[-1] * np.eye(*shape[-2:]))
 
     def case(prim: str, fun: Callable, args: tuple, **kw: Any) -> BadProgram:
         also = (f"no backward rule for the primitive '{prim}'",)

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from ..autograd.registry import Sample, TableEntry
-from ..ops._declare import away, normal, unary_samples
+from ..ops._declare import far_from_zero, normal, unary_samples
 from .rules import COMPLEX_OK, defrule, in_
 from .rules_elementwise import unbroadcast
 
@@ -89,7 +89,7 @@ def _to_complex(x):
 
 
 def _abs_with_zeros(rng, *shape):
-    x = away(rng, *shape)
+    x = far_from_zero(rng, *shape)
     x.flat[::3] = 0.0
     return x
 
@@ -129,13 +129,13 @@ defrule(
     _abs_vjp,
     in_(0),
     table=(
-        TableEntry("abs", jnp.abs, unary_samples(gen=away)),
+        TableEntry("abs", jnp.abs, unary_samples(gen=far_from_zero)),
         TableEntry("abs_at_zero", lambda x: jnp.abs(x) * 2.0, unary_samples([(3, 4)], _abs_with_zeros), fd=False),
-        TableEntry("abs_complex", _on_complex(lambda z: jnp.abs(z * (1.0 + 2.0j))), _two(gen=away)),
+        TableEntry("abs_complex", _on_complex(lambda z: jnp.abs(z * (1.0 + 2.0j))), _two(gen=far_from_zero)),
         TableEntry(
             "abs_complex_of_real",  # sum(abs(v * (1 + 2j))): sqrt(5) sign(v)
             lambda x: jnp.abs(_to_complex(x) * (1.0 + 2.0j)) ** 2 + jnp.abs(_to_complex(x) * (1.0 + 2.0j)),
-            unary_samples([(3, 4)], away),
+            unary_samples([(3, 4)], far_from_zero),
         ),
     ),
 )

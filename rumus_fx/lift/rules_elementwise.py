@@ -17,7 +17,7 @@ from jax import lax
 
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
-from ..ops._declare import away, binary_samples, distinct, normal, positive, unary_samples, unit, wellcond
+from ..ops._declare import binary_samples, distinct, far_from_zero, normal, positive, unary_samples, unit, wellcond
 from .rules import add_table, defrule, in_, out_
 
 
@@ -42,11 +42,13 @@ def unbroadcast(g, aval, sharding=None):
     return g
 
 
-def _x(r, k=0):
+def _input(r, k=0):
+    """Input ``k`` of the primitive, as its rule saved it."""
     return r.ins[k]
 
 
-def _y(r, k=0):
+def _output(r, k=0):
+    """Output ``k`` of the primitive, as its rule saved it."""
     return r.outs[k]
 
 
@@ -70,31 +72,31 @@ def _plus_one_and_a_half(rng, *shape):
 
 # -- unary ---------------------------------------------------------------------
 _unary("neg", lambda r, g: -g, ((), ()), program=lambda x: -x, vmap=True)
-_unary("exp", lambda r, g: g * _y(r), out_(0), program=jnp.exp, vmap=True)
-_unary("exp2", lambda r, g: g * _y(r) * jnp.asarray(math.log(2.0), g.dtype), out_(0), program=jnp.exp2)
-_unary("log", lambda r, g: g / _x(r), in_(0), program=jnp.log, gen=positive)
-_unary("log1p", lambda r, g: g / (_x(r) + 1), in_(0), program=jnp.log1p, gen=positive)
-_unary("expm1", lambda r, g: g * (_y(r) + 1), out_(0), program=jnp.expm1)
-_unary("tanh", lambda r, g: g * (1 - _y(r) * _y(r)), out_(0), program=jnp.tanh, vmap=True)
-_unary("logistic", lambda r, g: g * _y(r) * (1 - _y(r)), out_(0), program=jax.nn.sigmoid)
-_unary("sin", lambda r, g: g * lax.cos(_x(r)), in_(0), program=jnp.sin, vmap=True)
-_unary("cos", lambda r, g: -g * lax.sin(_x(r)), in_(0), program=jnp.cos)
-_unary("tan", lambda r, g: g * (1 + _y(r) * _y(r)), out_(0), program=jnp.tan, gen=unit)
-_unary("asin", lambda r, g: g * lax.rsqrt(1 - _x(r) * _x(r)), in_(0), program=jnp.arcsin, gen=unit)
-_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _x(r) * _x(r)), in_(0), program=jnp.arccos, gen=unit)
-_unary("atan", lambda r, g: g / (1 + _x(r) * _x(r)), in_(0), program=jnp.arctan)
-_unary("sinh", lambda r, g: g * lax.cosh(_x(r)), in_(0), program=jnp.sinh)
-_unary("cosh", lambda r, g: g * lax.sinh(_x(r)), in_(0), program=jnp.cosh)
-_unary("asinh", lambda r, g: g * lax.rsqrt(_x(r) * _x(r) + 1), in_(0), program=jnp.arcsinh)
+_unary("exp", lambda r, g: g * _output(r), out_(0), program=jnp.exp, vmap=True)
+_unary("exp2", lambda r, g: g * _output(r) * jnp.asarray(math.log(2.0), g.dtype), out_(0), program=jnp.exp2)
+_unary("log", lambda r, g: g / _input(r), in_(0), program=jnp.log, gen=positive)
+_unary("log1p", lambda r, g: g / (_input(r) + 1), in_(0), program=jnp.log1p, gen=positive)
+_unary("expm1", lambda r, g: g * (_output(r) + 1), out_(0), program=jnp.expm1)
+_unary("tanh", lambda r, g: g * (1 - _output(r) * _output(r)), out_(0), program=jnp.tanh, vmap=True)
+_unary("logistic", lambda r, g: g * _output(r) * (1 - _output(r)), out_(0), program=jax.nn.sigmoid)
+_unary("sin", lambda r, g: g * lax.cos(_input(r)), in_(0), program=jnp.sin, vmap=True)
+_unary("cos", lambda r, g: -g * lax.sin(_input(r)), in_(0), program=jnp.cos)
+_unary("tan", lambda r, g: g * (1 + _output(r) * _output(r)), out_(0), program=jnp.tan, gen=unit)
+_unary("asin", lambda r, g: g * lax.rsqrt(1 - _input(r) * _input(r)), in_(0), program=jnp.arcsin, gen=unit)
+_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _input(r) * _input(r)), in_(0), program=jnp.arccos, gen=unit)
+_unary("atan", lambda r, g: g / (1 + _input(r) * _input(r)), in_(0), program=jnp.arctan)
+_unary("sinh", lambda r, g: g * lax.cosh(_input(r)), in_(0), program=jnp.sinh)
+_unary("cosh", lambda r, g: g * lax.sinh(_input(r)), in_(0), program=jnp.cosh)
+_unary("asinh", lambda r, g: g * lax.rsqrt(_input(r) * _input(r) + 1), in_(0), program=jnp.arcsinh)
 _unary(
     "acosh",
-    lambda r, g: g * lax.rsqrt((_x(r) - 1) * (_x(r) + 1)),
+    lambda r, g: g * lax.rsqrt((_input(r) - 1) * (_input(r) + 1)),
     in_(0),
     program=jnp.arccosh,
     gen=_plus_one_and_a_half,
 )
-_unary("atanh", lambda r, g: g / (1 - _x(r) * _x(r)), in_(0), program=jnp.arctanh, gen=unit)
-_unary("sqrt", lambda r, g: g * 0.5 / _y(r), out_(0), program=jnp.sqrt, gen=positive)
+_unary("atanh", lambda r, g: g / (1 - _input(r) * _input(r)), in_(0), program=jnp.arctanh, gen=unit)
+_unary("sqrt", lambda r, g: g * 0.5 / _output(r), out_(0), program=jnp.sqrt, gen=positive)
 add_table(
     "sqrt",
     TableEntry(
@@ -103,32 +105,32 @@ add_table(
         unary_samples([(3, 4)]),
     ),
 )
-_unary("rsqrt", lambda r, g: g * -0.5 * _y(r) / _x(r), ((0,), (0,)), program=lax.rsqrt, gen=positive)
-_unary("cbrt", lambda r, g: g / (3 * _y(r) * _y(r)), out_(0), program=jnp.cbrt, gen=positive)
-_unary("square", lambda r, g: g * 2 * _x(r), in_(0), program=jnp.square)
+_unary("rsqrt", lambda r, g: g * -0.5 * _output(r) / _input(r), ((0,), (0,)), program=lax.rsqrt, gen=positive)
+_unary("cbrt", lambda r, g: g / (3 * _output(r) * _output(r)), out_(0), program=jnp.cbrt, gen=positive)
+_unary("square", lambda r, g: g * 2 * _input(r), in_(0), program=jnp.square)
 _unary(
     "erf",
-    lambda r, g: g * (2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)),
+    lambda r, g: g * (2 / math.sqrt(math.pi)) * lax.exp(-_input(r) * _input(r)),
     in_(0),
     program=jsp.special.erf,
 )
 _unary(
     "erfc",
-    lambda r, g: g * (-2 / math.sqrt(math.pi)) * lax.exp(-_x(r) * _x(r)),
+    lambda r, g: g * (-2 / math.sqrt(math.pi)) * lax.exp(-_input(r) * _input(r)),
     in_(0),
     program=jsp.special.erfc,
 )
 _unary(
     "erf_inv",
-    lambda r, g: g * (math.sqrt(math.pi) / 2) * lax.exp(_y(r) * _y(r)),
+    lambda r, g: g * (math.sqrt(math.pi) / 2) * lax.exp(_output(r) * _output(r)),
     out_(0),
     program=jsp.special.erfinv,
     gen=unit,
 )
-_unary("lgamma", lambda r, g: g * lax.digamma(_x(r)), in_(0), program=jsp.special.gammaln, gen=positive)
+_unary("lgamma", lambda r, g: g * lax.digamma(_input(r)), in_(0), program=jsp.special.gammaln, gen=positive)
 _unary(
     "digamma",
-    lambda r, g: g * lax.polygamma(jnp.ones((), _x(r).dtype), _x(r)),
+    lambda r, g: g * lax.polygamma(jnp.ones((), _input(r).dtype), _input(r)),
     in_(0),
     program=jsp.special.digamma,
     gen=positive,
@@ -146,14 +148,14 @@ _unary("copy_p", lambda r, g: g, ((), ()))
 
 def _integer_pow(r, g):
     n = r.p["y"]
-    x = _x(r)
+    x = _input(r)
     if n == 0:
         return jnp.zeros_like(g)
     dx = n * (x if n == 2 else lax.integer_pow(x, n - 1))
     return g * dx
 
 
-_unary("integer_pow", _integer_pow, in_(0), program=lambda x: x**3 + x**2 - 1 / x**2, gen=away)
+_unary("integer_pow", _integer_pow, in_(0), program=lambda x: x**3 + x**2 - 1 / x**2, gen=far_from_zero)
 
 
 def _convert(r, g):
@@ -210,8 +212,8 @@ _binary("add_any", lambda r, g: g, lambda r, g: g, ((), ()))
 _binary("sub", lambda r, g: g, lambda r, g: -g, ((), ()), program=lambda x, y: x - y)
 _binary(
     "mul",
-    lambda r, g: g * _x(r, 1),
-    lambda r, g: g * _x(r, 0),
+    lambda r, g: g * _input(r, 1),
+    lambda r, g: g * _input(r, 0),
     _mul_saves,
     program=lambda x, y: x * y,
     vmap=True,
@@ -222,8 +224,8 @@ add_table(
 )
 _binary(
     "div",
-    lambda r, g: g / _x(r, 1),
-    lambda r, g: -g * _x(r, 0) / (_x(r, 1) * _x(r, 1)),
+    lambda r, g: g / _input(r, 1),
+    lambda r, g: -g * _input(r, 0) / (_input(r, 1) * _input(r, 1)),
     _div_saves,
     program=lambda x, y: x / y,
     samples=binary_samples(normal, positive),
@@ -237,16 +239,16 @@ def _balanced(x, z, y):
 
 _binary(
     "max",
-    lambda r, g: g * _balanced(_bcast(g, _x(r, 0)), _y(r), _bcast(g, _x(r, 1))),
-    lambda r, g: g * _balanced(_bcast(g, _x(r, 1)), _y(r), _bcast(g, _x(r, 0))),
+    lambda r, g: g * _balanced(_bcast(g, _input(r, 0)), _output(r), _bcast(g, _input(r, 1))),
+    lambda r, g: g * _balanced(_bcast(g, _input(r, 1)), _output(r), _bcast(g, _input(r, 0))),
     ((0, 1), (0,)),
     program=jnp.maximum,
     samples=binary_samples(distinct, distinct),
 )
 _binary(
     "min",
-    lambda r, g: g * _balanced(_bcast(g, _x(r, 0)), _y(r), _bcast(g, _x(r, 1))),
-    lambda r, g: g * _balanced(_bcast(g, _x(r, 1)), _y(r), _bcast(g, _x(r, 0))),
+    lambda r, g: g * _balanced(_bcast(g, _input(r, 0)), _output(r), _bcast(g, _input(r, 1))),
+    lambda r, g: g * _balanced(_bcast(g, _input(r, 1)), _output(r), _bcast(g, _input(r, 0))),
     ((0, 1), (0,)),
     program=jnp.minimum,
     samples=binary_samples(distinct, distinct),
@@ -254,22 +256,22 @@ _binary(
 
 
 def _atan2_den(r):
-    x, y = _x(r, 0), _x(r, 1)
+    x, y = _input(r, 0), _input(r, 1)
     return x * x + y * y
 
 
 _binary(
     "atan2",
-    lambda r, g: g * _x(r, 1) / _atan2_den(r),
-    lambda r, g: -g * _x(r, 0) / _atan2_den(r),
+    lambda r, g: g * _input(r, 1) / _atan2_den(r),
+    lambda r, g: -g * _input(r, 0) / _atan2_den(r),
     ((0, 1), ()),
     program=jnp.arctan2,
-    samples=binary_samples(away, away),
+    samples=binary_samples(far_from_zero, far_from_zero),
 )
 
 
 def _rem_rhs(r, g):
-    q = _x(r, 0) / _x(r, 1)
+    q = _input(r, 0) / _input(r, 1)
     return -g * jnp.sign(q) * jnp.floor(jnp.abs(q))
 
 
@@ -288,15 +290,15 @@ _binary(
 
 
 def _pow_lhs(r, g):
-    x, y = _bcast(g, _x(r, 0)), _bcast(g, _x(r, 1))
+    x, y = _bcast(g, _input(r, 0)), _bcast(g, _input(r, 1))
     jac = jnp.where(y == 0, jnp.zeros_like(g), y * lax.pow(x, y - jnp.ones((), y.dtype)))
     return g * jac
 
 
 def _pow_rhs(r, g):
-    x = _bcast(g, _x(r, 0))
+    x = _bcast(g, _input(r, 0))
     safe = jnp.where(x == 0, jnp.ones_like(x), x)
-    return g * lax.log(safe) * _y(r)
+    return g * lax.log(safe) * _output(r)
 
 
 _binary(
@@ -333,7 +335,7 @@ defrule(
         TableEntry(
             "select_n",
             lambda x, y: jnp.where(x > 0, x * 2, y),
-            binary_samples(away, normal, shapes=(((3, 4), (3, 4)),)),
+            binary_samples(far_from_zero, normal, shapes=(((3, 4), (3, 4)),)),
         ),
     ),
 )

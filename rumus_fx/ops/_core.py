@@ -147,11 +147,7 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
 #
 # What stays per op: the grad id, the version snapshots of what the record
 # reads, the avals and the explicit-sharding check of every tracked input.
-# Measured in CPU time, an op's Python costs more between dispatches than
-# alone in a loop: a recorded ``rf.tanh`` took 6.8 µs without its dispatch and
-# 7.4 µs of dispatch alone, 18.8 µs together; in the chain, removing
-# ``record()``'s entry building saves about 5 µs per op where a loop of
-# ``record()`` alone takes under 2.
+# What each part costs: benchmarks/RESULTS.md, "Thresholds in the code".
 
 
 def tape_for(*xs: Any) -> Tape | None:

@@ -16,7 +16,7 @@ from ..autograd.registry import OpDecl, declare
 from ..autograd.registry import Sample as Sample
 from ..tensor import Tensor
 
-F_ = TypeVar("F_", bound=Callable[..., Any])
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
 def op(
@@ -33,7 +33,7 @@ def op(
     rtol32: float = 2e-5,
     atol32: float = 2e-5,
     fd_tol: float = 1e-6,
-) -> Callable[[F_], F_]:
+) -> Callable[[Fn], Fn]:
     """Declare the decorated forward as a fused op (see Note [Declaring an op]).
 
     ``name`` (default: the function's name) names the op-table entry;
@@ -41,7 +41,7 @@ def op(
     exported; ``toplevel=False``: only as ``rumus_fx.ops.<name>``). Decorators may be stacked to give one op several table entries
     (``batch_norm_2d_train``/``_eval``). Returns the function unchanged."""
 
-    def deco(fn: F_) -> F_:
+    def deco(fn: Fn) -> Fn:
         exp = fn.__name__ if export is True else (export or None)
         declare(
             OpDecl(
@@ -92,7 +92,7 @@ def away_from_zero(rng: np.random.Generator, *shape: int, below: float = 0.1, to
     return np.where(np.abs(x) < below, to, x)
 
 
-def away(rng: np.random.Generator, *shape: int) -> np.ndarray:
+def far_from_zero(rng: np.random.Generator, *shape: int) -> np.ndarray:
     """``away_from_zero`` with a wider gap (the primitive table's kinks: abs, atan2, 1/x)."""
     return away_from_zero(rng, *shape, below=0.2, to=0.7)
 
@@ -147,47 +147,49 @@ def ranked(f: Callable) -> Callable:
 # -- malformed-input placeholders (built when the case runs) -----------------
 
 
-class Lazy:
+class Placeholder:
     """An argument of a ``BadInput`` built when the case runs."""
 
     def __init__(self, make: Callable[[], Any]):
         self.make = make
 
     def __repr__(self) -> str:
-        return "Lazy(...)"
+        return "Placeholder(...)"
 
 
-def F(*shape: int) -> Lazy:
+
+
+def tracked(*shape: int) -> Placeholder:
     """A tracked float32 tensor of ``shape`` (seeded by the shape)."""
 
     def make() -> Tensor:
         data = np.random.default_rng(sum(shape) + len(shape)).standard_normal(shape).astype(np.float32)
         return Tensor(data, requires_grad=True)
 
-    return Lazy(make)
+    return Placeholder(make)
 
 
-def I(*shape: int, high: int = 3) -> Lazy:  # noqa: E743
+def indices(*shape: int, high: int = 3) -> Placeholder:
     """An int32 array of ``shape`` with values in ``[0, high)``."""
-    return Lazy(lambda: jnp.asarray(np.random.default_rng(0).integers(0, high, shape), jnp.int32))
+    return Placeholder(lambda: jnp.asarray(np.random.default_rng(0).integers(0, high, shape), jnp.int32))
 
 
-def N(*shape: int) -> Lazy:
+def integers(*shape: int) -> Placeholder:
     """An integer array (ones) where a float one is needed."""
-    return Lazy(lambda: jnp.ones(shape, jnp.int32))
+    return Placeholder(lambda: jnp.ones(shape, jnp.int32))
 
 
-def A(value: Any, dtype: Any = None) -> Lazy:
+def array(value: Any, dtype: Any = None) -> Placeholder:
     """``jnp.asarray(value, dtype)``."""
-    return Lazy(lambda: jnp.asarray(value, dtype))
+    return Placeholder(lambda: jnp.asarray(value, dtype))
 
 
-KEY = Lazy(lambda: jax.random.key(0))
+KEY = Placeholder(lambda: jax.random.key(0))
 
 
 def materialise(x: Any) -> Any:
     """Build the placeholders inside ``x`` (lists and tuples are walked)."""
-    if isinstance(x, Lazy):
+    if isinstance(x, Placeholder):
         return x.make()
     if isinstance(x, list):
         return [materialise(v) for v in x]

@@ -1,4 +1,5 @@
-"""Activations: relu, sigmoid, tanh, gelu, leaky_relu, softmax."""
+"""Activations: relu, sigmoid, tanh, softplus (declared by family: Note [Unary op
+family] in ``_unary.py``), gelu, leaky_relu, softmax."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import lazy
 from ..autograd.record import Record, VersionSnapshot
 from ..errors import ShapeError
 from ..kernels import softmax as ksoftmax
 from ..tensor import Tensor
+from . import _formulas as formulas
 from ._core import (
     array_of,
-    deferrable,
-    deferred_unary,
     eager_jit,
     is_real_scalar,
     new_output,
@@ -28,77 +27,27 @@ from ._core import (
     snapshot,
     tape_for,
 )
-from ._declare import BadInput, F, N, Sample, away_from_zero, normal, op, unary_samples
+from ._declare import BadInput, Sample, away_from_zero, integers, normal, op, tracked, unary_samples
+from ._unary import unary_op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 
-@frozen
-class ReluBackward(Record):
-    """``y = max(x, 0)``: ``dx = dy`` where ``x > 0``, else 0. Saves the input."""
-
-    input: Array
-    input_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        return (jnp.where(self.input > 0, g, 0),)
-
-
-@eager_jit
-def _relu(x: Array) -> Array:
-    return jnp.maximum(x, 0)
-
-
-_sigmoid, _tanh = eager_jit(jax.nn.sigmoid), eager_jit(jnp.tanh)
-_RELU, _SIGMOID, _TANH = lazy.Kind("relu", _relu.__wrapped__), lazy.Kind("sigmoid", jax.nn.sigmoid), lazy.Kind("tanh", jnp.tanh)
-
-
 _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
 
-
-@op(
-    records=(ReluBackward,),
+ReluBackward, relu = unary_op(
+    "relu",
+    lambda x: jnp.maximum(x, 0),
+    formulas.relu,
+    "input",
+    floats_only=False,
+    doc="``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward).",
+    record_doc="``y = max(x, 0)``: ``dx = dy`` where ``x > 0``, else 0. Saves the input.",
     ref=jax.nn.relu,
     samples=unary_samples(_UNARY_SHAPES, away_from_zero),
     errors=lambda: [BadInput("an object", (object(),), TypeError)],
 )
-def relu(x: Any) -> Tensor:
-    """``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _RELU, ReluBackward, "input")
-    xv = array_of(x, "relu")
-    out = _relu(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    saved, version = reads(x, True)
-    return record(tape, ReluBackward(saved, version), (x,), new_output(out, tape))
-
-
-@frozen
-class SigmoidBackward(Record):
-    """``y = sigmoid(x)``: ``dx = dy * y * (1 - y)``. Saves the **output**."""
-
-    output: Array
-    output_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        y = self.output
-        return (g * y * (1 - y),)
-
-
-@frozen
-class TanhBackward(Record):
-    """``y = tanh(x)``: ``dx = dy * (1 - y^2)``. Saves the **output**."""
-
-    output: Array
-    output_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        y = self.output
-        return (g * (1 - y * y),)
 
 
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -177,36 +126,42 @@ def _saves_input(x: Any, out: Array, rec_cls: type, *extra: Any) -> Tensor:
     return record(tape, rec_cls(saved, version, *extra), (x,), new_output(out, tape))
 
 
-@op(
-    records=(SigmoidBackward,),
+SigmoidBackward, sigmoid = unary_op(
+    "sigmoid",
+    jax.nn.sigmoid,
+    formulas.sigmoid,
+    "output",
+    doc="Logistic sigmoid (records SigmoidBackward, which saves the output).",
+    record_doc="``y = sigmoid(x)``: ``dx = dy * y * (1 - y)``. Saves the **output**.",
     ref=jax.nn.sigmoid,
     samples=unary_samples(_UNARY_SHAPES),
-    errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+    errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
-def sigmoid(x: Any) -> Tensor:
-    """Logistic sigmoid (records SigmoidBackward, which saves the output)."""
-    src = deferrable(x)
-    if src is not None:
-        return deferred_unary(x, src, _SIGMOID, SigmoidBackward, "output")
-    xv = array_of(x, "sigmoid")
-    require_float("sigmoid", xv)
-    return _saves_output(x, _sigmoid(xv), SigmoidBackward)
 
-
-@op(
-    records=(TanhBackward,),
+TanhBackward, tanh = unary_op(
+    "tanh",
+    jnp.tanh,
+    formulas.tanh,
+    "output",
+    doc="Hyperbolic tangent (records TanhBackward, which saves the output).",
+    record_doc="``y = tanh(x)``: ``dx = dy * (1 - y^2)``. Saves the **output**.",
     ref=jnp.tanh,
     samples=unary_samples(_UNARY_SHAPES),
-    errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+    errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
-def tanh(x: Any) -> Tensor:
-    """Hyperbolic tangent (records TanhBackward, which saves the output)."""
-    src = deferrable(x)
-    if src is not None:
-        return deferred_unary(x, src, _TANH, TanhBackward, "output")
-    xv = array_of(x, "tanh")
-    require_float("tanh", xv)
-    return _saves_output(x, _tanh(xv), TanhBackward)
+
+SoftplusBackward, softplus = unary_op(
+    "softplus",
+    jax.nn.softplus,
+    formulas.softplus,
+    "input",
+    defers=False,
+    doc="``log(1 + exp(x))``, as ``jax.nn.softplus`` (records SoftplusBackward, which saves the input).",
+    record_doc="``y = softplus(x)``: ``dx = dy * sigmoid(x)``. Saves the input.",
+    ref=lambda x: jnp.logaddexp(x, 0.0),
+    samples=unary_samples(_UNARY_SHAPES),
+    errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
+)
 
 
 @op(
@@ -218,8 +173,8 @@ def tanh(x: Any) -> Tensor:
         Sample((normal(r, 4, 6),), {"approximate": True}),
     ],
     errors=lambda: [
-        BadInput("integer input", (N(3),), TypeError),
-        BadInput("approximate not a bool", (F(3),), TypeError, ("'tanh'",), {"approximate": "tanh"}),
+        BadInput("integer input", (integers(3),), TypeError),
+        BadInput("approximate not a bool", (tracked(3),), TypeError, ("'tanh'",), {"approximate": "tanh"}),
     ],
 )
 def gelu(x: Any, approximate: bool = True) -> Tensor:
@@ -237,8 +192,8 @@ def gelu(x: Any, approximate: bool = True) -> Tensor:
     ref=lambda x, alpha=0.01: jax.nn.leaky_relu(x, alpha),
     samples=lambda r: [Sample((away_from_zero(r, 3, 5),)), Sample((away_from_zero(r, 2, 3, 7), 0.2))],
     errors=lambda: [
-        BadInput("alpha a string", (F(3),), TypeError, ("'0.1'",), {"alpha": "0.1"}),
-        BadInput("integer input", (N(3),), TypeError),
+        BadInput("alpha a string", (tracked(3),), TypeError, ("'0.1'",), {"alpha": "0.1"}),
+        BadInput("integer input", (integers(3),), TypeError),
     ],
 )
 def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
@@ -261,9 +216,9 @@ def leaky_relu(x: Any, alpha: float = 0.01) -> Tensor:
         Sample((normal(r, 2, 3, 7) * 5,), {"axis": 0}),
     ],
     errors=lambda: [
-        BadInput("axis out of range", (F(3, 4),), ShapeError, kwargs={"axis": 2}),
-        BadInput("scalar", (F(),), ShapeError),
-        BadInput("integer input", (N(3),), TypeError),
+        BadInput("axis out of range", (tracked(3, 4),), ShapeError, kwargs={"axis": 2}),
+        BadInput("scalar", (tracked(),), ShapeError),
+        BadInput("integer input", (integers(3),), TypeError),
     ],
 )
 def softmax(x: Any, axis: int = -1) -> Tensor:

@@ -27,7 +27,7 @@ from ._core import (
     sum_to,
     tape_for,
 )
-from ._declare import A, BadInput, F, N, Sample, normal, op
+from ._declare import BadInput, Sample, array, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -120,17 +120,26 @@ def _attention_samples(r: np.random.Generator) -> list[Sample]:
 
 def _attention_errors() -> list[BadInput]:
     return [
-        BadInput("rank-1 q", (F(4), F(4), F(4)), ShapeError),
-        BadInput("ranks differ", (F(2, 5, 4), F(5, 4), F(5, 4)), ShapeError),
-        BadInput("q and k widths", (F(5, 4), F(6, 3), F(6, 2)), ShapeError),
-        BadInput("k and v lengths", (F(5, 4), F(6, 4), F(7, 2)), ShapeError),
-        BadInput("leading axes differ", (F(2, 5, 4), F(3, 6, 4), F(3, 6, 2)), ShapeError),
-        BadInput("mask shape", (F(5, 4), F(6, 4), F(6, 2), A(np.ones((5, 5), bool))), ShapeError, ("(5, 5)",)),
-        BadInput("causal not a bool", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"causal": "yes"}),
-        BadInput("integer mask", (F(5, 4), F(5, 4), F(5, 2), A(np.ones((5, 5)), jnp.int32)), TypeError),
-        BadInput("scale a string", (F(5, 4), F(5, 4), F(5, 2)), TypeError, kwargs={"scale": "x"}),
-        BadInput("integer q", (N(5, 4), F(5, 4), F(5, 2)), TypeError),
-        BadInput("zero keys", (F(5, 4), F(0, 4), F(0, 2)), ShapeError, ("Sk = 0",)),
+        BadInput("rank-1 q", (tracked(4), tracked(4), tracked(4)), ShapeError),
+        BadInput("ranks differ", (tracked(2, 5, 4), tracked(5, 4), tracked(5, 4)), ShapeError),
+        BadInput("q and k widths", (tracked(5, 4), tracked(6, 3), tracked(6, 2)), ShapeError),
+        BadInput("k and v lengths", (tracked(5, 4), tracked(6, 4), tracked(7, 2)), ShapeError),
+        BadInput("leading axes differ", (tracked(2, 5, 4), tracked(3, 6, 4), tracked(3, 6, 2)), ShapeError),
+        BadInput(
+            "mask shape",
+            (tracked(5, 4), tracked(6, 4), tracked(6, 2), array(np.ones((5, 5), bool))),
+            ShapeError,
+            ("(5, 5)",),
+        ),
+        BadInput(
+            "causal not a bool", (tracked(5, 4), tracked(5, 4), tracked(5, 2)), TypeError, kwargs={"causal": "yes"}
+        ),
+        BadInput(
+            "integer mask", (tracked(5, 4), tracked(5, 4), tracked(5, 2), array(np.ones((5, 5)), jnp.int32)), TypeError
+        ),
+        BadInput("scale a string", (tracked(5, 4), tracked(5, 4), tracked(5, 2)), TypeError, kwargs={"scale": "x"}),
+        BadInput("integer q", (integers(5, 4), tracked(5, 4), tracked(5, 2)), TypeError),
+        BadInput("zero keys", (tracked(5, 4), tracked(0, 4), tracked(0, 2)), ShapeError, ("Sk = 0",)),
     ]
 
 

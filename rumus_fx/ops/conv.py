@@ -1,7 +1,9 @@
 """Vision ops: im2col, conv2d, add_channel_bias, max_pool2d, adaptive_avg_pool2d.
 
 Layouts follow rumus (and PyTorch): images ``[..., C, H, W]``, conv weights
-``[O, C, K, K]``, square kernels, symmetric zero padding.
+``[O, C, K, K]``, square kernels, symmetric zero padding. conv2d's products
+have several formulations (``_conv_formulations.py``) and a plan that picks
+one per product (``_conv_plan.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,24 @@ from ..eager import compiled, cpu_options, eager_jit
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
 from ..tensor import Tensor, lifting
+from ._conv_formulations import (
+    col2im,
+    conv_conv_dw,
+    conv_conv_dx,
+    conv_conv_forward,
+    conv_dot_dw,
+    conv_dot_dx,
+    conv_dot_forward,
+    conv_gemm_dw,
+    conv_gemm_forward,
+    spatial_pad,
+    window_slices,
+)
+from ._conv_plan import cols_size, conv_plan
 from ._core import (
     acc_sum,
     array_of,
     cast,
-    is_low_precision,
     is_tracked,
     new_output,
     reads,
@@ -35,13 +50,13 @@ from ._core import (
     static_int,
     tape_for,
 )
-from ._declare import BadInput, F, Lazy, N, Sample, normal, op
+from ._declare import BadInput, Placeholder, Sample, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
 
 try:  # a value traced by jax.jit (not vmap, jvp ...): Note [Max pool under jit]
-    from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
+    from jax.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
 except ImportError:  # pragma: no cover - a jax without it keeps the reduction
     _JitTracer = ()
 
@@ -59,45 +74,6 @@ def _window_args(op: str, kernel_size: Any, stride: Any, padding: Any) -> tuple[
     s = static_int(op, "stride", k if stride is None else stride, 1)
     p = static_int(op, "padding", padding, 0)
     return k, s, p
-
-
-def _spatial_pad(ndim: int, lo_h: int, hi_h: int, lo_w: int, hi_w: int, interior: int = 0) -> list:
-    return [(0, 0, 0)] * (ndim - 2) + [(lo_h, hi_h, interior), (lo_w, hi_w, interior)]
-
-
-def _window_slices(xp: Array, k: int, s: int, oh: int, ow: int) -> list[Array]:
-    """The k*k strided slices ``xp[..., kh::s, kw::s]`` (row-major over kh, kw)."""
-    out = []
-    for kh in range(k):
-        for kw in range(k):
-            start = (0,) * (xp.ndim - 2) + (kh, kw)
-            limit = tuple(xp.shape[:-2]) + (kh + s * (oh - 1) + 1, kw + s * (ow - 1) + 1)
-            strides = (1,) * (xp.ndim - 2) + (s, s)
-            out.append(lax.slice(xp, start, limit, strides))
-    return out
-
-
-def _place(piece: Array, kh: int, kw: int, s: int, p: int, h: int, w: int) -> Array:
-    """Scatter a ``[..., OH, OW]`` window slice back to ``[..., H, W]`` positions
-    ``(kh + s*i - p, kw + s*j - p)`` with one ``lax.pad`` (interior = stride - 1,
-    negative edges crop the zero padding)."""
-    oh, ow = piece.shape[-2:]
-    span_h, span_w = s * (oh - 1) + 1, s * (ow - 1) + 1
-    lo_h, lo_w = kh - p, kw - p
-    hi_h, hi_w = h - lo_h - span_h, w - lo_w - span_w
-    return lax.pad(piece, np.zeros((), piece.dtype), _spatial_pad(piece.ndim, lo_h, hi_h, lo_w, hi_w, s - 1))
-
-
-def _col2im(piece_of: Any, k: int, s: int, p: int, h: int, w: int) -> Array:
-    """The sum over window offsets ``j = kh*K + kw`` of ``piece_of(j)`` (a
-    ``[..., OH, OW]`` gradient slice) placed back at its input positions: the
-    adjoint of taking the k*k strided window slices."""
-    dx = None
-    for j in range(k * k):
-        kh, kw = divmod(j, k)
-        placed = _place(piece_of(j), kh, kw, s, p, h, w)
-        dx = placed if dx is None else dx + placed
-    return dx
 
 
 # ---------------------------------------------------------------------------
@@ -123,14 +99,14 @@ class Im2ColBackward(Record):
         k, s, p = self.kernel_size, self.stride, self.padding
         lead = tuple(g.shape[:-2])
         g5 = shd.reshape(g, (*lead, self.c_in, k * k, self.out_h, self.out_w))
-        return (_col2im(lambda j: g5[..., j, :, :], k, s, p, self.h, self.w),)
+        return (col2im(lambda j: g5[..., j, :, :], k, s, p, self.h, self.w),)
 
 
 @eager_jit(static_argnums=(1, 2, 3, 4, 5))
 def _im2col_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
     *lead, c, _, _ = xv.shape
     xp = jnp.pad(xv, [(0, 0)] * (xv.ndim - 2) + [(p, p), (p, p)]) if p else xv
-    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=-3)  # [..., C, K*K, OH, OW]
+    cols = jnp.stack(window_slices(xp, k, s, oh, ow), axis=-3)  # [..., C, K*K, OH, OW]
     return shd.reshape(cols, (*lead, c * k * k, oh * ow))
 
 
@@ -153,12 +129,12 @@ def ref_im2col(x: Any, k: int, stride: int = 1, padding: int = 0) -> Array:
         Sample((normal(r, 3, 5, 5), 3, 1, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-2 input", (F(5, 6), 3), ShapeError, ("(5, 6)",)),
-        BadInput("kernel larger than padded input", (F(2, 5, 6), 8, 1, 1), ValueError, ("8",)),
-        BadInput("kernel 0", (F(2, 5, 6), 0), ValueError),
-        BadInput("float kernel", (F(2, 5, 6), 2.0), TypeError, ("2.0",)),
-        BadInput("stride 0", (F(2, 5, 6), 3, 0), ValueError),
-        BadInput("negative padding", (F(2, 5, 6), 3, 1, -1), ValueError),
+        BadInput("rank-2 input", (tracked(5, 6), 3), ShapeError, ("(5, 6)",)),
+        BadInput("kernel larger than padded input", (tracked(2, 5, 6), 8, 1, 1), ValueError, ("8",)),
+        BadInput("kernel 0", (tracked(2, 5, 6), 0), ValueError),
+        BadInput("float kernel", (tracked(2, 5, 6), 2.0), TypeError, ("2.0",)),
+        BadInput("stride 0", (tracked(2, 5, 6), 3, 0), ValueError),
+        BadInput("negative padding", (tracked(2, 5, 6), 3, 1, -1), ValueError),
     ],
 )
 def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tensor:
@@ -183,16 +159,6 @@ def im2col(x: Any, kernel_size: int, stride: int = 1, padding: int = 0) -> Tenso
 # conv2d
 # ---------------------------------------------------------------------------
 
-_NCHW = ("NCHW", "OIHW", "NCHW")
-
-
-def _conv(lhs: Array, rhs: Array, out_dtype: Any, out_sharding: Any = None, **kw: Any) -> Array:
-    pref = jnp.float32 if is_low_precision(out_dtype) else None
-    if out_sharding is None:
-        return lax.conv_general_dilated(lhs, rhs, preferred_element_type=pref, **kw).astype(out_dtype)
-    y = lax.conv_general_dilated(lhs, rhs, preferred_element_type=pref, out_sharding=out_sharding, **kw)
-    return y.astype(out_dtype)
-
 
 def _conv_out_sharding(x: Array, w: Array) -> Any:
     """``[B, O, OH, OW]`` sharded like x's batch and w's output channels (explicit axes)."""
@@ -201,278 +167,6 @@ def _conv_out_sharding(x: Array, w: Array) -> Any:
         return None
     spec = ((xs or (None,))[0], (ws or (None,))[0], None, None)
     return shd.with_spec(shd.sharding_of(x) or shd.sharding_of(w), spec)
-
-
-# Note [Convolution formulations]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Each of conv2d's three products (y, dx, dw) has formulations that give the
-# same numbers (up to float summation order):
-#
-# * "conv": one ``lax.conv_general_dilated`` (dx the transposed convolution,
-#   dw the input/gradient correlation).
-# * "dot": im2col as K*K strided slices of the (padded) input, then one
-#   ``dot_general`` against the weight as an ``[O, C*K*K]`` matrix; dx is the
-#   dot's transpose followed by col2im (K*K placements, see ``_col2im``).
-# * "bdot" (dw only): the same im2col, one product per sample contracting the
-#   positions, summed over the batch.
-# * "gemm" (y and dw, under a trace): the im2col laid out channel-major,
-#   ``[C*K*K, B*OH*OW]`` (x's batch and channel axes swapped first, a move of
-#   whole image rows), so y is one plain matrix product ``[O, C*K*K] x
-#   [C*K*K, B*OH*OW]`` and dw another (dy's batch and channel axes swapped the
-#   same way, contracting batch and positions together): two large products
-#   where "bdot" makes B small ones and the convolution runs at about 0.4 of
-#   the matmul rate. Under ``jax.jit`` the forward's im2col and dw's are the
-#   same expression of the saved x, which XLA computes once.
-#
-# XLA:CPU's convolution (Eigen, or YNNPACK fusions by default in jax 0.10) is
-# slow for few input channels, where a dot with a short contraction is fast.
-# ``_conv_plan`` picks per product from (C_in, C_out, K, stride, the im2col's
-# size); its thresholds come from the timed grid in ``benchmarks/conv_grid.py``,
-# from the same products timed over spatial sizes 14-56 and, for the
-# few-channel layers, from the CNN step of ``benchmarks/models.py``: a product
-# timed alone misses what its layout costs the fusions XLA builds around it
-# (RESULTS.md records both). Inputs on a multi-device mesh (Explicit or Auto
-# axes) always take "conv": XLA's partitioner shards the dot formulations'
-# products by other dimensions than the convolution's (with the weight's
-# output channels sharded, "bdot"'s dw came out sharded on its input channels),
-# and each gradient must keep its parameter's sharding (SPEC section 10).
-
-
-def _conv_plan(c_in: int, c_out: int, k: int, s: int, cpu_eager: bool = False, cols: int = 0) -> tuple[str, str, str]:
-    """The formulation of the forward product, dx and dw (Note [Convolution
-    formulations]). From the grid: a 1x1 kernel is a plain dot for all three
-    products at every channel count; for larger kernels the im2col dot wins the
-    forward product and dx while the contraction ``C_in*K*K`` is at most 27
-    (C_in <= 3 at K=3, C_in = 1 at K=5) and loses beyond. dw: "bdot"
-    (per-sample products, summed) for 1x1 kernels up to 32 input channels
-    (0.06-0.46 of the convolution's time, the plain dot 0.18-0.90) and for 3x3
-    kernels up to 16 (0.48-0.59 at 16 channels; at 1-8 channels it is 0.8-1.5x
-    the convolution alone, but the CNN step is faster with it: it reads x and
-    dy in place where the convolution needs both transposed); "dot" for wider
-    1x1 kernels, the convolution otherwise.
-
-    ``cpu_eager``: the plan of a product compiled on its own for a CPU device
-    with ``CPU_COMPILER_OPTIONS`` (an eager call, Note [Eager compiler
-    options]): there XLA's own convolution computes ``dw`` of a larger kernel
-    in 0.3-0.6 of the time of YNNPACK's and of the per-sample dots at 1-64
-    input channels, stride 1 and 2 (RESULTS.md, issue 16), so it takes
-    "conv"; the rest of the plan is the same.
-
-    ``cols``: the number of elements of the im2col (``B*C_in*K*K*OH*OW``).
-    Above ``_COLS_MAX`` (16 MiB of float32), at stride 1 and more than three
-    input channels, dw of a larger kernel takes the convolution: "bdot" then
-    loses to it. Timed under jax.jit as ``value_and_grad`` of
-    ``sum(tanh(conv2d(tanh(x))))`` (3x3, 32 output channels, padding 1;
-    RESULTS.md, "conv2d's plan and the im2col's size"): ``[64, 16, 28, 28]``
-    39.4-42.5 -> 30.5-32.1 ms, ``[64, 8, 56, 56]`` 130-131 -> 110-115 ms,
-    ``[16, 16, 56, 56]`` 39.3-40.9 -> 26.6 ms. Not taken, because the whole
-    step was slower though the product alone was faster: the convolution for
-    the forward product and dx at ``[64, 3, 56, 56]`` (63 -> 68 ms), and for dw
-    at stride 2 (``[64, 16, 56, 56]``, 54 -> 58 ms).
-
-    "gemm" for y and dw (dx stays the convolution) of a 3x3 kernel at stride
-    1 with 4-64 input channels and an im2col of at most ``_GEMM_COLS_MAX``
-    elements (8 MiB of float32), under a trace only (``cpu_eager`` keeps the
-    plan above: eagerly the forward and dw are separate programs and share no
-    im2col). Timed under jax.jit as ``value_and_grad`` of
-    ``sum(tanh(conv2d(tanh(x))))`` (``python -m benchmarks.conv_grid --gemm``;
-    RESULTS.md, "conv2d's channel-major im2col"), the plan / the plan with
-    "gemm" off: 0.72-0.97 at 14 shapes from ``[64, 4, 14, 14] -> 8`` to
-    ``[16, 64, 14, 14] -> 64``; not taken where gemm lost: stride 2 (0.90-1.14),
-    128 input channels (1.10), an im2col of 3.4M elements at 8 or 32 channels
-    (1.02-1.06, 1.35; 0.89-0.92 at 16-24) and of 6.9M (2.07). In the benchmark
-    CNN's step (its second layer) 7.2-7.4 -> 6.9-7.0 ms on a quiet machine."""
-    small = k == 1 or c_in * k * k <= _DOT_MAX_CKK
-    big = s == 1 and c_in > 3 and cols > _COLS_MAX
-    if not cpu_eager and k == 3 and s == 1 and 3 < c_in <= _GEMM_MAX_C and 0 < cols <= _GEMM_COLS_MAX:
-        return "gemm", "conv", "gemm"
-    if k == 1:
-        dw = "bdot" if c_in <= _BDOT_MAX_C_1X1 else "dot"
-    elif cpu_eager:
-        dw = "conv"
-    else:
-        dw = "bdot" if k == 3 and c_in <= _BDOT_MAX_C_3X3 and not big else "conv"
-    return ("dot" if small else "conv"), ("dot" if small else "conv"), dw
-
-
-_BDOT_MAX_C_1X1 = 32
-_BDOT_MAX_C_3X3 = 16
-_DOT_MAX_CKK = 27
-_COLS_MAX = 4 * 2**20  # elements of the im2col (Note [Convolution formulations])
-_GEMM_MAX_C = 64
-_GEMM_COLS_MAX = 2 * 2**20
-
-
-def _cols_size(b: int, c: int, h: int, w: int, k: int, s: int, p: int) -> int:
-    """Elements of the im2col of ``x:[b, c, h, w]`` for a ``k``x``k`` kernel."""
-    return b * c * k * k * ((h + 2 * p - k) // s + 1) * ((w + 2 * p - k) // s + 1)
-
-
-def _pref(dtype: Any) -> Any:
-    return jnp.float32 if is_low_precision(dtype) else None
-
-
-def _cols(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
-    """im2col of ``x:[B, C, H, W]`` as ``[B, C*K*K, OH*OW]`` (row ``c*K*K + kh*K + kw``)."""
-    b, c = xv.shape[:2]
-    if k == 1 and s == 1 and p == 0:
-        return xv.reshape(b, c, oh * ow)
-    xp = jnp.pad(xv, [(0, 0), (0, 0), (p, p), (p, p)]) if p else xv
-    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=2)  # [B, C, K*K, OH, OW]
-    return cols.reshape(b, c * k * k, oh * ow)
-
-
-def conv_dot_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
-    """``conv2d(x, w)`` as im2col + one dot (the "dot" formulation): a 1x1
-    kernel as one channels-last matrix product (``_dot_forward_nhwc``), larger
-    kernels as one product per sample in NCHW (``_dot_forward_nchw``)."""
-    if wv.shape[2] == 1:
-        return _dot_forward_nhwc(xv, wv, s, p, out_dtype)
-    return _dot_forward_nchw(xv, wv, s, p, out_dtype)
-
-
-def _dot_forward_nchw(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
-    """``y[b] = w @ im2col(x[b])``: ``[O, C*K*K]`` times ``[C*K*K, OH*OW]`` per
-    sample, batched, so ``y`` comes out NCHW. In the CNN step this beats the
-    channels-last product chosen from timings alone: the batch norm, relu and
-    pool fusions XLA builds behind the convolution read ``y`` in NCHW order,
-    and from a channels-last ``y`` every one of them reads through a transpose
-    (RESULTS.md, issue 16)."""
-    b, c, h, w = xv.shape
-    o, _, k, _ = wv.shape
-    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
-    cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
-    wb = jnp.broadcast_to(wv.reshape(1, o, c * k * k), (b, o, c * k * k))
-    y = lax.dot_general(wb, cols, (((2,), (1,)), ((0,), (0,))), preferred_element_type=_pref(out_dtype))
-    return y.reshape(b, o, oh, ow).astype(out_dtype)
-
-
-def _dot_forward_nhwc(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
-    """One plain matrix product, laid out channels-last: patches
-    ``[B*OH*OW, K*K*C]`` (the K*K strided slices of the NHWC input side by
-    side) times ``[K*K*C, O]``."""
-    b, c, h, w = xv.shape
-    o, _, k, _ = wv.shape
-    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
-    xn = xv.reshape(b, h, w, 1) if c == 1 else jnp.transpose(xv, (0, 2, 3, 1))
-    if p:
-        xn = jnp.pad(xn, [(0, 0), (p, p), (p, p), (0, 0)])
-    pieces = [
-        lax.slice(xn, (0, kh, kw, 0), (b, kh + s * (oh - 1) + 1, kw + s * (ow - 1) + 1, c), (1, s, s, 1))
-        for kh in range(k)
-        for kw in range(k)
-    ]
-    cols = (pieces[0] if k == 1 else jnp.concatenate(pieces, axis=-1)).reshape(b * oh * ow, k * k * c)
-    w2 = jnp.transpose(wv, (2, 3, 1, 0)).reshape(k * k * c, o)
-    y = lax.dot_general(cols, w2, (((1,), (0,)), ((), ())), preferred_element_type=_pref(out_dtype))
-    return jnp.transpose(y.reshape(b, oh, ow, o), (0, 3, 1, 2)).astype(out_dtype)
-
-
-def conv_dot_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any, per_sample: bool = False) -> Array:
-    """``dw[o, c, kh, kw]`` as ``g`` contracted with the im2col of ``x``: over
-    batch and positions in one product ("dot"), or with ``per_sample`` one
-    batched product per sample (``g[b]`` against the im2col of ``x[b]``, both
-    NCHW, contracting the positions) summed over the batch ("bdot")."""
-    b, o, oh, ow = g.shape
-    c = xv.shape[1]
-    cols = _cols(xv, k, s, p, oh, ow)  # [B, CKK, P]
-    dims = (((2,), (2,)), ((0,), (0,))) if per_sample else (((0, 2), (0, 2)), ((), ()))
-    dw = lax.dot_general(g.reshape(b, o, oh * ow), cols, dims, preferred_element_type=_pref(out_dtype))
-    if per_sample:  # [B, O, CKK]
-        dw = jnp.sum(dw, axis=0)
-    return dw.reshape(o, c, k, k).astype(out_dtype)
-
-
-def conv_dot_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: Any) -> Array:
-    """``dx`` as the transposed dot (``w^T g`` per position) followed by col2im."""
-    b, o, oh, ow = g.shape
-    _, c, k, _ = wv.shape
-    d = lax.dot_general(
-        g.reshape(b, o, oh * ow),
-        wv.reshape(o, c * k * k),
-        (((1,), (0,)), ((), ())),
-        preferred_element_type=_pref(out_dtype),
-    )  # [B, P, CKK]
-    d = jnp.transpose(d, (0, 2, 1)).reshape(b, c, k * k, oh, ow)
-    return _col2im(lambda j: d[:, :, j], k, s, p, h, w).astype(out_dtype)
-
-
-def _cols_channel_major(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> Array:
-    """im2col of ``x:[B, C, H, W]`` as ``[C*K*K, B*OH*OW]``: row ``c*K*K + kh*K +
-    kw``, column ``b*OH*OW + oh*OW + ow`` (the "gemm" formulation's operand)."""
-    b, c = xv.shape[:2]
-    xt = jnp.transpose(xv, (1, 0, 2, 3))  # [C, B, H, W]: whole rows of W move
-    xp = jnp.pad(xt, [(0, 0), (0, 0), (p, p), (p, p)]) if p else xt
-    cols = jnp.stack(_window_slices(xp, k, s, oh, ow), axis=1)  # [C, K*K, B, OH, OW]
-    return cols.reshape(c * k * k, b * oh * ow)
-
-
-def _channel_major(g: Array) -> Array:
-    """``g:[B, O, OH, OW]`` as ``[O, B*OH*OW]``."""
-    b, o, oh, ow = g.shape
-    return jnp.transpose(g, (1, 0, 2, 3)).reshape(o, b * oh * ow)
-
-
-def conv_gemm_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any) -> Array:
-    """``conv2d(x, w)`` as one matrix product ``[O, C*K*K] x [C*K*K, B*OH*OW]``
-    over the channel-major im2col (the "gemm" formulation), the result's
-    batch and channel axes swapped back."""
-    b, c, h, w = xv.shape
-    o, _, k, _ = wv.shape
-    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
-    cols = _cols_channel_major(xv, k, s, p, oh, ow)
-    yt = lax.dot_general(
-        wv.reshape(o, c * k * k), cols, (((1,), (0,)), ((), ())), preferred_element_type=_pref(out_dtype)
-    )
-    return jnp.transpose(yt.reshape(o, b, oh, ow), (1, 0, 2, 3)).astype(out_dtype)
-
-
-def conv_gemm_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any) -> Array:
-    """``dw`` as one matrix product ``[O, B*OH*OW] x [C*K*K, B*OH*OW]^T``
-    contracting batch and positions together (the "gemm" formulation)."""
-    b, o, oh, ow = g.shape
-    c = xv.shape[1]
-    cols = _cols_channel_major(xv, k, s, p, oh, ow)
-    dw = lax.dot_general(_channel_major(g), cols, (((1,), (1,)), ((), ())), preferred_element_type=_pref(out_dtype))
-    return dw.reshape(o, c, k, k).astype(out_dtype)
-
-
-def conv_conv_forward(xv: Array, wv: Array, s: int, p: int, out_dtype: Any, out_sharding: Any = None) -> Array:
-    return _conv(
-        xv, wv, out_dtype, out_sharding, window_strides=(s, s), padding=[(p, p), (p, p)], dimension_numbers=_NCHW
-    )
-
-
-def conv_conv_dx(wv: Array, g: Array, h: int, w: int, s: int, p: int, out_dtype: Any, out_sharding: Any = None):
-    k = wv.shape[2]
-    oh, ow = g.shape[2], g.shape[3]
-    return _conv(
-        g,
-        jnp.flip(wv, (2, 3)),
-        out_dtype,
-        out_sharding,
-        window_strides=(1, 1),
-        padding=[(k - 1 - p, h - 1 - (oh - 1) * s + p), (k - 1 - p, w - 1 - (ow - 1) * s + p)],
-        lhs_dilation=(s, s),
-        dimension_numbers=("NCHW", "IOHW", "NCHW"),
-    )
-
-
-def conv_conv_dw(xv: Array, g: Array, k: int, s: int, p: int, out_dtype: Any, out_sharding: Any = None) -> Array:
-    h, w = xv.shape[2], xv.shape[3]
-    oh, ow = g.shape[2], g.shape[3]
-    r_h = (h + 2 * p - k) - (oh - 1) * s
-    r_w = (w + 2 * p - k) - (ow - 1) * s
-    return _conv(
-        xv,
-        g,
-        out_dtype,
-        out_sharding,
-        window_strides=(1, 1),
-        padding=[(p, p - r_h), (p, p - r_w)],
-        rhs_dilation=(s, s),
-        dimension_numbers=("CNHW", "IOHW", "CNHW"),
-    )
 
 
 @frozen
@@ -501,7 +195,7 @@ class Conv2dBackward(Record):
     weight_sharding: Any = None
     bias_sharding: Any = None
     # the forward ran eagerly on one CPU device: the rule, compiled on its own,
-    # takes the eager plan with CPU_COMPILER_OPTIONS (``_conv_plan``)
+    # takes the eager plan with CPU_COMPILER_OPTIONS (``conv_plan``)
     cpu_eager: bool = False
 
     @property
@@ -511,10 +205,10 @@ class Conv2dBackward(Record):
     def backward(self, g, needs):
         s, p = self.stride, self.padding
         _, c, h, w = self.input_shape
-        o, _, k, _ = self.weight_shape
+        k = self.weight_shape[2]
         sharded = any(x is not None for x in (self.input_sharding, self.weight_sharding)) or shd.on_mesh(g)
-        cols = _cols_size(self.input_shape[0], c, h, w, k, s, p)
-        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else _conv_plan(c, o, k, s, self.cpu_eager, cols)
+        cols = cols_size(self.input_shape[0], c, h, w, k, s, p)
+        _, plan_dx, plan_dw = ("conv",) * 3 if sharded else conv_plan(c, k, s, self.cpu_eager, cols)
         dx = dw = db = None
         if needs[0]:
             if plan_dx == "dot":
@@ -545,11 +239,11 @@ def _conv2d_forward(xv: Array, wv: Array, bv: Array | None, s: int, p: int, opti
 def _conv2d_forward_impl(xv: Array, wv: Array, bv: Array | None, s: int, p: int, cpu_eager: bool) -> Array:
     out_dtype = jnp.result_type(xv, wv)
     out_sharding = _conv_out_sharding(xv, wv)
-    o, c, k, _ = wv.shape
+    _, c, k, _ = wv.shape
     b, _, h, w = xv.shape
     plan = "conv"
     if out_sharding is None and not shd.on_mesh(xv):
-        plan = _conv_plan(c, o, k, s, cpu_eager, _cols_size(b, c, h, w, k, s, p))[0]
+        plan = conv_plan(c, k, s, cpu_eager, cols_size(b, c, h, w, k, s, p))[0]
     if plan == "dot":
         y = conv_dot_forward(xv, wv, s, p, out_dtype)
     elif plan == "gemm":
@@ -578,7 +272,7 @@ def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0)
         Sample((normal(r, 2, 3, 7, 8), normal(r, 5, 3, 3, 3), None, 2, 1), diff=(0, 1)),
         Sample((normal(r, 1, 2, 6, 5), normal(r, 3, 2, 2, 2), normal(r, 3), 3, 0), diff=(0, 1, 2)),
         Sample((normal(r, 2, 1, 5, 5), normal(r, 2, 1, 5, 5), None, 1, 2), diff=(0, 1)),
-        # one sample per formulation of _conv_plan not taken above (Note [Convolution formulations])
+        # one sample per formulation of conv_plan not taken above (Note [Convolution plan])
         Sample(
             (normal(r, 2, 4, 5, 5), normal(r, 3, 4, 1, 1), normal(r, 3), 2, 0), diff=(0, 1, 2)
         ),  # 1x1: y/dx dot, dw bdot
@@ -589,17 +283,17 @@ def ref_conv2d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0)
         Sample((normal(r, 2, 5, 5, 4), normal(r, 3, 5, 3, 3), normal(r, 3), 1, 1), diff=(0, 1, 2)),
     ],
     errors=lambda: [
-        BadInput("channels differ", (F(2, 3, 6, 6), F(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),
-        BadInput("rank-3 input", (F(3, 6, 6), F(4, 3, 3, 3)), ShapeError),
-        BadInput("non-square kernel", (F(2, 3, 6, 6), F(4, 3, 3, 2)), ShapeError),
-        BadInput("bias size", (F(2, 3, 6, 6), F(4, 3, 3, 3), F(3)), ShapeError, ("bias",)),
-        BadInput("kernel larger than padded input", (F(1, 2, 4, 4), F(3, 2, 7, 7), None, 1, 1), ValueError),
-        BadInput("stride 0", (F(1, 2, 6, 6), F(3, 2, 3, 3), None, 0), ValueError),
-        BadInput("float padding", (F(1, 2, 6, 6), F(3, 2, 3, 3), None, 1, 1.5), TypeError),
-        BadInput("integer weight", (F(1, 2, 6, 6), N(3, 2, 3, 3)), TypeError),
+        BadInput("channels differ", (tracked(2, 3, 6, 6), tracked(4, 2, 3, 3)), ShapeError, ("(4, 2, 3, 3)",)),
+        BadInput("rank-3 input", (tracked(3, 6, 6), tracked(4, 3, 3, 3)), ShapeError),
+        BadInput("non-square kernel", (tracked(2, 3, 6, 6), tracked(4, 3, 3, 2)), ShapeError),
+        BadInput("bias size", (tracked(2, 3, 6, 6), tracked(4, 3, 3, 3), tracked(3)), ShapeError, ("bias",)),
+        BadInput("kernel larger than padded input", (tracked(1, 2, 4, 4), tracked(3, 2, 7, 7), None, 1, 1), ValueError),
+        BadInput("stride 0", (tracked(1, 2, 6, 6), tracked(3, 2, 3, 3), None, 0), ValueError),
+        BadInput("float padding", (tracked(1, 2, 6, 6), tracked(3, 2, 3, 3), None, 1, 1.5), TypeError),
+        BadInput("integer weight", (tracked(1, 2, 6, 6), integers(3, 2, 3, 3)), TypeError),
         BadInput(
             "x and weight dtypes differ",
-            (F(1, 2, 6, 6), Lazy(lambda: Tensor._wrap(jnp.ones((3, 2, 3, 3), jnp.bfloat16)))),
+            (tracked(1, 2, 6, 6), Placeholder(lambda: Tensor._wrap(jnp.ones((3, 2, 3, 3), jnp.bfloat16)))),
             TypeError,
             ("float32", "bfloat16"),
         ),
@@ -692,9 +386,9 @@ def _add_channel_bias(xv: Array, bv: Array) -> Array:
         Sample((normal(r, 2, 4, 7), normal(r, 4)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("channels differ", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
-        BadInput("rank-1 input", (F(5), F(5)), ShapeError),
-        BadInput("rank-2 bias", (F(3, 5), F(3, 1)), ShapeError),
+        BadInput("channels differ", (tracked(3, 5), tracked(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("rank-1 input", (tracked(5), tracked(5)), ShapeError),
+        BadInput("rank-2 bias", (tracked(3, 5), tracked(3, 1)), ShapeError),
     ],
 )
 def add_channel_bias(x: Any, b: Any) -> Tensor:
@@ -747,8 +441,8 @@ class MaxPool2dBackward(Record):
             hit = jnp.expand_dims(idx, (nd + 1, nd + 3)) == offset
             d = jnp.where(hit, jnp.expand_dims(g, (nd + 1, nd + 3)), np.zeros((), g.dtype))
             d = shd.reshape(d, (*lead, oh * k, ow * k))
-            return (lax.pad(d, np.zeros((), g.dtype), _spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
-        return (_col2im(lambda j: jnp.where(idx == j, g, 0), k, s, p, self.h, self.w),)
+            return (lax.pad(d, np.zeros((), g.dtype), spatial_pad(d.ndim, 0, self.h - oh * k, 0, self.w - ow * k)),)
+        return (col2im(lambda j: jnp.where(idx == j, g, 0), k, s, p, self.h, self.w),)
 
 
 def _max_first(x: tuple[Array, Array], y: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -796,16 +490,13 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
 # ``lax.optimization_barrier`` does not stop it (XLA:CPU removes barriers before
 # fusion). So under jit the pool's input stayed unmaterialised: the variadic
 # max / first-argmax reduction ran as a scalar loop over the recomputed batch
-# norm (3.5 ms of the CNN step's op time), and the elementwise form, fast on a
-# materialised array, lost because its argmax chain was fused into the
-# backward's scatter and recomputed at every input position (RESULTS.md,
-# issue 16). The operands of a ``lax.cond`` are materialised, and XLA keeps a
-# conditional whose predicate it cannot evaluate: both branches are the same
-# elementwise pool, so the predicate (the first input element is not NaN) only
-# hides the choice, and the result is the same whichever branch runs. In the
-# CNN step (benchmarks/models.py) this takes the step from 10.9 to 8.7 ms wall
-# and from 20.0 to 14.8 ms CPU (RESULTS.md, "The CNN's compiled step, second
-# pass"). Only on XLA:CPU (``jax.default_backend()``): a GPU runs a
+# norm, and the elementwise form, fast on a materialised array, lost because
+# its argmax chain was fused into the backward's scatter and recomputed at
+# every input position. The operands of a ``lax.cond`` are materialised, and
+# XLA keeps a conditional whose predicate it cannot evaluate: both branches are
+# the same elementwise pool, so the predicate (the first input element is not
+# NaN) only hides the choice, and the result is the same whichever branch
+# runs. The CNN step's timings: (benchmarks/RESULTS.md, "Thresholds in the code"). Only on XLA:CPU (``jax.default_backend()``): a GPU runs a
 # conditional by reading its predicate on the host, a sync per pool, and its
 # fusions differ; not measured there. Only for a jit trace: under vmap a
 # batched predicate turns the cond into a select of two equal branches, which
@@ -826,14 +517,14 @@ def _max_pool_elementwise(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -
     """``_max_pool_reduce``'s values, elementwise over the K*K strided window
     slices: the max as a tree of ``max`` (NaN propagates, as the reduction's
     and ``reduce_window``'s), then the first offset whose slice equals it (or
-    is NaN where it is NaN). Eagerly the input is a materialised array, and
-    XLA:CPU runs this form 2-4x faster than the reduction (0.6 against 2.3 ms
-    at [64, 16, 28, 28], RESULTS.md, issue 16); under ``jax.jit`` it runs on
-    an input materialised by a ``lax.cond`` (Note [Max pool under jit])."""
+    is NaN where it is NaN). Eagerly the input is a materialised array, on
+    which XLA:CPU runs this form faster than the reduction (benchmarks/RESULTS.md, "Thresholds in the code"); under
+    ``jax.jit`` it runs on an input materialised by a ``lax.cond`` (Note [Max
+    pool under jit])."""
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
     neg = np.array(-np.inf, xv.dtype)
-    xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
-    slices = _window_slices(xp, k, s, oh, ow)
+    xp = lax.pad(xv, neg, spatial_pad(xv.ndim, p, p, p, p)) if p else xv
+    slices = window_slices(xp, k, s, oh, ow)
     level = slices
     while len(level) > 1:
         level = [lax.max(a, b) for a, b in zip(level[::2], level[1::2])] + ([level[-1]] if len(level) % 2 else [])
@@ -850,14 +541,13 @@ def _max_pool_reduce(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tup
     """(max of each window, its argmax) as one variadic reduction."""
     idx_dtype = jnp.int8 if k * k <= 127 else jnp.int32
     # the K*K strided window slices stacked on a new leading axis and reduced
-    # over it: the CNN step of benchmarks/models.py takes 8% less CPU time than
-    # with the reduction over the minor [.., K, .., K] axes of the window view;
-    # elementwise formulations inline lose there (RESULTS.md, issue 16). A jit
-    # trace takes the elementwise form behind a lax.cond instead (Note [Max
+    # over it: faster in the CNN step than the reduction over the minor
+    # [.., K, .., K] axes of the window view, and than elementwise formulations
+    # inline (benchmarks/RESULTS.md, "Thresholds in the code"). A jit trace takes the elementwise form behind a lax.cond instead (Note [Max
     # pool under jit]); vmap, jvp, rf.lift and meshes keep this reduction
     neg = np.array(-np.inf, xv.dtype)
-    xp = lax.pad(xv, neg, _spatial_pad(xv.ndim, p, p, p, p)) if p else xv
-    win = jnp.stack(_window_slices(xp, k, s, oh, ow))  # [K*K, ..., C, OH, OW]
+    xp = lax.pad(xv, neg, spatial_pad(xv.ndim, p, p, p, p)) if p else xv
+    win = jnp.stack(window_slices(xp, k, s, oh, ow))  # [K*K, ..., C, OH, OW]
     return _max_argmax(win, lax.broadcasted_iota(idx_dtype, win.shape, 0), (0,))
 
 
@@ -879,12 +569,12 @@ def ref_max_pool2d(x: Any, k: int, stride: int | None = None, padding: int = 0) 
         Sample((normal(r, 1, 2, 7, 7), 2, 3)),  # stride > kernel
     ],
     errors=lambda: [
-        BadInput("rank-2 input", (F(6, 6), 2), ShapeError),
-        BadInput("kernel larger than input", (F(1, 6, 6), 8), ValueError, ("8",)),
-        BadInput("padding above kernel // 2", (F(1, 6, 6), 2, 2, 2), ValueError),
-        BadInput("float kernel", (F(1, 6, 6), 1.5), TypeError),
-        BadInput("stride 0", (F(1, 6, 6), 2, 0), ValueError),
-        BadInput("integer input", (N(1, 6, 6), 2), TypeError),
+        BadInput("rank-2 input", (tracked(6, 6), 2), ShapeError),
+        BadInput("kernel larger than input", (tracked(1, 6, 6), 8), ValueError, ("8",)),
+        BadInput("padding above kernel // 2", (tracked(1, 6, 6), 2, 2, 2), ValueError),
+        BadInput("float kernel", (tracked(1, 6, 6), 1.5), TypeError),
+        BadInput("stride 0", (tracked(1, 6, 6), 2, 0), ValueError),
+        BadInput("integer input", (integers(1, 6, 6), 2), TypeError),
     ],
 )
 def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int = 0) -> Tensor:
@@ -974,11 +664,11 @@ def ref_adaptive_avg_pool2d(x: Any, out: Any) -> Array:
         Sample((normal(r, 1, 2, 3, 5), (5, 7))),  # bins overlap when upsampling
     ],
     errors=lambda: [
-        BadInput("rank-2 input", (F(6, 6), 2), ShapeError),
-        BadInput("output size 0", (F(1, 6, 6), 0), ValueError),
-        BadInput("three output sizes", (F(1, 6, 6), (2, 3, 4)), ValueError),
-        BadInput("float output size", (F(1, 6, 6), 1.5), TypeError),
-        BadInput("negative output size", (F(1, 6, 6), (2, -1)), ValueError),
+        BadInput("rank-2 input", (tracked(6, 6), 2), ShapeError),
+        BadInput("output size 0", (tracked(1, 6, 6), 0), ValueError),
+        BadInput("three output sizes", (tracked(1, 6, 6), (2, 3, 4)), ValueError),
+        BadInput("float output size", (tracked(1, 6, 6), 1.5), TypeError),
+        BadInput("negative output size", (tracked(1, 6, 6), (2, -1)), ValueError),
     ],
 )
 def adaptive_avg_pool2d(x: Any, output_size: int | tuple[int, int]) -> Tensor:

@@ -13,7 +13,7 @@ from ..autograd.record import Record
 from ..sharding import sharding_of
 from ..tensor import Tensor
 from ._core import array_of, eager_jit, is_real_scalar, new_output, record, require_float, tape_for
-from ._declare import KEY, A, BadInput, F, N, Sample, normal, op
+from ._declare import KEY, BadInput, Sample, array, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -56,14 +56,14 @@ def _dropout(key: Any, xv: Array, p: float, scale: float) -> tuple[Array, Array]
         Sample((normal(r, 2, 3, 5), 0.5, jax.random.key(2))),
     ],
     errors=lambda: [
-        BadInput("p = 1", (F(3, 4), 1.0, KEY), ValueError, ("1.0",)),
-        BadInput("p < 0", (F(3, 4), -0.1, KEY), ValueError),
-        BadInput("p a string", (F(3, 4), "0.5", KEY), (TypeError, ValueError)),
-        BadInput("no key", (F(3, 4), 0.5, None), TypeError),
-        BadInput("an int key", (F(3, 4), 0.5, 1), TypeError),
-        BadInput("a float array key", (F(3, 4), 0.5, A(np.zeros(2), jnp.float32)), TypeError),
-        BadInput("training not a bool", (F(3, 4), 0.5, KEY), TypeError, kwargs={"training": "yes"}),
-        BadInput("integer input", (N(3, 4), 0.5, KEY), TypeError),
+        BadInput("p = 1", (tracked(3, 4), 1.0, KEY), ValueError, ("1.0",)),
+        BadInput("p < 0", (tracked(3, 4), -0.1, KEY), ValueError),
+        BadInput("p a string", (tracked(3, 4), "0.5", KEY), (TypeError, ValueError)),
+        BadInput("no key", (tracked(3, 4), 0.5, None), TypeError),
+        BadInput("an int key", (tracked(3, 4), 0.5, 1), TypeError),
+        BadInput("a float array key", (tracked(3, 4), 0.5, array(np.zeros(2), jnp.float32)), TypeError),
+        BadInput("training not a bool", (tracked(3, 4), 0.5, KEY), TypeError, kwargs={"training": "yes"}),
+        BadInput("integer input", (integers(3, 4), 0.5, KEY), TypeError),
     ],
 )
 def dropout(x: Any, p: float, key: Any, training: bool = True) -> Tensor:

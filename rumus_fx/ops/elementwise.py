@@ -1,5 +1,6 @@
 """Elementwise arithmetic: add, sub, mul, div (NumPy broadcasting), neg, exp,
-log, add_bias — forward functions with their backward records side by side."""
+log (declared by family: Note [Unary op family] in ``_unary.py``), add_bias —
+forward functions with their backward records side by side."""
 
 from __future__ import annotations
 
@@ -15,18 +16,17 @@ from ..eager import PY_SCALARS, compiled
 from ..errors import ShapeError
 from ..recording import current_tape
 from ..tensor import Tensor, next_grad_id
+from . import _formulas as formulas
 from ._core import (
     BroadcastInfo,
     acc_sum,
     align_rank,
-    array_of,
     aval_of,
     broadcast_info,
     broadcast_shapes,
     cast,
     deferrable,
     deferred_scalar,
-    deferred_unary,
     eager_jit,
     new_output,
     reads,
@@ -34,12 +34,12 @@ from ._core import (
     record_deferred,
     scalar_operand,
     shape_of,
-    snapshot,
     sum_to,
     tape_for,
     value_of,
 )
-from ._declare import BadInput, F, Sample, normal, op, positive, ranked, unary_samples
+from ._declare import BadInput, Sample, normal, op, positive, ranked, tracked, unary_samples
+from ._unary import unary_op
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -181,36 +181,6 @@ class DivBackward(Record):
 
 
 @frozen
-class NegBackward(Record):
-    """``y = -x``: ``dx = -dy``. Reads no data."""
-
-    def backward(self, g, needs):
-        return (-g,)
-
-
-@frozen
-class ExpBackward(Record):
-    """``y = exp(x)``: ``dx = dy * y``. Saves the **output**."""
-
-    output: Array
-    output_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        return (g * self.output,)
-
-
-@frozen
-class LogBackward(Record):
-    """``y = log(x)``: ``dx = dy / x``. Saves the input."""
-
-    input: Array
-    input_version: VersionSnapshot | None
-
-    def backward(self, g, needs):
-        return (g / self.input,)
-
-
-@frozen
 class AddBiasBackward(Record):
     """``y = m + b`` with ``m:[..., n]``, ``b:[n]``: ``dm = dy``,
     ``db = dy`` summed over the leading rows. Reads no data."""
@@ -235,8 +205,6 @@ _FORWARD = {
 }
 _JITTED = {k: compiled(f.__wrapped__) for k, f in _FORWARD.items()}  # the jax.jit each one calls eagerly
 _KINDS = {k: lazy.Kind(k, f.__wrapped__, binary=True) for k, f in _FORWARD.items()}  # ``t <op> scalar``, deferred
-_negative, _exp, _log = eager_jit(jnp.negative), eager_jit(jnp.exp), eager_jit(jnp.log)
-_NEG, _EXP, _LOG = lazy.Kind("neg", jnp.negative), lazy.Kind("exp", jnp.exp), lazy.Kind("log", jnp.log)
 
 
 def binary_record(
@@ -352,8 +320,8 @@ _UNARY_SHAPES = [(3, 5), (2, 3, 7)]
     ref=ranked(jnp.add),
     samples=_binary_samples(),
     errors=lambda: [
-        BadInput("shapes that do not broadcast", (F(3, 4), F(5)), ShapeError, ("(3, 4)", "(5,)")),
-        BadInput("swapped axes", (F(2, 3), F(3, 2)), ShapeError),
+        BadInput("shapes that do not broadcast", (tracked(3, 4), tracked(5)), ShapeError, ("(3, 4)", "(5,)")),
+        BadInput("swapped axes", (tracked(2, 3), tracked(3, 2)), ShapeError),
     ],
 )
 def add(a: Any, b: Any) -> Tensor:
@@ -365,7 +333,9 @@ def add(a: Any, b: Any) -> Tensor:
     records=(SubBackward, BroadcastSubBackward),
     ref=ranked(jnp.subtract),
     samples=_binary_samples(),
-    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 3, 4), F(3, 2)), ShapeError, ("(3, 2)",))],
+    errors=lambda: [
+        BadInput("shapes that do not broadcast", (tracked(2, 3, 4), tracked(3, 2)), ShapeError, ("(3, 2)",))
+    ],
 )
 def sub(a: Any, b: Any) -> Tensor:
     """``a - b`` with NumPy broadcasting (records SubBackward or BroadcastSubBackward)."""
@@ -376,7 +346,7 @@ def sub(a: Any, b: Any) -> Tensor:
     records=(MulBackward, BroadcastMulBackward),
     ref=ranked(jnp.multiply),
     samples=_binary_samples(),
-    errors=lambda: [BadInput("shapes that do not broadcast", (F(4), F(3)), ShapeError, ("(4,)", "(3,)"))],
+    errors=lambda: [BadInput("shapes that do not broadcast", (tracked(4), tracked(3)), ShapeError, ("(4,)", "(3,)"))],
 )
 def mul(a: Any, b: Any) -> Tensor:
     """``a * b`` with NumPy broadcasting (records MulBackward or BroadcastMulBackward)."""
@@ -387,70 +357,51 @@ def mul(a: Any, b: Any) -> Tensor:
     records=(DivBackward,),
     ref=ranked(jnp.divide),
     samples=_binary_samples(positive_rhs=True),
-    errors=lambda: [BadInput("shapes that do not broadcast", (F(2, 5), F(2, 4)), ShapeError)],
+    errors=lambda: [BadInput("shapes that do not broadcast", (tracked(2, 5), tracked(2, 4)), ShapeError)],
 )
 def div(a: Any, b: Any) -> Tensor:
     """``a / b`` with NumPy broadcasting (records DivBackward)."""
     return _binary("div", a, b)
 
 
-@op(
-    records=(NegBackward,),
+NegBackward, neg = unary_op(
+    "neg",
+    jnp.negative,
+    formulas.neg,
+    None,
+    floats_only=False,
+    doc="``-x`` (records NegBackward).",
+    record_doc="``y = -x``: ``dx = -dy``. Reads no data.",
     ref=jnp.negative,
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("a python list", ([1.0, 2.0],), TypeError, ("list",))],
 )
-def neg(x: Any) -> Tensor:
-    """``-x`` (records NegBackward)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _NEG, NegBackward, None)
-    xv = array_of(x, "neg")
-    out = _negative(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    return record(tape, NegBackward(), (x,), new_output(out, tape))
 
-
-@op(
-    records=(ExpBackward,),
+ExpBackward, exp = unary_op(
+    "exp",
+    jnp.exp,
+    formulas.exp,
+    "output",
+    floats_only=False,
+    doc="``exp(x)`` (records ExpBackward, which saves the output).",
+    record_doc="``y = exp(x)``: ``dx = dy * y``. Saves the **output**.",
     ref=jnp.exp,
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("None", (None,), TypeError, ("NoneType",))],
 )
-def exp(x: Any) -> Tensor:
-    """``exp(x)`` (records ExpBackward, which saves the output)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _EXP, ExpBackward, "output")
-    xv = array_of(x, "exp")
-    out = _exp(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    res = new_output(out, tape)
-    return record(tape, ExpBackward(out, snapshot(res)), (x,), res)
 
-
-@op(
-    records=(LogBackward,),
+LogBackward, log = unary_op(
+    "log",
+    jnp.log,
+    formulas.log,
+    "input",
+    floats_only=False,
+    doc="Natural logarithm (records LogBackward, which saves the input).",
+    record_doc="``y = log(x)``: ``dx = dy / x``. Saves the input.",
     ref=jnp.log,
     samples=unary_samples(_UNARY_SHAPES, positive),
     errors=lambda: [BadInput("a string", ("1.0",), TypeError, ("str",))],
 )
-def log(x: Any) -> Tensor:
-    """Natural logarithm (records LogBackward, which saves the input)."""
-    src = deferrable(x)
-    if src is not None:  # Note [Deferred elementwise ops] (rumus_fx/lazy.py)
-        return deferred_unary(x, src, _LOG, LogBackward, "input")
-    xv = array_of(x, "log")
-    out = _log(xv)
-    tape = tape_for(x)
-    if tape is None:
-        return Tensor._wrap(out)
-    saved, version = reads(x, True)
-    return record(tape, LogBackward(saved, version), (x,), new_output(out, tape))
 
 
 def _ref_add_bias(m: Any, b: Any) -> Any:
@@ -465,9 +416,9 @@ def _ref_add_bias(m: Any, b: Any) -> Any:
         Sample((normal(r, 2, 3, 5), normal(r, 5)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-2 bias", (F(3, 5), F(2, 5)), ShapeError, ("(2, 5)",)),
-        BadInput("bias size", (F(3, 5), F(4)), ShapeError, ("(3, 5)", "(4,)")),
-        BadInput("scalar input", (F(), F(1)), ShapeError),
+        BadInput("rank-2 bias", (tracked(3, 5), tracked(2, 5)), ShapeError, ("(2, 5)",)),
+        BadInput("bias size", (tracked(3, 5), tracked(4)), ShapeError, ("(3, 5)", "(4,)")),
+        BadInput("scalar input", (tracked(), tracked(1)), ShapeError),
     ],
 )
 def add_bias(m: Any, b: Any) -> Tensor:

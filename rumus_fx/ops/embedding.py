@@ -15,7 +15,7 @@ from ..errors import ShapeError
 from ..kernels import embedding as kemb
 from ..tensor import Tensor
 from ._core import array_of, check_index_range, eager_jit, new_output, record, require_float, snapshot, tape_for
-from ._declare import A, BadInput, F, I, N, Sample, normal, op
+from ._declare import BadInput, Sample, array, indices, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -76,11 +76,11 @@ def _embed(iv: Array, wv: Array) -> tuple[Array, Array]:
         Sample((np.array([[1, 1], [1, 3]]), normal(r, 4, 3)), diff=(1,)),  # repeated rows accumulate
     ],
     errors=lambda: [
-        BadInput("float indices", (A(np.zeros(3), jnp.float32), F(7, 3)), TypeError, ("float32",)),
-        BadInput("index == V", (A([0, 7]), F(7, 3)), IndexError, ("7",)),
-        BadInput("negative index", (A([[0, -1]]), F(7, 3)), IndexError, ("-1",)),
-        BadInput("rank-1 weight", (I(3), F(7)), ShapeError),
-        BadInput("integer weight", (I(3), N(7, 3)), TypeError),
+        BadInput("float indices", (array(np.zeros(3), jnp.float32), tracked(7, 3)), TypeError, ("float32",)),
+        BadInput("index == V", (array([0, 7]), tracked(7, 3)), IndexError, ("7",)),
+        BadInput("negative index", (array([[0, -1]]), tracked(7, 3)), IndexError, ("-1",)),
+        BadInput("rank-1 weight", (indices(3), tracked(7)), ShapeError),
+        BadInput("integer weight", (indices(3), integers(7, 3)), TypeError),
     ],
 )
 def embedding(indices: Any, weight: Any) -> Tensor:

@@ -26,7 +26,7 @@ from ._core import (
     tape_for,
     value_of,
 )
-from ._declare import BadInput, F, N, Sample, normal, op
+from ._declare import BadInput, Sample, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -98,22 +98,18 @@ def off_mesh(*xs: Any) -> bool:
 # Merged to ``[B*T, K]`` and ``[B*T, N]`` first (a bitcast in row-major
 # layout), the dot contracts dimension 0 of both operands, which XLA:CPU's
 # Eigen dot reads in place (a transpose flag, no copy). Which is faster
-# depends on where ``x`` comes from:
+# depends on where ``x`` comes from (the timings: benchmarks/RESULTS.md, "Thresholds in the code"):
 #
 # * ``x`` a materialised array (eager: a rule's own program, or the whole-tape
 #   walk, whose saved arrays are its arguments): the transpose is a plain copy
-#   and YNNPACK's dot beats Eigen's; the merged form took 1.13-1.58x as long
-#   for the products measured alone (TinyGPT's [16, 64, 512] x 128 the most).
+#   and YNNPACK's dot beats Eigen's, so the merged form is slower.
 # * ``x`` computed in the same traced program (a user's jit): XLA fuses its
 #   elementwise producer into the transposing copy and recomputes it there, in
-#   the copy's strided order: TinyGPT's GELU output, transposed to [512, 1024]
-#   for fc2's weight gradient, made the two largest thunks of the step. The
-#   merged form has no copy: TinyGPT's jit step 27.7 -> 23.8 ms.
+#   the copy's strided order (TinyGPT's GELU output, transposed for fc2's
+#   weight gradient). The merged form has no copy, and is faster.
 # * ``x`` an argument of the traced program (a jitted function's input fed
 #   straight to ``x @ W``), or the output of a dot or a layout op (reshape,
-#   transpose) in it: a plain transpose again; merging made such programs
-#   (an MLP block's forward + backward, a product's weight gradient behind
-#   a dot or a reshape) 1.04-1.27x slower.
+#   transpose) in it: a plain transpose again, and merging is slower.
 #
 # So ``matmul`` notes whether it saved an ``x`` with an elementwise producer in
 # the trace (``merge_rows``, from the tracer's producing equation), and only
@@ -259,10 +255,10 @@ def _product(op: str, a: Any, b: Any) -> Tensor:
         Sample((normal(r, 2, 2, 3, 4), normal(r, 4, 3)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-1 lhs", (F(3), F(3, 4)), ShapeError, ("(3,)",)),
-        BadInput("inner sizes differ", (F(2, 3), F(4, 5)), ShapeError, ("(2, 3)", "(4, 5)")),
-        BadInput("rank-3 rhs", (F(2, 3), F(2, 3, 4)), ShapeError),
-        BadInput("integer lhs", (N(2, 3), F(3, 4)), TypeError, ("int32",)),
+        BadInput("rank-1 lhs", (tracked(3), tracked(3, 4)), ShapeError, ("(3,)",)),
+        BadInput("inner sizes differ", (tracked(2, 3), tracked(4, 5)), ShapeError, ("(2, 3)", "(4, 5)")),
+        BadInput("rank-3 rhs", (tracked(2, 3), tracked(2, 3, 4)), ShapeError),
+        BadInput("integer lhs", (integers(2, 3), tracked(3, 4)), TypeError, ("int32",)),
     ],
 )
 def matmul(a: Any, b: Any) -> Tensor:
@@ -278,11 +274,11 @@ def matmul(a: Any, b: Any) -> Tensor:
         Sample((normal(r, 2, 3, 4, 5), normal(r, 2, 3, 5, 7)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("rank-2 operands", (F(3, 4), F(4, 5)), ShapeError, ("(3, 4)",)),
-        BadInput("batch sizes differ", (F(2, 3, 4), F(3, 4, 5)), ShapeError),
-        BadInput("inner sizes differ", (F(2, 3, 4), F(2, 5, 5)), ShapeError),
-        BadInput("ranks differ", (F(2, 2, 3, 4), F(2, 4, 5)), ShapeError),
-        BadInput("integer operand", (N(2, 3, 4), F(2, 4, 5)), TypeError),
+        BadInput("rank-2 operands", (tracked(3, 4), tracked(4, 5)), ShapeError, ("(3, 4)",)),
+        BadInput("batch sizes differ", (tracked(2, 3, 4), tracked(3, 4, 5)), ShapeError),
+        BadInput("inner sizes differ", (tracked(2, 3, 4), tracked(2, 5, 5)), ShapeError),
+        BadInput("ranks differ", (tracked(2, 2, 3, 4), tracked(2, 4, 5)), ShapeError),
+        BadInput("integer operand", (integers(2, 3, 4), tracked(2, 4, 5)), TypeError),
     ],
 )
 def bmm(a: Any, b: Any) -> Tensor:
@@ -292,7 +288,7 @@ def bmm(a: Any, b: Any) -> Tensor:
 
 
 @op(records=(MatmulBackward, BmmBackward), toplevel=False)  # the @ operator: no table entry of its own
-def matmul_any(a: Any, b: Any) -> Tensor:
+def matmul_or_bmm(a: Any, b: Any) -> Tensor:
     """The ``@`` operator: ``matmul`` when ``b`` is 2-D, ``bmm`` when both have
     the same rank >= 3."""
     na, nb = len(shape_of(a)), len(shape_of(b))

@@ -27,7 +27,7 @@ from ._core import (
     shape_of,
     tape_for,
 )
-from ._declare import A, BadInput, F, I, N, Sample, normal, op
+from ._declare import BadInput, Sample, array, indices, integers, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -64,8 +64,8 @@ class MseLossBackward(Record):
         Sample((normal(r, 7), normal(r, 7)), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("different shapes", (F(3, 4), F(4, 3)), ShapeError, ("(3, 4)", "(4, 3)")),
-        BadInput("broadcastable but not equal", (F(3, 4), F(3, 1)), ShapeError),
+        BadInput("different shapes", (tracked(3, 4), tracked(4, 3)), ShapeError, ("(3, 4)", "(4, 3)")),
+        BadInput("broadcastable but not equal", (tracked(3, 4), tracked(3, 1)), ShapeError),
     ],
 )
 def mse_loss(pred: Any, target: Any) -> Tensor:
@@ -123,16 +123,20 @@ def ref_cross_entropy(logits: Any, targets: Any, ignore_index: int | None = None
         Sample((normal(r, 7, 4), np.array([0, 3, -100, 1, 2, -100, 3])), {"ignore_index": -100}, diff=(0,)),
     ],
     errors=lambda: [
-        BadInput("float targets", (F(6, 5), A(np.zeros(6), jnp.float32)), TypeError, ("float32",)),
-        BadInput("targets shape", (F(6, 5), I(5)), ShapeError, ("(6, 5)", "(5,)")),
-        BadInput("target == C", (F(3, 5), A([0, 5, 1])), IndexError, ("5",)),
-        BadInput("negative target", (F(3, 5), A([0, -1, 1])), IndexError, ("-1",)),
+        BadInput("float targets", (tracked(6, 5), array(np.zeros(6), jnp.float32)), TypeError, ("float32",)),
+        BadInput("targets shape", (tracked(6, 5), indices(5)), ShapeError, ("(6, 5)", "(5,)")),
+        BadInput("target == C", (tracked(3, 5), array([0, 5, 1])), IndexError, ("5",)),
+        BadInput("negative target", (tracked(3, 5), array([0, -1, 1])), IndexError, ("-1",)),
         BadInput(
-            "out of range beside ignore_index", (F(3, 5), A([-100, 7, 1])), IndexError, ("7",), {"ignore_index": -100}
+            "out of range beside ignore_index",
+            (tracked(3, 5), array([-100, 7, 1])),
+            IndexError,
+            ("7",),
+            {"ignore_index": -100},
         ),
-        BadInput("float ignore_index", (F(3, 5), I(3)), TypeError, ("1.5",), {"ignore_index": 1.5}),
-        BadInput("integer logits", (N(3, 5), I(3)), TypeError),
-        BadInput("scalar logits", (F(), A(0)), ShapeError),
+        BadInput("float ignore_index", (tracked(3, 5), indices(3)), TypeError, ("1.5",), {"ignore_index": 1.5}),
+        BadInput("integer logits", (integers(3, 5), indices(3)), TypeError),
+        BadInput("scalar logits", (tracked(), array(0)), ShapeError),
     ],
 )
 def cross_entropy(logits: Any, targets: Any, *, ignore_index: int | None = None) -> Tensor:

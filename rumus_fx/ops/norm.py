@@ -27,7 +27,7 @@ from ._core import (
     shape_of,
     tape_for,
 )
-from ._declare import BadInput, F, N, Sample, normal, op, positive
+from ._declare import BadInput, Sample, integers, normal, op, positive, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -137,11 +137,11 @@ def ref_layer_norm(x: Any, w: Any = None, b: Any = None, eps: float = 1e-5) -> A
         Sample((normal(r, 4, 6), positive(r, 6), None, 1e-3), diff=(0, 1)),
     ],
     errors=lambda: [
-        BadInput("weight size", (F(3, 5), F(4)), ShapeError, ("(5,)", "(4,)")),
-        BadInput("rank-2 bias", (F(3, 5), F(5), F(5, 1)), ShapeError),
-        BadInput("negative eps", (F(3, 5),), ValueError, ("-1.0",), {"eps": -1.0}),
-        BadInput("scalar", (F(),), ShapeError),
-        BadInput("integer input", (N(3, 5),), TypeError),
+        BadInput("weight size", (tracked(3, 5), tracked(4)), ShapeError, ("(5,)", "(4,)")),
+        BadInput("rank-2 bias", (tracked(3, 5), tracked(5), tracked(5, 1)), ShapeError),
+        BadInput("negative eps", (tracked(3, 5),), ValueError, ("-1.0",), {"eps": -1.0}),
+        BadInput("scalar", (tracked(),), ShapeError),
+        BadInput("integer input", (integers(3, 5),), TypeError),
     ],
     rtol32=1e-4,
     atol32=1e-4,
@@ -300,16 +300,40 @@ def _bn_samples(training: bool) -> Any:
 
 
 def _bn_errors() -> list[BadInput]:
-    x = F(2, 4, 3, 3)
+    x = tracked(2, 4, 3, 3)
     return [
-        BadInput("rank-3 input", (F(3, 4, 5), F(3), F(3), F(3), F(3)), ShapeError, ("(3, 4, 5)",), _TRAIN),
-        BadInput("weight size", (x, F(3), F(4), F(4), F(4)), ShapeError, ("weight",), _TRAIN),
-        BadInput("running stats size", (x, F(4), F(4), F(5), F(4)), ShapeError, ("running_mean",), _EVAL),
-        BadInput("momentum above 1", (x, None, None, F(4), F(4)), ValueError, ("1.5",), {**_TRAIN, "momentum": 1.5}),
-        BadInput("training not a bool", (x, None, None, F(4), F(4)), TypeError, kwargs={"training": "yes"}),
-        BadInput("negative eps", (x, None, None, F(4), F(4)), ValueError, kwargs={**_TRAIN, "eps": -1e-5}),
-        BadInput("one value per channel in training", (F(1, 4, 1, 1), None, None, F(4), F(4)), ValueError, (), _TRAIN),
-        BadInput("integer input", (N(2, 4, 3, 3), None, None, F(4), F(4)), TypeError, (), _TRAIN),
+        BadInput(
+            "rank-3 input",
+            (tracked(3, 4, 5), tracked(3), tracked(3), tracked(3), tracked(3)),
+            ShapeError,
+            ("(3, 4, 5)",),
+            _TRAIN,
+        ),
+        BadInput("weight size", (x, tracked(3), tracked(4), tracked(4), tracked(4)), ShapeError, ("weight",), _TRAIN),
+        BadInput(
+            "running stats size",
+            (x, tracked(4), tracked(4), tracked(5), tracked(4)),
+            ShapeError,
+            ("running_mean",),
+            _EVAL,
+        ),
+        BadInput(
+            "momentum above 1",
+            (x, None, None, tracked(4), tracked(4)),
+            ValueError,
+            ("1.5",),
+            {**_TRAIN, "momentum": 1.5},
+        ),
+        BadInput("training not a bool", (x, None, None, tracked(4), tracked(4)), TypeError, kwargs={"training": "yes"}),
+        BadInput("negative eps", (x, None, None, tracked(4), tracked(4)), ValueError, kwargs={**_TRAIN, "eps": -1e-5}),
+        BadInput(
+            "one value per channel in training",
+            (tracked(1, 4, 1, 1), None, None, tracked(4), tracked(4)),
+            ValueError,
+            (),
+            _TRAIN,
+        ),
+        BadInput("integer input", (integers(2, 4, 3, 3), None, None, tracked(4), tracked(4)), TypeError, (), _TRAIN),
     ]
 
 

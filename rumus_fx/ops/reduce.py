@@ -25,7 +25,7 @@ from ._core import (
     shape_of,
     tape_for,
 )
-from ._declare import BadInput, F, Sample, normal, op
+from ._declare import BadInput, Sample, normal, op, tracked
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -118,10 +118,10 @@ def _reduce(kind: str, x: Any, axis: Any, keepdims: bool) -> Tensor:
         Sample((normal(r, 4, 6),), {"axis": -1}),
     ],
     errors=lambda: [
-        BadInput("axis out of range", (F(3, 4),), ShapeError, ("axis 2",), {"axis": 2}),
-        BadInput("axis out of range in a tuple", (F(3, 4),), ShapeError, kwargs={"axis": (0, -3)}),
-        BadInput("float axis", (F(3, 4),), TypeError, kwargs={"axis": 1.0}),
-        BadInput("repeated axis", (F(3, 4),), ValueError, kwargs={"axis": (1, -1)}),
+        BadInput("axis out of range", (tracked(3, 4),), ShapeError, ("axis 2",), {"axis": 2}),
+        BadInput("axis out of range in a tuple", (tracked(3, 4),), ShapeError, kwargs={"axis": (0, -3)}),
+        BadInput("float axis", (tracked(3, 4),), TypeError, kwargs={"axis": 1.0}),
+        BadInput("repeated axis", (tracked(3, 4),), ValueError, kwargs={"axis": (1, -1)}),
     ],
 )
 def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
@@ -138,8 +138,8 @@ def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A0
         Sample((normal(r, 2, 3, 7),), {"axis": (0, 2), "keepdims": True}),
     ],
     errors=lambda: [
-        BadInput("axis out of range", (F(3),), ShapeError, kwargs={"axis": 1}),
-        BadInput("string axis", (F(3),), TypeError, kwargs={"axis": "0"}),
+        BadInput("axis out of range", (tracked(3),), ShapeError, kwargs={"axis": 1}),
+        BadInput("string axis", (tracked(3),), TypeError, kwargs={"axis": "0"}),
     ],
 )
 def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:

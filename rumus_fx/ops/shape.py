@@ -29,7 +29,7 @@ from ._core import (
     tape_for,
     value_of,
 )
-from ._declare import A, BadInput, F, Sample, normal, op, unary_samples
+from ._declare import BadInput, Sample, array, normal, op, tracked, unary_samples
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
@@ -124,12 +124,12 @@ def _reshape_to(x: Any, shape: tuple[int, ...], rec: Record) -> Tensor:
         Sample((normal(r, 6, 5), (2, 3, 5))),
     ],
     errors=lambda: [
-        BadInput("wrong size", (F(3, 5), (4, 4)), ShapeError, ("(3, 5)", "(4, 4)")),
-        BadInput("two -1", (F(3, 4), (2, -1, -1)), ShapeError),
-        BadInput("negative size", (F(3, 4), (-2, -6)), ShapeError),
-        BadInput("float sizes", (F(3, 4), (3.0, 4)), TypeError, ("3.0",)),
-        BadInput("a string shape", (F(3, 4), "12"), TypeError),
-        BadInput("a shape of strings", (F(3, 4), ("a", "b")), TypeError),
+        BadInput("wrong size", (tracked(3, 5), (4, 4)), ShapeError, ("(3, 5)", "(4, 4)")),
+        BadInput("two -1", (tracked(3, 4), (2, -1, -1)), ShapeError),
+        BadInput("negative size", (tracked(3, 4), (-2, -6)), ShapeError),
+        BadInput("float sizes", (tracked(3, 4), (3.0, 4)), TypeError, ("3.0",)),
+        BadInput("a string shape", (tracked(3, 4), "12"), TypeError),
+        BadInput("a shape of strings", (tracked(3, 4), ("a", "b")), TypeError),
     ],
 )
 def reshape(x: Any, shape: Any) -> Tensor:
@@ -144,7 +144,7 @@ def reshape(x: Any, shape: Any) -> Tensor:
     records=(FlattenBackward,),
     ref=lambda x: jnp.reshape(x, (x.shape[0], -1)),
     samples=unary_samples([(3, 5), (2, 3, 7), (2, 3, 2, 5)]),
-    errors=lambda: [BadInput("scalar", (F(),), ShapeError)],
+    errors=lambda: [BadInput("scalar", (tracked(),), ShapeError)],
 )
 def flatten(x: Any) -> Tensor:
     """``[B, d1, d2, ...] -> [B, d1*d2*...]`` keeping axis 0 (records FlattenBackward)."""
@@ -164,8 +164,8 @@ def flatten(x: Any) -> Tensor:
         Sample((normal(r, 2, 3, 7), -1, 1)),
     ],
     errors=lambda: [
-        BadInput("dim out of range", (F(3, 4), 0, 2), ShapeError, ("axis 2",)),
-        BadInput("float dim", (F(3, 4), 0.0, 1), TypeError),
+        BadInput("dim out of range", (tracked(3, 4), 0, 2), ShapeError, ("axis 2",)),
+        BadInput("float dim", (tracked(3, 4), 0.0, 1), TypeError),
     ],
 )
 def transpose(x: Any, dim0: int, dim1: int) -> Tensor:
@@ -222,10 +222,10 @@ def _row(xv: Array, index: Any) -> Array:
         Sample((normal(r, 2, 3), normal(r, 2, 3), normal(r, 2, 3)), {"axis": -1}, diff=(0, 2)),
     ],
     errors=lambda: [
-        BadInput("shapes differ", ([F(3, 4), F(3, 5)],), ShapeError, ("(3, 4)", "(3, 5)")),
+        BadInput("shapes differ", ([tracked(3, 4), tracked(3, 5)],), ShapeError, ("(3, 4)", "(3, 5)")),
         BadInput("empty list", ([],), ValueError),
-        BadInput("a tensor, not a list", (F(3, 4),), TypeError),
-        BadInput("axis out of range", ([F(3), F(3)],), ShapeError, kwargs={"axis": 3}),
+        BadInput("a tensor, not a list", (tracked(3, 4),), TypeError),
+        BadInput("axis out of range", ([tracked(3), tracked(3)],), ShapeError, kwargs={"axis": 3}),
     ],
 )
 def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
@@ -268,11 +268,11 @@ class SliceBatchBackward(Record):
     ref=lambda x, i: x[i],
     samples=lambda r: [Sample((normal(r, 4, 3, 5), 2)), Sample((normal(r, 3, 5), -1)), Sample((normal(r, 5, 2), 0))],
     errors=lambda: [
-        BadInput("index == size", (F(4, 3), 4), IndexError, ("4",)),
-        BadInput("index below -size", (F(4, 3), -5), IndexError, ("-5",)),
-        BadInput("float index", (F(4, 3), 1.0), TypeError),
-        BadInput("array index", (F(4, 3), A(1)), TypeError),
-        BadInput("scalar input", (F(), 0), ShapeError),
+        BadInput("index == size", (tracked(4, 3), 4), IndexError, ("4",)),
+        BadInput("index below -size", (tracked(4, 3), -5), IndexError, ("-5",)),
+        BadInput("float index", (tracked(4, 3), 1.0), TypeError),
+        BadInput("array index", (tracked(4, 3), array(1)), TypeError),
+        BadInput("scalar input", (tracked(), 0), ShapeError),
     ],
 )
 def slice_batch(x: Any, index: int) -> Tensor:
@@ -390,13 +390,13 @@ def index_grad(g: Array, shape: tuple[int, ...], dtype: Any, template: tuple, ar
         Sample((normal(r, 3, 5), -1)),
     ],
     errors=lambda: [
-        BadInput("int out of range", (F(4, 3), 4), IndexError, ("4",)),
-        BadInput("array index out of range", (F(4, 3), np.array([0, 7])), IndexError, ("7",)),
-        BadInput("negative array index below -size", (F(4, 3), (np.array([-5]),)), IndexError),
-        BadInput("array index after an ellipsis", (F(4, 3), (Ellipsis, np.array([3]))), IndexError),
-        BadInput("too many indices", (F(4, 3), (0, 0, 0)), IndexError, ("(4, 3)",)),
-        BadInput("float index array", (F(4, 3), np.array([0.5])), TypeError, ("float",)),
-        BadInput("boolean mask", (F(4, 3), np.array([True, False, True, True])), TypeError, ("bool",)),
+        BadInput("int out of range", (tracked(4, 3), 4), IndexError, ("4",)),
+        BadInput("array index out of range", (tracked(4, 3), np.array([0, 7])), IndexError, ("7",)),
+        BadInput("negative array index below -size", (tracked(4, 3), (np.array([-5]),)), IndexError),
+        BadInput("array index after an ellipsis", (tracked(4, 3), (Ellipsis, np.array([3]))), IndexError),
+        BadInput("too many indices", (tracked(4, 3), (0, 0, 0)), IndexError, ("(4, 3)",)),
+        BadInput("float index array", (tracked(4, 3), np.array([0.5])), TypeError, ("float",)),
+        BadInput("boolean mask", (tracked(4, 3), np.array([True, False, True, True])), TypeError, ("bool",)),
     ],
 )
 def index(x: Any, key: Any) -> Tensor:

@@ -18,7 +18,7 @@ import rumus_fx as rf
 from rumus_fx.autograd import registry
 from rumus_fx.autograd.record import Record, VersionSnapshot, record_types
 from rumus_fx.ops._core import array_of, new_output, reads, record, require_float, tape_for
-from rumus_fx.ops._declare import BadInput, F, N, Sample, normal, op, unary_samples
+from rumus_fx.ops._declare import BadInput, Sample, integers, normal, op, tracked, unary_samples
 
 from . import optable
 
@@ -56,7 +56,7 @@ def _declare_cube():
         records=(CubeBackward,),
         ref=lambda x: x**3,
         samples=unary_samples([(3, 5), (2, 3, 7)]),
-        errors=lambda: [BadInput("integer input", (N(3),), TypeError, ("int32",))],
+        errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
     )(cube)
 
 
@@ -122,7 +122,7 @@ def test_exports_are_the_declared_ops():
         assert getattr(rf.ops, name) is fn
     for name, fn in registry.exports(toplevel=True).items():
         assert getattr(rf, name) is fn, name
-    assert set(registry.exports()) - set(registry.exports(toplevel=True)) == {"cast_to", "matmul_any"}
+    assert set(registry.exports()) - set(registry.exports(toplevel=True)) == {"cast_to", "matmul_or_bmm"}
 
 
 def test_every_record_type_is_declared_and_backward_op_is_their_union():
@@ -155,7 +155,7 @@ def test_op_table_is_every_op_with_samples():
     assert [i.name for i in optable.OPS] == [d.name for d in registry.declarations("op") if d.samples is not None]
     # ops without a table entry say where they are tested instead
     assert {d.name for d in registry.declarations("op") if d.samples is None} == {
-        "matmul_any",
+        "matmul_or_bmm",
         "reshard",
         "cast_to",
         "fill_",
@@ -183,7 +183,7 @@ def test_sample_is_the_registry_sample():
     assert optable.Sample is Sample
     s = Sample((normal(__import__("numpy").random.default_rng(0), 2),))
     assert s.diff == (0,) and s.kwargs == {}
-    assert F(2).make().requires_grad
+    assert tracked(2).make().requires_grad
 
 
 def test_the_primitive_table_is_the_rules_table_entries():

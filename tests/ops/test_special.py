@@ -288,11 +288,11 @@ def test_numpy_scalars_are_accepted_as_static_arguments():
 
 
 def test_conv2d_samples_take_every_formulation():
-    """conv2d picks a formulation per product (Note [Convolution formulations]
-    in rumus_fx/ops/conv.py); the op table checks gradients only of what its
+    """conv2d picks a formulation per product (Note [Convolution plan]
+    in rumus_fx/ops/_conv_plan.py); the op table checks gradients only of what its
     samples take, so between them they take every one for y, dx and dw."""
     from rumus_fx.autograd.registry import lookup
-    from rumus_fx.ops.conv import _cols_size, _conv_plan
+    from rumus_fx.ops._conv_plan import cols_size, conv_plan
 
     want = {
         False: [{"dot", "gemm", "conv"}, {"dot", "conv"}, {"dot", "bdot", "gemm", "conv"}],
@@ -304,45 +304,45 @@ def test_conv2d_samples_take_every_formulation():
             x, w = sample.args[:2]
             stride = sample.args[3] if len(sample.args) > 3 else 1
             pad = sample.args[4] if len(sample.args) > 4 else 0
-            cols = _cols_size(x.shape[0], x.shape[1], x.shape[2], x.shape[3], w.shape[2], stride, pad)
-            for k, plan in enumerate(_conv_plan(x.shape[1], w.shape[0], w.shape[2], stride, cpu_eager, cols)):
+            cols = cols_size(x.shape[0], x.shape[1], x.shape[2], x.shape[3], w.shape[2], stride, pad)
+            for k, plan in enumerate(conv_plan(x.shape[1], w.shape[2], stride, cpu_eager, cols)):
                 taken[k].add(plan)
         assert taken == want[cpu_eager], cpu_eager
 
 
 def test_conv2d_plan_takes_the_convolution_for_dw_over_a_large_im2col():
     """Over 16 MiB of im2col, at stride 1 and more than three input channels,
-    a 3x3 kernel's dw is XLA's convolution (Note [Convolution formulations]);
+    a 3x3 kernel's dw is XLA's convolution (Note [Convolution plan]);
     below it, at stride 2 or with three channels or fewer it stays "bdot"."""
-    from rumus_fx.ops.conv import _COLS_MAX, _GEMM_COLS_MAX, _cols_size, _conv_plan
+    from rumus_fx.ops._conv_plan import COLS_MAX, GEMM_COLS_MAX, cols_size, conv_plan
 
-    big = _cols_size(64, 16, 28, 28, 3, 1, 1)
-    assert big > _COLS_MAX >= _cols_size(64, 16, 20, 20, 3, 1, 1) > _GEMM_COLS_MAX
-    assert _conv_plan(16, 32, 3, 1, cols=big) == ("conv", "conv", "conv")
-    assert _conv_plan(16, 32, 3, 1, cols=_cols_size(64, 16, 20, 20, 3, 1, 1))[2] == "bdot"
-    assert _conv_plan(16, 32, 3, 2, cols=_cols_size(64, 16, 56, 56, 3, 2, 1))[2] == "bdot"
-    assert _conv_plan(3, 32, 3, 1, cols=_cols_size(64, 3, 56, 56, 3, 1, 1)) == ("dot", "dot", "bdot")
-    assert _conv_plan(16, 32, 1, 1, cols=_cols_size(64, 16, 56, 56, 1, 1, 0))[2] == "bdot"
+    big = cols_size(64, 16, 28, 28, 3, 1, 1)
+    assert big > COLS_MAX >= cols_size(64, 16, 20, 20, 3, 1, 1) > GEMM_COLS_MAX
+    assert conv_plan(16, 3, 1, cols=big) == ("conv", "conv", "conv")
+    assert conv_plan(16, 3, 1, cols=cols_size(64, 16, 20, 20, 3, 1, 1))[2] == "bdot"
+    assert conv_plan(16, 3, 2, cols=cols_size(64, 16, 56, 56, 3, 2, 1))[2] == "bdot"
+    assert conv_plan(3, 3, 1, cols=cols_size(64, 3, 56, 56, 3, 1, 1)) == ("dot", "dot", "bdot")
+    assert conv_plan(16, 1, 1, cols=cols_size(64, 16, 56, 56, 1, 1, 0))[2] == "bdot"
 
 
 def test_conv2d_plan_takes_gemm_for_y_and_dw_in_its_region():
     """Under a trace, a 3x3 kernel at stride 1 with 4-64 input channels and an
     im2col of at most 8 MiB takes the channel-major "gemm" for y and dw (dx
     stays the convolution); at its edges and eagerly the plan is as before
-    (Note [Convolution formulations])."""
-    from rumus_fx.ops.conv import _GEMM_COLS_MAX, _cols_size, _conv_plan
+    (Note [Convolution plan])."""
+    from rumus_fx.ops._conv_plan import GEMM_COLS_MAX, cols_size, conv_plan
 
-    cnn_layer = _cols_size(64, 16, 14, 14, 3, 1, 1)  # the benchmark CNN's second layer
-    assert cnn_layer <= _GEMM_COLS_MAX
+    cnn_layer = cols_size(64, 16, 14, 14, 3, 1, 1)  # the benchmark CNN's second layer
+    assert cnn_layer <= GEMM_COLS_MAX
     for c_in in (4, 16, 64):
-        assert _conv_plan(c_in, 32, 3, 1, cols=cnn_layer) == ("gemm", "conv", "gemm")
-    assert _conv_plan(16, 32, 3, 1, cols=_GEMM_COLS_MAX) == ("gemm", "conv", "gemm")
-    assert _conv_plan(16, 32, 3, 1, cols=_GEMM_COLS_MAX + 1)[0] == "conv"
-    assert _conv_plan(3, 32, 3, 1, cols=cnn_layer) == ("dot", "dot", "bdot")
-    assert _conv_plan(65, 32, 3, 1, cols=cnn_layer) == ("conv", "conv", "conv")
-    assert _conv_plan(16, 32, 3, 2, cols=cnn_layer) == ("conv", "conv", "bdot")
-    assert _conv_plan(16, 32, 5, 1, cols=cnn_layer)[0] == "conv"
-    assert _conv_plan(16, 32, 3, 1, True, cnn_layer) == ("conv", "conv", "conv")
+        assert conv_plan(c_in, 3, 1, cols=cnn_layer) == ("gemm", "conv", "gemm")
+    assert conv_plan(16, 3, 1, cols=GEMM_COLS_MAX) == ("gemm", "conv", "gemm")
+    assert conv_plan(16, 3, 1, cols=GEMM_COLS_MAX + 1)[0] == "conv"
+    assert conv_plan(3, 3, 1, cols=cnn_layer) == ("dot", "dot", "bdot")
+    assert conv_plan(65, 3, 1, cols=cnn_layer) == ("conv", "conv", "conv")
+    assert conv_plan(16, 3, 2, cols=cnn_layer) == ("conv", "conv", "bdot")
+    assert conv_plan(16, 5, 1, cols=cnn_layer)[0] == "conv"
+    assert conv_plan(16, 3, 1, True, cnn_layer) == ("conv", "conv", "conv")
 
 
 @pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "gemm-off"])
@@ -351,6 +351,7 @@ def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng, gemm):
     a large input takes the convolution for y and dw, a small one "gemm" (with
     "gemm" switched off: the convolution for y and "bdot" for dw), and all give
     jax.grad's gradient of the weight."""
+    from rumus_fx.ops import _conv_plan as P
     from rumus_fx.ops import conv as C
 
     seen = []
@@ -360,10 +361,10 @@ def test_conv2d_record_plans_by_its_input_size(monkeypatch, rng, gemm):
     monkeypatch.setattr(C, "conv_conv_forward", lambda *a, _f=C.conv_conv_forward: seen.append("y conv") or _f(*a))
     monkeypatch.setattr(C, "conv_gemm_forward", lambda *a, _f=C.conv_gemm_forward: seen.append("y gemm") or _f(*a))
     limit = 4 * 9 * 8 * 8 * 2 - 1  # 2 samples of [4, 8, 8] are over
-    monkeypatch.setattr(C, "_COLS_MAX", limit)
-    monkeypatch.setattr(C, "_GEMM_COLS_MAX", limit)
+    monkeypatch.setattr(P, "COLS_MAX", limit)
+    monkeypatch.setattr(P, "GEMM_COLS_MAX", limit)
     if not gemm:
-        monkeypatch.setattr(C, "_GEMM_MAX_C", 0)
+        monkeypatch.setattr(P, "GEMM_MAX_C", 0)
     w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)) / 6, jnp.float32)
     b = jnp.zeros(5, jnp.float32)
     small = ["y gemm", "gemm"] if gemm else ["y conv", "bdot"]
@@ -379,12 +380,12 @@ def test_conv2d_gemm_composes_with_vmap_and_jvp(rng):
     """The "gemm" formulation (a traced 3x3, stride-1 conv with 4-64 input
     channels) under jax.vmap per-example gradients and jax.jvp of the gradient
     (a Hessian-vector product), each argument, against jax's."""
-    from rumus_fx.ops.conv import _cols_size, _conv_plan
+    from rumus_fx.ops._conv_plan import cols_size, conv_plan
 
     x = jnp.asarray(rng.standard_normal((3, 2, 4, 6, 6)), jnp.float32)  # 3 examples of [2, 4, 6, 6]
     w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)) / 6, jnp.float32)
     b = jnp.asarray(rng.standard_normal(5), jnp.float32)
-    assert _conv_plan(4, 5, 3, 1, cols=_cols_size(2, 4, 6, 6, 3, 1, 1)) == ("gemm", "conv", "gemm")
+    assert conv_plan(4, 3, 1, cols=cols_size(2, 4, 6, 6, 3, 1, 1)) == ("gemm", "conv", "gemm")
     for argnum in range(3):
         in_axes = tuple(0 if i == 0 else None for i in range(3)) + (None,)
         got = jax.jit(jax.vmap(rf.grad(_conv_loss, argnums=argnum), in_axes), static_argnums=3)(x, w, b, 1)
@@ -420,7 +421,7 @@ def test_conv2d_eager_takes_the_cpu_plan_and_options(rng, c_in, stride):
     CPU_COMPILER_OPTIONS and its record takes the eager plan (dw as XLA's
     convolution); traced (jax.jit) neither: the record says which, and both
     give jax.grad's gradients, each argument alone."""
-    from rumus_fx.ops.conv import _conv_plan
+    from rumus_fx.ops._conv_plan import conv_plan
 
     x = jnp.asarray(rng.standard_normal((3, c_in, 9, 9)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, c_in, 3, 3)) / np.sqrt(9 * c_in), jnp.float32)
@@ -438,7 +439,7 @@ def test_conv2d_eager_takes_the_cpu_plan_and_options(rng, c_in, stride):
     loss(x, w, b)
     jax.jit(loss)(x, w, b)
     assert seen == [(True, rf.CPU_COMPILER_OPTIONS), (False, None)]
-    assert _conv_plan(c_in, 4, 3, stride, True)[2] == "conv"
+    assert conv_plan(c_in, 3, stride, True)[2] == "conv"
     for argnum in range(3):
         want = jax.grad(_conv_loss_jax, argnums=argnum)(x, w, b, stride)
         for fn in (rf.grad(_conv_loss, argnums=argnum), jax.jit(rf.grad(_conv_loss, argnums=argnum), static_argnums=3)):
