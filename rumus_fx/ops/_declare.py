@@ -157,8 +157,6 @@ class Placeholder:
         return "Placeholder(...)"
 
 
-
-
 def tracked(*shape: int) -> Placeholder:
     """A tracked float32 tensor of ``shape`` (seeded by the shape)."""
 
