@@ -53,7 +53,6 @@ from jax.experimental import checkify
 
 from .autograd import engine
 from .errors import AutogradError
-from .lift import interpreter
 from .storage import live_storage_count
 
 _MODES = ("callback", "checkify")
@@ -258,8 +257,6 @@ def lifted_anomaly_check(program: Any) -> Any:
 
     return check
 
-
-interpreter.ANOMALY_CHECK = lifted_anomaly_check
 
 
 def check_finite(

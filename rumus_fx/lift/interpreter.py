@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from .. import debug
 from .. import sharding as shd
 from .. import tensor as tensor_mod
 from ..autograd.record import Aval, Record, VersionSnapshot
@@ -471,9 +472,9 @@ class _Capture:
         return None
 
 
-# set by rumus_fx.debug: ``ANOMALY_CHECK(program)`` is None outside anomaly mode,
-# else the check a lifted call runs after each primitive's rule
-ANOMALY_CHECK: Callable[[Program], Callable | None] | None = None
+# ``ANOMALY_CHECK(program)`` is None outside anomaly mode, else the check a lifted
+# call runs after each primitive's rule (rumus_fx.debug)
+ANOMALY_CHECK: Callable[[Program], Callable | None] | None = debug.lifted_anomaly_check
 _PROGRAMS: dict[Any, tuple[Program, Any]] = {}
 _MAX_PROGRAMS = 2048
 
