@@ -4,6 +4,7 @@ family] in ``_unary.py``), gelu, leaky_relu, softmax."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,6 +49,8 @@ ReluBackward, relu = unary_op(
     samples=unary_samples(_UNARY_SHAPES, away_from_zero),
     errors=lambda: [BadInput("an object", (object(),), TypeError)],
 )
+relu: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""``max(x, 0)``; the gradient at exactly 0 is 0, as ``jax.nn.relu`` (records ReluBackward)."""
 
 
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -137,6 +140,8 @@ SigmoidBackward, sigmoid = unary_op(
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
+sigmoid: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""Logistic sigmoid (records SigmoidBackward, which saves the output)."""
 
 TanhBackward, tanh = unary_op(
     "tanh",
@@ -149,6 +154,8 @@ TanhBackward, tanh = unary_op(
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
+tanh: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""Hyperbolic tangent (records TanhBackward, which saves the output)."""
 
 SoftplusBackward, softplus = unary_op(
     "softplus",
@@ -162,6 +169,8 @@ SoftplusBackward, softplus = unary_op(
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("integer input", (integers(3),), TypeError, ("int32",))],
 )
+softplus: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""``log(1 + exp(x))``, as ``jax.nn.softplus`` (records SoftplusBackward, which saves the input)."""
 
 
 @op(

@@ -5,6 +5,7 @@ forward functions with their backward records side by side."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -376,6 +377,8 @@ NegBackward, neg = unary_op(
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("a python list", ([1.0, 2.0],), TypeError, ("list",))],
 )
+neg: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""``-x`` (records NegBackward)."""
 
 ExpBackward, exp = unary_op(
     "exp",
@@ -389,6 +392,8 @@ ExpBackward, exp = unary_op(
     samples=unary_samples(_UNARY_SHAPES),
     errors=lambda: [BadInput("None", (None,), TypeError, ("NoneType",))],
 )
+exp: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""``exp(x)`` (records ExpBackward, which saves the output)."""
 
 LogBackward, log = unary_op(
     "log",
@@ -402,6 +407,8 @@ LogBackward, log = unary_op(
     samples=unary_samples(_UNARY_SHAPES, positive),
     errors=lambda: [BadInput("a string", ("1.0",), TypeError, ("str",))],
 )
+log: Callable[[Any], Tensor]  # declared for static readers (type checkers, the API reference)
+"""Natural logarithm (records LogBackward, which saves the input)."""
 
 
 def _ref_add_bias(m: Any, b: Any) -> Any:
