@@ -25,7 +25,9 @@ from .errors import ShapeError as ShapeError
 from .errors import ShardingError as ShardingError
 from .errors import VersionMismatch as VersionMismatch
 from .lift import checkpoint as checkpoint
+from .lift import defrule as defrule
 from .lift import lift as lift
+from .lift import undefrule as undefrule
 from .ops.cast import tensor as tensor
 from .storage import Layout as Layout
 from .storage import StorageHandle as StorageHandle

@@ -42,7 +42,9 @@ Nothing here calls JAX's JVP or transpose rules: ``jax.extend.core`` and
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -134,9 +136,43 @@ class Rule:
     saves: Callable[[tuple[bool, ...], Params], tuple[tuple[int, ...], tuple[int, ...]]]
     forward: Callable | None = None
     multiple_results: bool = False
+    primitive: Any = None  # the Primitive object the rule is for (None: any of that name)
 
 
 RULES: dict[str, Rule] = {}
+
+# libraries whose primitives rf ships rules for, loaded the first time a
+# program holds one of their primitives: (module rf reads the library from,
+# the primitives' names, the rf module declaring their rules)
+LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
+    (
+        "equinox",
+        frozenset({
+            "maybe_set", "select_if_vmap", "nondifferentiable_backward", "nonbatchable",
+            "nontraceable", "noinline", "unvmap_any", "unvmap_all", "unvmap_max", "announce_jaxpr",
+        }),
+        "rumus_fx.lift.rules_equinox",
+    ),
+]  # fmt: skip
+
+
+def rule_for(prim: Any) -> Rule | None:
+    """The rule of primitive ``prim`` (a ``jax.extend.core.Primitive``), or None.
+
+    A rule declared for a primitive object (``rf.defrule(equinox_p, ...)``)
+    serves that object only, never another primitive of the same name. The
+    rules of a library's primitives (``LIBRARY_RULES``) are declared the first
+    time one of its primitives is met, when the library is loaded."""
+    name = prim.name
+    rule = RULES.get(name)
+    if rule is None:
+        for lib, names, module in LIBRARY_RULES:
+            if name in names and lib in sys.modules:
+                importlib.import_module(module)
+                rule = RULES.get(name)
+    if rule is not None and rule.primitive is not None and rule.primitive is not prim:
+        return None
+    return rule
 
 # primitives whose outputs carry no gradient: comparisons, integer and bit
 # arithmetic, random bits, rounding (derivative zero almost everywhere) and
@@ -179,6 +215,8 @@ def defrule(
     doc: str | None = None,
     table: tuple[TableEntry, ...] = (),
     errors: Callable[[], list[BadProgram]] | None = None,
+    primitive: Any = None,
+    module: str | None = None,
 ) -> Rule:
     """Declare the backward rule of primitive ``name`` (see Note [Primitive rules]);
     it joins the op registry (Note [Declaring an op] in ``autograd/registry.py``)
@@ -187,21 +225,22 @@ def defrule(
     cls_name = record_name or f"{camel(name)}Backward"
     cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
     cls = frozen(cls)
-    cls.__module__ = vjp.__module__
+    module = module or vjp.__module__
+    cls.__module__ = module
     saves_fn = _saves_of(saves) if callable(saves) else _saves_fixed(*saves)
-    rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results)
+    rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results, primitive)
     cls.rule = rule
-    RULES[name] = rule
     declare(
         OpDecl(
             name=name,
             kind="primitive",
             records=(cls,),
             errors=errors,
-            module=vjp.__module__,
+            module=module,
             extra={"rule": rule, "saves": saves_fn, "backward": vjp, "table": tuple(table)},
         )
     )
+    RULES[name] = rule
     return rule
 
 
