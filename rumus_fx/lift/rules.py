@@ -147,10 +147,7 @@ RULES: dict[str, Rule] = {}
 LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
     (
         "equinox",
-        frozenset({
-            "maybe_set", "select_if_vmap", "nondifferentiable_backward", "nonbatchable",
-            "nontraceable", "noinline", "unvmap_any", "unvmap_all", "unvmap_max", "announce_jaxpr",
-        }),
+        frozenset({"maybe_set", "select_if_vmap", "nondifferentiable_backward"}),
         "rumus_fx.lift.rules_equinox",
     ),
 ]  # fmt: skip
@@ -173,6 +170,7 @@ def rule_for(prim: Any) -> Rule | None:
     if rule is not None and rule.primitive is not None and rule.primitive is not prim:
         return None
     return rule
+
 
 # primitives whose outputs carry no gradient: comparisons, integer and bit
 # arithmetic, random bits, rounding (derivative zero almost everywhere) and
