@@ -6,6 +6,7 @@ from ..autograd import transforms as _transforms
 from . import higher as _higher
 from . import rules_control as rules_control
 from . import rules_conv as rules_conv
+from . import rules_custom as rules_custom
 from . import rules_elementwise as rules_elementwise
 from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg

@@ -5,8 +5,8 @@ Note [Lifting]
 ``lift(fun)(*args)`` traces ``fun`` once per signature (the avals of its array
 leaves, the values of its static leaves, which leaves are tracked) with
 ``jax.make_jaxpr`` and compiles the jaxpr into a ``Program``: a flat list of
-steps (calls such as ``jit`` and ``custom_jvp_call`` are inlined, so rf
-differentiates the primal implementation of a ``custom_jvp`` function), each with
+steps (calls such as ``jit`` are inlined; a ``custom_jvp_call`` stays one step
+whose rule honours the user's JVP rule, ``lift/rules_custom.py``), each with
 the rule of its primitive (``lift/rules.py``) and the slots it reads and writes.
 A static pass marks which slots depend on tracked inputs; a differentiable
 primitive without a rule on that path raises ``AutogradError`` naming it.
@@ -54,7 +54,7 @@ Array = jax.Array
 _Tracer = jax.core.Tracer
 
 # call primitives inlined into the program (their body is run with rf's rules)
-INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_lin"}
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
 
 
 class _Const:
@@ -84,6 +84,7 @@ class Step:
     saved_out: tuple[int, ...] = ()
     sub: Any = None  # control flow: nested programs
     where: str = ""  # the library call and the user's line that emitted it (for errors)
+    invars: tuple[Any, ...] = ()  # the equation's jaxpr variables (a custom rule's closure is found by them)
 
 
 def _aval(v: Any) -> Aval:
@@ -174,6 +175,7 @@ class Program:
                     tuple(_sharding(v) for v in eqn.invars),
                     tuple(_sharding(v) for v in eqn.outvars),
                     where=_where(eqn, within=within),
+                    invars=tuple(eqn.invars),
                 )
             )
 
@@ -235,7 +237,8 @@ class Program:
                 outs, extra = step.rule.forward(step, vals)
                 extras.append(extra)
             else:
-                outs = step.prim.bind(*vals, **step.params)
+                # (a call primitive binds its jaxpr as a function, as jax's eval_jaxpr does)
+                outs = step.prim.bind(*vals, **step.prim.get_bind_params(step.params))
                 if not step.prim.multiple_results:
                     outs = (outs,)
             for s, o in zip(step.outs, outs):
@@ -289,7 +292,9 @@ class Program:
             gs = [grads.pop(s, None) for s in st.outs]
             if all(g is None for g in gs):
                 continue
-            if st.rule.multiple_results or st.prim.multiple_results:
+            if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
+                in_grads = _run_rule(rec, tuple(gs), st.needs)
+            elif st.rule.multiple_results or st.prim.multiple_results:
                 gs = tuple(
                     shd.zeros(a.shape, a.dtype, sh) if g is None else g
                     for g, a, sh in zip(gs, st.out_avals, st.out_shardings)

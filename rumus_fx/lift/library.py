@@ -35,7 +35,16 @@ from .rules import defrule as _declare_rule
 
 # the call primitives rf runs through (their bodies are recorded), and the
 # control flow whose rules are part of the interpreter: no rule of their own
-RESERVED = interpreter.INLINE_CALLS | {"scan", "cond", "while", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat"}
+RESERVED = interpreter.INLINE_CALLS | {
+    "scan",
+    "cond",
+    "while",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "remat",
+    "checkpoint",
+}
 
 
 def defrule(

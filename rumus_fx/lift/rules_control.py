@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jcore
 
 from .. import sharding as shd
@@ -304,11 +305,26 @@ def _custom_vjp_prepare(step):
             "rf.lift: a jax.custom_vjp function closes over a tracked value; its bwd cannot "
             "give that value a gradient. Pass it as an argument (jax.closure_convert)."
         )
-    n_args = len(step.ins) - nc
-    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*([False] * n_args))
+    # the fwd is told which inputs are perturbed: exactly those that carry a gradient
+    # (a symbolic_zeros=True fwd, e.g. equinox.filter_custom_vjp's, branches on it)
+    perturbed = [bool(n) for n in step.needs[nc:]]
+    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*perturbed)
     out_tree, res_tree, input_fwds = p["out_trees"]()
     closed = jcore.ClosedJaxpr(fwd_jaxpr, fwd_consts) if isinstance(fwd_jaxpr, jcore.Jaxpr) else fwd_jaxpr
-    return {"fwd": closed, "input_fwds": tuple(input_fwds), "n_out": out_tree.num_leaves, "nc": nc}
+    # residuals that are constants of the fwd (a Python bool or int the fwd returns)
+    # stay static values: the bwd may branch on them in Python
+    n_res = sum(k is None for k in input_fwds)
+    static = {
+        j: v.val for j, v in enumerate(closed.jaxpr.outvars[:n_res]) if isinstance(v, jcore.Literal)
+    }
+    return {
+        "fwd": closed,
+        "input_fwds": tuple(input_fwds),
+        "n_out": out_tree.num_leaves,
+        "nc": nc,
+        "static": static,
+        "symbolic_zeros": bool(p["symbolic_zeros"]),
+    }
 
 
 def _custom_vjp_forward(step, vals):
@@ -319,26 +335,68 @@ def _custom_vjp_forward(step, vals):
     # the fwd jaxpr returns the residuals that are not inputs, then the outputs
     n_res = sum(k is None for k in info["input_fwds"])
     rest, primal = list(outs[:n_res]), list(outs[n_res:])
-    it = iter(rest)
-    res = [args[k] if k is not None else next(it) for k in info["input_fwds"]]
+    static = info["static"]
+    it = iter(x for j, x in enumerate(rest) if j not in static)
+    # (static residuals are not saved: the backward puts their values back)
+    res = []
+    j = 0
+    for k in info["input_fwds"]:
+        if k is not None:
+            res.append(args[k])
+        else:
+            if j not in static:
+                res.append(next(it))
+            j += 1
     return primal, tuple(res)
+
+
+def _is_zero_ct(x) -> bool:
+    """A zero cotangent as a bwd returns it: ``None``, or JAX's (symbolic) zero
+    marker, which is not an array."""
+    if x is None:
+        return True
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, jax.core.Tracer)):
+        return False
+    return hasattr(x, "aval")
+
+
+def _custom_vjp_residuals(info, extra):
+    static = info["static"]
+    it = iter(extra)
+    res = []
+    j = 0
+    for k in info["input_fwds"]:
+        if k is not None:
+            res.append(next(it))
+        else:
+            res.append(static[j] if j in static else next(it))
+            j += 1
+    return res
 
 
 def _custom_vjp_vjp(r, g):
     info = r._step.sub
     nc = info["nc"]
-    cts = list(g)
-    grads = r.p["bwd"].call_wrapped(*r.extra, *cts)
+    cts = []
+    for gk, a in zip(g, r.out_avals):
+        if gk is None:
+            if info["symbolic_zeros"]:  # jax gives a symbolic_zeros bwd a marker for a zero cotangent
+                gk = SymbolicZero(jax.core.ShapedArray(a.shape, a.dtype).to_tangent_aval())
+            else:
+                gk = _zeros_like_aval(a)
+        cts.append(gk)
+    grads = r.p["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts)
     grads = list(grads)
     out = [None] * nc
     for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):
-        if not n or gr is None or not is_float(a) or getattr(gr, "dtype", None) == jax.dtypes.float0:
+        if not n or _is_zero_ct(gr) or not is_float(a) or getattr(gr, "dtype", None) == jax.dtypes.float0:
             out.append(None)
         else:
             out.append(jnp.asarray(gr).astype(a.dtype).reshape(a.shape))
     return tuple(out)
 
 
+_custom_vjp_vjp.takes_none = True  # zero cotangents arrive as None (symbolic zeros for the bwd)
 _custom_vjp_vjp.prepare = _custom_vjp_prepare
 
 

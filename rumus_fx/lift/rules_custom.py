@@ -1,0 +1,189 @@
+"""The rule of ``custom_jvp_call``: rf honours a ``jax.custom_jvp`` function's own
+JVP rule, in reverse mode, with its own rules.
+
+Note [Reverse mode from a custom JVP rule]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``custom_jvp_call`` equation carries the primal (``call_jaxpr``) and a function
+that traces the user's JVP rule (``jvp_jaxpr_fun``), given which input tangents
+are symbolic zeros. The traced rule maps (primals, tangents) to (primal outputs,
+tangent outputs) and is linear in the tangents: ``t -> J t``. rf traces it once
+per signature (when the lifted program is built), makes it a nested ``Program``
+whose tracked inputs are the tangents, and in backward runs that program's own
+reverse walk seeded with the outputs' cotangents ``u``: the walk returns
+``J^T u`` exactly, at any tangent point (rf takes 0). Every step of it is one of
+rf's hand-written rules; nothing calls JAX's transpose rules or ``jax.vjp``.
+
+The primal runs forward as written (the equation is bound as jax binds it, so a
+``custom_jvp`` nested in the primal is evaluated, not differentiated). The record
+saves the call's inputs; the backward recomputes the rule's primal-side values
+from them. Since the backward walk is made of ordinary primitives (a nested
+``custom_jvp_call`` among them), recording it on an enclosing tape
+differentiates it again: second order works as for any other rule.
+
+``symbolic_zeros=True`` rules receive JAX's ``SymbolicZero`` markers for the
+tangents of the inputs that carry no gradient (jax.grad gives the same); other
+rules receive zeros, as jax instantiates them. A tangent output the rule returns
+as a symbolic zero takes no cotangent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from ..autograd.registry import Sample, TableEntry
+from ..errors import AutogradError
+from ..ops._declare import normal, unary_samples
+from .interpreter import Program
+from .rules import defrule, is_float
+
+_Tracer = jax.core.Tracer
+
+
+class _Linear:
+    """A custom JVP rule traced as a program of (consts, primals, tangents)."""
+
+    __slots__ = ("program", "const_refs", "nc", "n", "nz", "n_out", "out_nz", "tangent_avals")
+
+    def __init__(self, program, const_refs, nc, n, nz, n_out, out_nz, tangent_avals):
+        self.program = program
+        self.const_refs = const_refs  # per rule constant: ("in", k) an input of the call, ("value", c)
+        self.nc = nc
+        self.n = n
+        self.nz = nz  # the inputs (0..n-1, without the call's constants) whose tangent the rule takes
+        self.n_out = n_out
+        self.out_nz = out_nz  # the outputs whose tangent the rule returns (not a symbolic zero)
+        self.tangent_avals = tangent_avals
+
+
+def _tracer_var(c: Any) -> Any:
+    """The jaxpr variable of a tracer of the (finished) trace that recorded the
+    call: a JVP rule that closes over a traced value holds that tracer."""
+    return getattr(c, "val", None)
+
+
+def _custom_jvp_prepare(step) -> _Linear:
+    p = step.params
+    nc = p["num_consts"]
+    n = len(step.ins) - nc
+    if any(step.needs[:nc]):
+        raise AutogradError(
+            f"rf.lift: the jax.custom_jvp function '{p.get('name', '?')}' closes over a tracked value; "
+            "its JVP rule only takes the tangents of its arguments (jax.grad cannot differentiate it "
+            "either). Pass the value as an argument."
+        )
+    needs = step.needs[nc:]
+    in_zeros = [not nd for nd in needs] if p["symbolic_zeros"] else [False] * n
+    jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*in_zeros)
+    const_refs = []
+    for c in consts:
+        if isinstance(c, _Tracer):
+            var = _tracer_var(c)
+            k = next((i for i, v in enumerate(step.invars) if v is var), None)
+            if k is None:
+                raise AutogradError(
+                    f"rf.lift: the JVP rule of the jax.custom_jvp function '{p.get('name', '?')}' closes over "
+                    "a traced value that the function does not take; pass it as an argument."
+                )
+            const_refs.append(("in", k))
+        else:
+            const_refs.append(("value", c))
+    nz = tuple(k for k in range(n) if not in_zeros[k])
+    tangent_avals = tuple(v.aval for v in jaxpr.invars[n:])
+    const_avals = [jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts]
+
+    def linear(cs, primals, tangents):
+        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, list(cs)))(*primals, *tangents)
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+
+    closed = jax.make_jaxpr(linear)(
+        const_avals, [spec(v.aval) for v in jaxpr.invars[:n]], [spec(a) for a in tangent_avals]
+    )
+    tracked = [False] * (len(consts) + n) + [bool(needs[k]) and is_float(step.in_avals[nc + k]) for k in nz]
+    name = f"custom_jvp rule of {p.get('name', '?')}"
+    try:
+        program = Program(closed, tracked, name)
+    except AutogradError as e:
+        raise AutogradError(f"{e} (rf.lift differentiates the JVP rule of jax.custom_jvp '{p.get('name', '?')}')") from e
+    n_out = len(out_zeros)
+    out_nz = tuple(k for k in range(n_out) if not out_zeros[k])
+    return _Linear(program, tuple(const_refs), nc, n, nz, n_out, out_nz, tangent_avals)
+
+
+def _zero_tangent(a: Any) -> Any:
+    if a.dtype == jax.dtypes.float0:
+        return np.zeros(a.shape, dtype=jax.dtypes.float0)
+    return jnp.zeros(a.shape, a.dtype)
+
+
+def _custom_jvp_vjp(r, g):
+    lin: _Linear = r._step.sub
+    nc = lin.nc
+    vals = r.ins
+    cs = [vals[ref] if kind == "in" else ref for kind, ref in lin.const_refs]
+    primals = list(vals[nc:])
+    tangents = [_zero_tangent(a) for a in lin.tangent_avals]
+    prog = lin.program
+    _, residuals = prog.forward([*cs, *primals, *tangents])
+    seeds: list[Any] = [None] * len(prog.out_refs)
+    for j, k in enumerate(lin.out_nz):
+        gk = g[k]
+        if gk is not None and is_float(r.out_avals[k]):
+            seeds[lin.n_out + j] = gk
+    grads = prog.backward(residuals, seeds)
+    t_grads = grads[len(cs) + lin.n :]
+    out: list[Any] = [None] * (nc + lin.n)
+    for k, gt in zip(lin.nz, t_grads):
+        if r.needs[nc + k] and gt is not None:
+            out[nc + k] = gt
+    return tuple(out)
+
+
+_custom_jvp_vjp.prepare = _custom_jvp_prepare
+
+
+# -- the table's programs: rules that differ from their primal ---------------------------
+
+
+@jax.custom_jvp
+def _clipped_id(x):
+    """The identity whose rule says the derivative is 2 (differs from the primal's 1)."""
+    return x
+
+
+_clipped_id.defjvp(lambda p, t: (p[0], 2.0 * t[0]))
+
+
+@jax.custom_jvp
+def _pair(x, y):
+    return jnp.sin(x) * y, x + y
+
+
+@_pair.defjvp
+def _pair_jvp(p, t):
+    x, y = p
+    dx, dy = t
+    return _pair(x, y), (jnp.cos(x) * y * dx + jnp.sin(x) * dy, dx + dy)
+
+
+def _binary_samples(r):
+    return [Sample((normal(r, 3), normal(r, 3)), diff=(0, 1))]
+
+
+defrule(
+    "custom_jvp_call",
+    _custom_jvp_vjp,
+    lambda needs: (tuple(range(len(needs))), ()),
+    multiple_results=True,
+    table=(
+        # (the rule, not the primal, defines the derivative: no finite differences)
+        TableEntry("custom_jvp_call", lambda x: _clipped_id(jnp.sin(x)) * x, unary_samples(), fd=False),
+        TableEntry("custom_jvp_call_pair", lambda x, y: sum(_pair(x, y)), _binary_samples),
+    ),
+)
