@@ -173,16 +173,22 @@ def rule_for(prim: Any) -> Rule | None:
 
 
 # primitives whose outputs carry no gradient: comparisons, integer and bit
-# arithmetic, random bits, rounding (derivative zero almost everywhere) and
-# stop_gradient. Any primitive with only integer/bool outputs passes through too.
+# arithmetic, random bits and keys, tokens, rounding (float outputs whose
+# derivative is zero almost everywhere, as jax.grad has it) and stop_gradient.
+# Any primitive with only integer/bool outputs passes through too. Never here: a
+# primitive with a float output that can depend on a float input with a nonzero
+# derivative (nextafter, rng_uniform, a float-to-float bitcast_convert_type):
+# those have a rule or are refused (tests/lift/test_primitive_audit.py checks it).
 NON_DIFFERENTIABLE: set[str] = {
-    "stop_gradient", "floor", "ceil", "round", "sign", "nextafter", "is_finite",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "iota",
+    "stop_gradient", "floor", "ceil", "round", "sign", "is_finite",
+    "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to", "and", "or", "not", "xor", "iota",
     "argmax", "argmin", "random_bits", "random_seed", "random_wrap", "random_unwrap",
-    "random_fold_in", "random_split", "threefry2x32", "rng_uniform", "rng_bit_generator",
+    "random_fold_in", "random_split", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",
+    "iota_2x32_shape", "rng_bit_generator", "mulhi",
     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
-    "reduce_and", "reduce_or", "reduce_xor", "lu_pivots_to_permutation", "bitcast_convert_type",
+    "reduce_and", "reduce_or", "reduce_xor", "lu_pivots_to_permutation",
     "debug_callback", "debug_print", "random_clone", "device_put_p_nondiff",
+    "axis_index", "platform_index", "create_token", "after_all",
 }  # fmt: skip
 
 
