@@ -57,10 +57,12 @@ def _argnums_tuple(argnums: int | Sequence[int], nargs: int, name: str) -> tuple
 
 
 def _check_float_leaf(x: jax.Array, name: str) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    # complex inputs are differentiated as jax.grad does (holomorphic=False: a real
+    # loss's gradient with respect to a complex input is jax.grad's value)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise TypeError(
-            f"{name} requires real-valued inputs (input dtype that is a sub-dtype of "
-            f"np.floating), but got {np.dtype(x.dtype).name}. Pass integer or boolean "
+            f"{name} requires real-valued or complex inputs (input dtype that is a sub-dtype of "
+            f"np.inexact), but got {np.dtype(x.dtype).name}. Pass integer or boolean "
             "inputs as arguments that are not differentiated (see argnums)."
         )
 
@@ -128,7 +130,7 @@ def _track(tree: Any, name: str, check: bool = True) -> tuple[Any, list[Tensor |
         arr = _leaf_array(leaf)
         if check:
             _check_float_leaf(arr, name)
-        elif not jnp.issubdtype(arr.dtype, jnp.floating):
+        elif not jnp.issubdtype(arr.dtype, jnp.inexact):
             tensors.append(None)
             new_leaves.append(arr)
             continue

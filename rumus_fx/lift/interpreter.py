@@ -48,7 +48,7 @@ from ..kernels.dispatch import use as kernel_mode
 from ..ops._declare import Lazy
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
-from .rules import NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_float, rule_for
+from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 Array = jax.Array
 _Tracer = jax.core.Tracer
@@ -198,6 +198,12 @@ class Program:
                     "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
                     "Write the computation with primitives rf.lift supports, wrap it in "
                     "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
+                )
+            if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
+                raise AutogradError(
+                    f"rf.lift: the backward rule of the primitive '{name}' (in {self.name}) is not "
+                    "defined for complex values, and a complex value that depends on a tracked Tensor "
+                    "reaches it; compute it on the real and imaginary parts (jnp.real, jnp.imag)."
                 )
             step.rule = rule
             step.needs = needs

@@ -192,6 +192,17 @@ NON_DIFFERENTIABLE: set[str] = {
 }  # fmt: skip
 
 
+# rules whose formulas give jax.grad's values on complex operands (Note [Complex
+# gradients] in rules_complex.py); a complex value reaching any other rule is refused
+COMPLEX_OK: set[str] = set()
+
+
+def is_complex(aval: Any) -> bool:
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return False
+    return bool(jnp.issubdtype(aval.dtype, jnp.complexfloating))
+
+
 def camel(name: str) -> str:
     """``reduce_sum`` -> ``ReduceSum``; ``scatter-add`` -> ``ScatterAdd``."""
     parts = name.replace("-", "_").split("_")

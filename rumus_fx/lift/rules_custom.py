@@ -47,7 +47,7 @@ _Tracer = jax.core.Tracer
 class _Linear:
     """A custom JVP rule traced as a program of (consts, primals, tangents)."""
 
-    __slots__ = ("program", "const_refs", "nc", "n", "nz", "n_out", "out_nz", "tangent_avals")
+    __slots__ = ("const_refs", "n", "n_out", "nc", "nz", "out_nz", "program", "tangent_avals")
 
     def __init__(self, program, const_refs, nc, n, nz, n_out, out_nz, tangent_avals):
         self.program = program

@@ -105,7 +105,6 @@ add_table(
 )
 _unary("rsqrt", lambda r, g: g * -0.5 * _y(r) / _x(r), ((0,), (0,)), program=lax.rsqrt, gen=positive)
 _unary("cbrt", lambda r, g: g / (3 * _y(r) * _y(r)), out_(0), program=jnp.cbrt, gen=positive)
-_unary("abs", lambda r, g: g * jnp.sign(_x(r)), in_(0), program=jnp.abs, gen=away)
 _unary("square", lambda r, g: g * 2 * _x(r), in_(0), program=jnp.square)
 _unary(
     "erf",
@@ -143,7 +142,6 @@ _unary(
 )
 _unary("copy", lambda r, g: g, ((), ()))
 _unary("copy_p", lambda r, g: g, ((), ()))
-_unary("real", lambda r, g: g, ((), ()))
 
 
 def _integer_pow(r, g):
@@ -159,7 +157,10 @@ _unary("integer_pow", _integer_pow, in_(0), program=lambda x: x**3 + x**2 - 1 / 
 
 
 def _convert(r, g):
-    return g.astype(r.in_avals[0].dtype)
+    dtype = r.in_avals[0].dtype
+    if jnp.iscomplexobj(g) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        g = jnp.real(g)  # complex -> real conversion's transpose keeps the real part (as jax's)
+    return g.astype(dtype)
 
 
 _unary(

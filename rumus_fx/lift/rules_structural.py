@@ -409,11 +409,27 @@ defrule(
 )
 
 
+def _clamped_starts(idx, operand_shape, window_shape):
+    """The start indices as the primitive used them: each clamped to
+    ``[0, size - window]`` (a start below ``-size`` reads from 0, one past the end
+    from ``size - window``). Given to ``lax.dynamic_*`` as non-negative values, so
+    its wrapper does not add ``size`` to a negative start a second time."""
+    return tuple(
+        jnp.clip(i, 0, max(n - w, 0)).astype(i.dtype) for i, n, w in zip(idx, operand_shape, window_shape)
+    )
+
+
 def _dynamic_slice_vjp(r, g):
     aval = r.in_avals[0]
-    idx = r.ins[1:]
+    idx = _clamped_starts(r.ins[1:], aval.shape, r.p["slice_sizes"])
     z = shd.zeros(aval.shape, g.dtype, r.in_sharding(0))
     return (lax.dynamic_update_slice(z, g, idx),) + (None,) * len(idx)
+
+
+def _dynamic_slice_oob(x, i):
+    """Starts below -size, negative, and past the end: the forward clamps each."""
+    rows = [lax.dynamic_slice(x, (i[k], i[k + 1]), (2, 3)) for k in range(0, i.shape[0], 2)]
+    return jnp.concatenate(rows) ** 2
 
 
 defrule(
@@ -426,16 +442,28 @@ defrule(
             lambda x, i: lax.dynamic_slice(x, (i[0], i[1]), (2, 3)) ** 2,
             lambda r: [Sample((normal(r, 4, 5), np.array([1, 1], np.int32)))],
         ),
+        TableEntry(
+            "dynamic_slice_out_of_range",
+            _dynamic_slice_oob,
+            lambda r: [Sample((normal(r, 4, 5), np.array([-7, 1, -1, -9, 3, 4, 9, -2], np.int32)))],
+        ),
     ),
 )
 
 
 def _dynamic_update_slice_vjp(r, g):
     upd = r.in_avals[1]
-    idx = r.ins[2:]
+    idx = _clamped_starts(r.ins[2:], r.in_avals[0].shape, upd.shape)
     g_op = lax.dynamic_update_slice(g, shd.zeros(upd.shape, g.dtype, r.in_sharding(1)), idx) if r.needs[0] else None
     g_up = lax.dynamic_slice(g, idx, upd.shape).astype(upd.dtype) if r.needs[1] else None
     return (g_op, g_up) + (None,) * len(idx)
+
+
+def _dynamic_update_slice_oob(x, u, i):
+    """Writes at starts below -size, negative and past the end (clamped by the forward)."""
+    for k in range(0, i.shape[0], 2):
+        x = lax.dynamic_update_slice(x, u * (k + 1.0), (i[k], i[k + 1]))
+    return x**2
 
 
 defrule(
@@ -447,6 +475,16 @@ defrule(
             "dynamic_update_slice",
             lambda x, u, i: lax.dynamic_update_slice(x, u * 3.0, (i[0], i[1])) ** 2,
             lambda r: [Sample((normal(r, 4, 5), normal(r, 2, 3), np.array([2, 1], np.int32)), diff=(0, 1))],
+        ),
+        TableEntry(
+            "dynamic_update_slice_out_of_range",
+            _dynamic_update_slice_oob,
+            lambda r: [
+                Sample(
+                    (normal(r, 4, 5), normal(r, 2, 3), np.array([-7, 1, -1, -9, 3, 4, 9, -2], np.int32)),
+                    diff=(0, 1),
+                )
+            ],
         ),
     ),
 )

@@ -32,7 +32,6 @@ from jax import lax
 from jax.extend import core as jcore
 
 import rumus_fx as rf
-from rumus_fx.autograd.record import Aval
 from rumus_fx.lift.interpreter import INLINE_CALLS, Program
 from rumus_fx.lift.rules import NON_DIFFERENTIABLE, RULES
 

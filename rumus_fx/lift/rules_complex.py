@@ -1,0 +1,153 @@
+"""Primitive rules: complex numbers (``complex``, ``real``, ``imag``, ``conj``,
+``abs``) and which rules accept complex operands at all.
+
+Note [Complex gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~
+rf follows ``jax.grad``'s convention exactly (``holomorphic=False``): the
+gradient of a real loss ``L`` with respect to a complex input ``z = x + iy`` is
+``dL/dx - i dL/dy``, which is what a walk of *transposes* (not conjugate
+transposes) of the linearised program gives when it starts from a real
+cotangent. So a rule for a holomorphic primitive ``w = f(z)`` returns
+``g * f'(z)`` with no conjugation (``sin``, ``exp``, ``mul``, ``dot_general``
+already do, their formulas are the real ones), and the non-holomorphic
+primitives are transposed as the linear maps they are on R^2:
+
+* ``real``: ``g -> g + 0i``; ``imag``: ``g -> -i g``; ``complex(x, y)``:
+  ``g -> (re g, -im g)``; ``conj``: ``g -> conj(g)`` (``re g`` for a real operand);
+* ``abs`` of a complex ``z``: ``g * conj(z) / |z|`` (``0`` at ``z = 0``); of a real
+  ``x``: ``g`` where ``x >= 0`` and ``-g`` elsewhere (``jax.grad(jnp.abs)(0.) == 1``).
+
+A rule whose formula has not been checked against ``jax.grad`` on complex
+operands is refused when a complex value reaches it (``COMPLEX_OK`` lists those
+that are; ``tests/lift/test_complex.py`` checks each of them), with an
+``AutogradError`` naming the primitive — never a silently wrong gradient.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..autograd.registry import Sample, TableEntry
+from ..ops._declare import away, normal, unary_samples
+from .rules import COMPLEX_OK, defrule, in_
+from .rules_elementwise import unbroadcast
+
+
+def _complex_dtype(dtype):
+    return jnp.result_type(dtype, np.complex64)
+
+
+def _real_vjp(r, g):
+    return (lax.complex(g, jnp.zeros_like(g)).astype(r.in_avals[0].dtype),)
+
+
+def _imag_vjp(r, g):
+    return (lax.complex(jnp.zeros_like(g), -g).astype(r.in_avals[0].dtype),)
+
+
+def _conj_vjp(r, g):
+    dtype = r.in_avals[0].dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return (jnp.conj(g).astype(dtype),)
+    return (jnp.real(g).astype(dtype),)
+
+
+def _complex_vjp(r, g):
+    a, b = r.in_avals
+    return (
+        unbroadcast(jnp.real(g), a, r.in_sharding(0)) if r.needs[0] else None,
+        unbroadcast(-jnp.imag(g), b, r.in_sharding(1)) if r.needs[1] else None,
+    )
+
+
+def _abs_vjp(r, g):
+    x = r.ins[0]
+    if jnp.iscomplexobj(x):
+        mag = lax.abs(x)
+        safe = jnp.where(mag == 0, jnp.ones_like(mag), mag)
+        return (g.astype(x.dtype) * (jnp.conj(x) / safe.astype(x.dtype)),)
+    return (lax.select(x >= 0, g, -g),)
+
+
+def _pair(r, *shape):
+    return normal(r, *shape) + 1j * normal(r, *shape)
+
+
+def _on_complex(f):
+    """A real program through complex values: ``f`` of ``x + i y``."""
+    return lambda x, y: f(lax.complex(x, y))
+
+
+def _two(shape=(3, 4), gen=normal):
+    return lambda r: [Sample((gen(r, *shape), gen(r, *shape)), diff=(0, 1))]
+
+
+def _abs_with_zeros(rng, *shape):
+    x = away(rng, *shape)
+    x.flat[::3] = 0.0
+    return x
+
+
+defrule(
+    "real",
+    _real_vjp,
+    table=(TableEntry("real", _on_complex(lambda z: jnp.real(z * z) * 2.0), _two()),),
+)
+defrule(
+    "imag",
+    _imag_vjp,
+    table=(TableEntry("imag", _on_complex(lambda z: jnp.imag(z * z) + jnp.imag(z) ** 2), _two()),),
+)
+defrule(
+    "conj",
+    _conj_vjp,
+    table=(
+        TableEntry("conj", _on_complex(lambda z: jnp.imag(jnp.conj(z) * (1.0 + 2.0j)) * jnp.real(z)), _two()),
+        TableEntry("conj_of_real", lambda x: lax.conj(x).real * x, unary_samples([(3, 4)]), prims=("conj",)),
+    ),
+)
+defrule(
+    "complex",
+    _complex_vjp,
+    table=(
+        TableEntry("complex", _on_complex(lambda z: jnp.real(jnp.sin(z) * jnp.exp(z))), _two()),
+        TableEntry(
+            "complex_broadcast",  # a rank-0 imaginary part
+            lambda x, y: jnp.imag(jnp.exp(lax.complex(x, jnp.broadcast_to(y, x.shape)))),
+            lambda r: [Sample((normal(r, 3, 4), normal(r)), diff=(0, 1))],
+        ),
+    ),
+)
+defrule(
+    "abs",
+    _abs_vjp,
+    in_(0),
+    table=(
+        TableEntry("abs", jnp.abs, unary_samples(gen=away)),
+        TableEntry("abs_at_zero", lambda x: jnp.abs(x) * 2.0, unary_samples([(3, 4)], _abs_with_zeros), fd=False),
+        TableEntry("abs_complex", _on_complex(lambda z: jnp.abs(z * (1.0 + 2.0j))), _two(gen=away)),
+        TableEntry("abs_complex_of_real", lambda x: jnp.abs(x * (1.0 + 2.0j)) ** 2, unary_samples([(3, 4)], away)),
+    ),
+)
+
+# rules checked against jax.grad with complex operands (tests/lift/test_complex.py)
+COMPLEX_OK.update(
+    {
+        "real", "imag", "conj", "complex", "abs",
+        # holomorphic elementwise math: g * f'(z), no conjugation
+        "neg", "add", "add_any", "sub", "mul", "div", "pow", "integer_pow", "square", "sqrt", "rsqrt",
+        "exp", "exp2", "expm1", "log", "log1p", "logistic", "sin", "cos", "tan", "tanh", "sinh", "cosh",
+        "asin", "acos", "atan", "asinh", "acosh", "atanh", "convert_element_type", "copy", "copy_p",
+        "select_n",
+        # linear maps: transposed, not conjugated
+        "dot_general", "conv_general_dilated", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
+        "reduce_window_sum", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+        "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack",
+        "gather", "scatter", "scatter-add", "scatter-sub", "lu", "triangular_solve", "custom_linear_solve",
+        # calls and control flow (their bodies' rules are checked one by one)
+        "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
+        "optimization_barrier", "sharding_constraint", "reshard",
+    }
+)  # fmt: skip
