@@ -336,12 +336,17 @@ def _where(eqn: Any, call: str = "", within: str = "") -> str:
     parts = [call] if call else []
     if frames:
         inner, outer = frames[0], frames[-1]
-        parts.append(f"by {inner.function_name} at {_short(inner.file_name)}:{inner.line_num}")
+        parts.append(f"by {_fn(inner)} at {_short(inner.file_name)}:{inner.line_num}")
         if outer is not inner:
-            parts.append(f"called from {outer.function_name} at {_short(outer.file_name)}:{outer.line_num}")
+            parts.append(f"called from {_fn(outer)} at {_short(outer.file_name)}:{outer.line_num}")
     if stack:
         parts.append(f"name stack {stack}")
     return ", ".join(parts)
+
+
+def _fn(frame: Any) -> str:
+    """A frame's function: ``f.<locals>.g`` -> ``g``, ``Model.__call__`` kept."""
+    return frame.function_name.split("<locals>.")[-1]
 
 
 def _short(path: str) -> str:
