@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Mapping
@@ -151,6 +152,19 @@ LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
         "rumus_fx.lift.rules_equinox",
     ),
 ]  # fmt: skip
+
+
+def load_library_rules() -> list[str]:
+    """Declare now the rules of every library of ``LIBRARY_RULES`` that is
+    installed (importing it); returns the libraries loaded. (Programs load them
+    by themselves when they hold one of the primitives: this is for listings
+    such as the primitive table.)"""
+    loaded = []
+    for lib, _, module in LIBRARY_RULES:
+        if importlib.util.find_spec(lib) is not None:
+            importlib.import_module(module)
+            loaded.append(lib)
+    return loaded
 
 
 def rule_for(prim: Any) -> Rule | None:

@@ -150,7 +150,6 @@ def _nondiff_errors() -> list[BadProgram]:
             AutogradError,
             ("the thing cannot be reverse-mode autodifferentiated",),
             names=("nondifferentiable_backward",),
-            jax_too=True,
         )
     ]
 
