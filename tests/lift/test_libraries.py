@@ -224,6 +224,7 @@ class Model:
     build: Callable[[Any], tuple[Callable, tuple]]
     diff: tuple[int, ...]
     fd: bool = True  # the gradient is the exact derivative of the discrete program
+    fd_default: bool = False  # its finite-difference check runs by default
     default: bool = True  # its float64 eager case runs by default
     tol64: float = 1e-9  # float64 rtol (and atol / 10)
 
@@ -231,9 +232,10 @@ class Model:
 MODELS = [
     Model("flax_linen_resnet_batchnorm", linen_resnet, (0, 1, 2)),
     # flax computes the attention softmax in float32 whatever the model's dtype: the
-    # gradients through it (query, key, the first layer norm, x) agree to float32's precision
-    Model("flax_nnx_transformer_block", nnx_transformer, (0, 1), tol64=2e-6),
-    Model("haiku_lstm_dynamic_unroll", haiku_lstm, (0, 1)),
+    # gradients through it (query, key, the first layer norm, x) agree to float32's
+    # precision, and finite differences of the float32 softmax are noise
+    Model("flax_nnx_transformer_block", nnx_transformer, (0, 1), fd=False, tol64=2e-6),
+    Model("haiku_lstm_dynamic_unroll", haiku_lstm, (0, 1), fd_default=True),
     Model("haiku_cnn_batchnorm_state", haiku_cnn_bn, (0, 1, 2), default=False),
     Model("equinox_gru_scan_vmap", equinox_gru, (0, 1)),
     Model("diffrax_recursive_checkpoint_adjoint", diffrax_ode(diffrax.RecursiveCheckpointAdjoint()), (0, 1)),
@@ -301,25 +303,10 @@ def test_each_argument_alone(model: Model):
 
 @pytest.mark.parametrize(
     "model",
-    [pytest.param(m, marks=() if m.default else pytest.mark.slow) for m in MODELS if m.fd],
+    [pytest.param(m, marks=() if m.fd_default else pytest.mark.slow) for m in MODELS if m.fd],
     ids=[m.name for m in MODELS if m.fd],
 )
 def test_finite_differences(model: Model):
     with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         loss, args = model.build(jnp.float64)
         check_fd(lambda *a: rf.lift(loss)(*a), args, model.diff, tol=max(1e-6, model.tol64), directions=1)
-
-
-def test_equinox_primitives_are_on_the_tape():
-    """The diffrax solve records equinox's primitives with rf's rules (declared
-    with rf.defrule, loaded when the program held them)."""
-    from rumus_fx.lift.rules import RULES
-
-    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        loss, args = diffrax_ode(diffrax.DirectAdjoint())(jnp.float64)
-        with rf.Tape() as tape:
-            y0 = rf.tensor(args[0], requires_grad=True)
-            rf.lift(loss)(y0, args[1])
-    assert {"maybe_set", "select_if_vmap"} <= set(RULES)
-    names = {type(r).__name__ for e in tape.entries for r in getattr(e.op, "records", lambda: [])()}
-    assert "MaybeSetBackward" in names or "ScanBackward" in names or "WhileBackward" in names, names
