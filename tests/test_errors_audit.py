@@ -133,7 +133,7 @@ def test_lifted_program_refused(decl, case: BadProgram):
 def test_primitive_error_cases_are_declared():
     names = {p.values[0].name for p in PROGRAM_CASES}
     want = {"while", "custom_vjp_call", "reduce_window", "scatter", "scatter-mul", "qr", "svd"}
-    want |= {"custom_linear_solve", "polygamma", "regularized_incomplete_beta", "lift"}
+    want |= {"custom_linear_solve", "polygamma", "regularized_incomplete_beta", "lift", "custom_jvp_call"}
     assert want <= names, sorted(want - names)
     assert all(isinstance(p.values[1], BadProgram) for p in PROGRAM_CASES)
 

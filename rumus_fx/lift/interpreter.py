@@ -84,7 +84,7 @@ class Step:
     saved_out: tuple[int, ...] = ()
     sub: Any = None  # control flow: nested programs
     where: str = ""  # the library call and the user's line that emitted it (for errors)
-    invars: tuple[Any, ...] = ()  # the equation's jaxpr variables (a custom rule's closure is found by them)
+    program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
 
 
 def _aval(v: Any) -> Aval:
@@ -114,6 +114,7 @@ class Program:
         self.in_slots = [self._new() for _ in jaxpr.invars]
         self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
         self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
+        self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
         env: dict[Any, Any] = {}
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
@@ -175,12 +176,13 @@ class Program:
                     tuple(_sharding(v) for v in eqn.invars),
                     tuple(_sharding(v) for v in eqn.outvars),
                     where=_where(eqn, within=within),
-                    invars=tuple(eqn.invars),
+                    program=self,
                 )
             )
+        self.var_refs.update(env)
 
     def _mark(self, tracked_in: Sequence[bool]) -> None:
-        tracked = [False] * self.nslots
+        tracked = self.tracked = [False] * self.nslots
         for s, t in zip(self.in_slots, tracked_in):
             tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
         for step in self.steps:
@@ -210,7 +212,7 @@ class Program:
             prepare = getattr(rule.vjp, "prepare", None)
             if prepare is not None:  # control flow: nested programs for the bodies
                 step.sub = prepare(step)
-            si, so = rule.saves(needs, step.params)
+            si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
             step.saved_in = tuple(si)
             step.saved_out = tuple(range(len(step.outs))) if so is None else tuple(so)  # None: every output
             for k, s in enumerate(step.outs):

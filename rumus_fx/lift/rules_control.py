@@ -314,9 +314,7 @@ def _custom_vjp_prepare(step):
     # residuals that are constants of the fwd (a Python bool or int the fwd returns)
     # stay static values: the bwd may branch on them in Python
     n_res = sum(k is None for k in input_fwds)
-    static = {
-        j: v.val for j, v in enumerate(closed.jaxpr.outvars[:n_res]) if isinstance(v, jcore.Literal)
-    }
+    static = {j: v.val for j, v in enumerate(closed.jaxpr.outvars[:n_res]) if isinstance(v, jcore.Literal)}
     return {
         "fwd": closed,
         "input_fwds": tuple(input_fwds),

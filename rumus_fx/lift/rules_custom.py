@@ -33,9 +33,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
-from ..autograd.registry import Sample, TableEntry
+from ..autograd.record import Aval
+from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
 from .interpreter import Program
@@ -66,32 +68,53 @@ def _tracer_var(c: Any) -> Any:
     return getattr(c, "val", None)
 
 
+def _closure_input(step, c: Any, name: str) -> tuple[str, int]:
+    """A value the JVP rule closes over, as an input of the step: found among
+    the variables of the program (the lifted function and the calls inlined in
+    it) and added to the step's inputs if it is not one already. It carries no
+    gradient through the rule (jax.grad cannot differentiate a rule that closes
+    over a differentiated value either)."""
+    program = step.program
+    var = _tracer_var(c)
+    ref = program.var_refs.get(var) if program is not None and var is not None else None
+    if ref is None:
+        raise AutogradError(
+            f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a traced value "
+            "defined outside the lax.scan/cond/while body that calls it; pass the value to the "
+            "custom_jvp function as an argument."
+        )
+    if isinstance(ref, int) and program.tracked[ref]:
+        raise AutogradError(
+            f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a tracked value; "
+            "its rule only takes the tangents of its arguments (jax.grad cannot differentiate it "
+            "either). Pass the value as an argument."
+        )
+    for k, x in enumerate(step.ins):
+        if x is ref or (isinstance(ref, int) and isinstance(x, int) and x == ref):
+            return ("in", k)
+    step.ins = (*step.ins, ref)
+    step.in_avals = (*step.in_avals, Aval(tuple(c.aval.shape), np.dtype(c.aval.dtype)))
+    if step.in_shardings:
+        step.in_shardings = (*step.in_shardings, None)
+    step.needs = (*step.needs, False)
+    return ("in", len(step.ins) - 1)
+
+
 def _custom_jvp_prepare(step) -> _Linear:
     p = step.params
     nc = p["num_consts"]
     n = len(step.ins) - nc
+    name = p.get("name", "?")
     if any(step.needs[:nc]):
         raise AutogradError(
-            f"rf.lift: the jax.custom_jvp function '{p.get('name', '?')}' closes over a tracked value; "
+            f"rf.lift: the jax.custom_jvp function '{name}' closes over a tracked value; "
             "its JVP rule only takes the tangents of its arguments (jax.grad cannot differentiate it "
             "either). Pass the value as an argument."
         )
     needs = step.needs[nc:]
     in_zeros = [not nd for nd in needs] if p["symbolic_zeros"] else [False] * n
     jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*in_zeros)
-    const_refs = []
-    for c in consts:
-        if isinstance(c, _Tracer):
-            var = _tracer_var(c)
-            k = next((i for i, v in enumerate(step.invars) if v is var), None)
-            if k is None:
-                raise AutogradError(
-                    f"rf.lift: the JVP rule of the jax.custom_jvp function '{p.get('name', '?')}' closes over "
-                    "a traced value that the function does not take; pass it as an argument."
-                )
-            const_refs.append(("in", k))
-        else:
-            const_refs.append(("value", c))
+    const_refs = [_closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
     nz = tuple(k for k in range(n) if not in_zeros[k])
     tangent_avals = tuple(v.aval for v in jaxpr.invars[n:])
     const_avals = [jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts]
@@ -106,11 +129,10 @@ def _custom_jvp_prepare(step) -> _Linear:
         const_avals, [spec(v.aval) for v in jaxpr.invars[:n]], [spec(a) for a in tangent_avals]
     )
     tracked = [False] * (len(consts) + n) + [bool(needs[k]) and is_float(step.in_avals[nc + k]) for k in nz]
-    name = f"custom_jvp rule of {p.get('name', '?')}"
     try:
-        program = Program(closed, tracked, name)
+        program = Program(closed, tracked, f"the JVP rule of custom_jvp {name}")
     except AutogradError as e:
-        raise AutogradError(f"{e} (rf.lift differentiates the JVP rule of jax.custom_jvp '{p.get('name', '?')}')") from e
+        raise AutogradError(f"{e} (rf.lift differentiates the JVP rule of jax.custom_jvp '{name}')") from e
     n_out = len(out_zeros)
     out_nz = tuple(k for k in range(n_out) if not out_zeros[k])
     return _Linear(program, tuple(const_refs), nc, n, nz, n_out, out_nz, tangent_avals)
@@ -148,6 +170,13 @@ def _custom_jvp_vjp(r, g):
 _custom_jvp_vjp.prepare = _custom_jvp_prepare
 
 
+def _custom_jvp_forward(step, vals):
+    """The primal, as jax binds the equation (inputs a closure added are not its own)."""
+    nc = step.params["num_consts"]
+    n = step.sub.n
+    return step.prim.bind(*vals[: nc + n], **step.prim.get_bind_params(step.params)), ()
+
+
 # -- the table's programs: rules that differ from their primal ---------------------------
 
 
@@ -172,6 +201,53 @@ def _pair_jvp(p, t):
     return _pair(x, y), (jnp.cos(x) * y * dx + jnp.sin(x) * dy, dx + dy)
 
 
+def _closes_over_tracked(x, w):
+    """A custom_jvp function (and its rule) closing over ``w``, a tracked input."""
+
+    @jax.custom_jvp
+    def f(v):
+        return jnp.sin(v) * w
+
+    f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * w * t[0]))
+    return f(x)
+
+
+def _rule_closes_over_outside_scan(x, w):
+    """The rule closes over ``w`` from outside the scan body that calls it."""
+
+    @jax.custom_jvp
+    def f(v):
+        return jnp.tanh(v) * w
+
+    f.defjvp(lambda p, t: (f(p[0]), w * t[0]))
+    return lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0]
+
+
+def _custom_jvp_errors():
+    ones = np.ones(3)
+    names = ("rf.lift", "jax.custom_jvp")
+    return [
+        BadProgram(
+            "closes over a tracked value",
+            _closes_over_tracked,
+            (ones, ones),
+            AutogradError,
+            ("closes over a tracked value",),
+            argnums=1,
+            names=names,
+            jax_too=True,
+        ),
+        BadProgram(
+            "rule closes over a value from outside a scan body",
+            _rule_closes_over_outside_scan,
+            (ones, ones),
+            AutogradError,
+            ("pass the value to the custom_jvp function as an argument",),
+            names=names,
+        ),
+    ]
+
+
 def _binary_samples(r):
     return [Sample((normal(r, 3), normal(r, 3)), diff=(0, 1))]
 
@@ -180,7 +256,9 @@ defrule(
     "custom_jvp_call",
     _custom_jvp_vjp,
     lambda needs: (tuple(range(len(needs))), ()),
+    forward=_custom_jvp_forward,
     multiple_results=True,
+    errors=_custom_jvp_errors,
     table=(
         # (the rule, not the primal, defines the derivative: no finite differences)
         TableEntry("custom_jvp_call", lambda x: _clipped_id(jnp.sin(x)) * x, unary_samples(), fd=False),

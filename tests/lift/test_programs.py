@@ -364,14 +364,19 @@ def test_custom_vjp_bwd_is_obeyed_exactly():
     assert "CustomVjpCallBackward" in str(tape)
 
 
-def test_custom_jvp_differentiates_the_primal():
+def test_custom_jvp_rule_is_honoured():
     @jax.custom_jvp
     def f(x):
         return x**3
 
-    f.defjvp(lambda p, t: (f(p[0]), 100.0 * t[0]))  # a custom rule rf must ignore
+    f.defjvp(lambda p, t: (f(p[0]), 100.0 * t[0]))  # the rule, not the primal, defines the gradient
     x = jnp.array([1.0, 2.0])
-    _close(rf.grad(rf.lift(lambda v: jnp.sum(f(v))))(x), 3 * x**2)
+    loss = lambda v: jnp.sum(f(v))  # noqa: E731
+    _close(rf.grad(rf.lift(loss))(x), jax.grad(loss)(x))
+    _close(rf.grad(rf.lift(loss))(x), jnp.full(2, 100.0))
+    with rf.Tape() as tape:
+        rf.lift(loss)(rf.tensor(x, requires_grad=True))
+    assert "CustomJvpCallBackward" in str(tape)
 
 
 # -- rematerialisation ------------------------------------------------------------------

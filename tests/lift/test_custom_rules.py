@@ -1,0 +1,480 @@
+"""Custom rules on the tape: ``custom_jvp`` rules honoured (rf's reverse walk over
+the user's JVP rule, Note [Reverse mode from a custom JVP rule] in
+``rumus_fx/lift/rules_custom.py``) and ``custom_vjp``'s symbolic-zeros protocol
+(perturbed flags, symbolic-zero cotangents, ``None`` from ``bwd``, static
+residuals). Every case against ``jax.grad`` of the same function and, in float64,
+finite differences; each differentiable argument alone and all together.
+
+The functions of jax.numpy / jax.nn / jax.scipy / lax defined with
+``custom_jvp`` are checked in one sweep (slow); the default run keeps one case
+per family and the values where the rule and the primal disagree (``relu`` at
+0, ``frexp``, ``ldexp``, ``sinc``'s second derivative at 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+import rumus_fx as rf
+from rumus_fx.testing import check_grads
+
+
+def _x64():
+    return jax.enable_x64(True)
+
+
+def _check(f, args, jit=False, fd=True, fd_tol=1e-6):
+    """rf.grad(rf.lift(f)) against jax.grad(f): each argument alone, then all."""
+    lifted = rf.lift(f)
+    n = len(args)
+    for nums in [*((k,) for k in range(n)), tuple(range(n))] if n > 1 else [0]:
+        check_grads(lifted, args, nums, oracle=f, jit=jit, fd=fd, fd_tol=fd_tol, atol=1e-10, rtol=1e-10)
+
+
+def _grad(f, jit=False, argnums=0):
+    g = rf.grad(rf.lift(f), argnums=argnums)
+    return jax.jit(g) if jit else g
+
+
+# -- custom_jvp: values where the rule differs from the primal ------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_relu_at_zero_follows_the_rule(jit):
+    f = lambda x: jnp.sum(jax.nn.relu(x))  # noqa: E731
+    with _x64():
+        x = jnp.array([0.0, 1.0, -1.0])
+        np.testing.assert_array_equal(_grad(f, jit)(x), jax.grad(f)(x))
+        np.testing.assert_array_equal(_grad(f, jit)(x), [0.0, 1.0, 0.0])
+
+
+def test_frexp_and_ldexp_gradients_are_not_zero():
+    with _x64():
+        x = jnp.array([3.0, 0.7, -5.0, 12.5])
+        fr = lambda x: jnp.sum(jnp.frexp(x)[0] * x)  # noqa: E731
+        np.testing.assert_allclose(_grad(fr)(x), jax.grad(fr)(x), rtol=1e-12)
+        _check(fr, (x,))
+        ld = lambda x: jnp.sum(jnp.ldexp(x, jnp.array([3, -1, 0, 2])))  # noqa: E731
+        np.testing.assert_allclose(_grad(ld)(x), [8.0, 0.5, 1.0, 4.0])
+        _check(ld, (x,))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_sinc_second_derivative_at_zero(jit):
+    f = lambda x: jnp.sinc(x)  # noqa: E731
+    with _x64():
+        gg = rf.grad(rf.grad(rf.lift(f)))
+        if jit:
+            gg = jax.jit(gg)
+        np.testing.assert_allclose(gg(jnp.array(0.0)), -(np.pi**2) / 3, rtol=1e-12)
+        np.testing.assert_allclose(gg(jnp.array(0.3)), jax.grad(jax.grad(f))(0.3), rtol=1e-10)
+        _check(lambda x: jnp.sum(jnp.sinc(x)), (jnp.array([0.0, 0.3, -1.2]),), jit=jit)
+
+
+def test_rule_not_primal_defines_the_gradient():
+    """A rule that disagrees with its primal (derivative 3 for the identity): rf follows the rule."""
+
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda p, t: (f(p[0]), 3.0 * t[0]))
+    g = lambda x: jnp.sum(f(jnp.sin(x)))  # noqa: E731
+    with _x64():
+        x = jnp.array([0.2, -0.4])
+        np.testing.assert_allclose(_grad(g)(x), 3 * jnp.cos(x), rtol=1e-12)
+        np.testing.assert_allclose(_grad(g, jit=True)(x), jax.grad(g)(x), rtol=1e-12)
+
+
+# -- custom_jvp: the protocol -------------------------------------------------------------
+
+
+def test_symbolic_zeros_jvp_rule_gets_markers():
+    seen = []
+
+    @jax.custom_jvp
+    def k(x, y):
+        return x * y
+
+    def k_jvp(p, t):
+        x, y = p
+        dx, dy = t
+        seen.append((type(dx) is SymbolicZero, type(dy) is SymbolicZero))
+        dx = jnp.zeros_like(x) if type(dx) is SymbolicZero else dx
+        dy = jnp.zeros_like(y) if type(dy) is SymbolicZero else dy
+        return k(x, y), 3.0 * (dx * y + x * dy)
+
+    k.defjvp(k_jvp, symbolic_zeros=True)
+    f = lambda x, y: jnp.sum(k(x, y))  # noqa: E731
+    with _x64():
+        x, y = jnp.array([0.5, -1.0]), jnp.array([2.0, 0.25])
+        seen.clear()
+        np.testing.assert_allclose(_grad(f)(x, y), 3 * y)
+        assert (False, True) in seen  # y carries no gradient: a marker, as jax.grad gives
+        np.testing.assert_allclose(_grad(f, argnums=1)(x, y), jax.grad(f, argnums=1)(x, y))
+        g = _grad(f, argnums=(0, 1))(x, y)
+        chex.assert_trees_all_close(g, jax.grad(f, argnums=(0, 1))(x, y))
+
+
+@jax.custom_jvp
+def _inner(x):
+    return jnp.exp(x)
+
+
+_inner.defjvp(lambda p, t: (_inner(p[0]), 2.0 * _inner(p[0]) * t[0]))  # (not exp's own derivative)
+
+
+@jax.custom_jvp
+def _outer(x, y):
+    return _inner(x) * y
+
+
+@_outer.defjvp
+def _outer_jvp(p, t):
+    x, y = p
+    dx, dy = t
+    return _outer(x, y), _inner(x) * (dx * y + dy) + jnp.sin(x) * dx
+
+
+def test_nested_custom_rules_first_and_second_order():
+    f = lambda x, y: jnp.sum(_outer(x, y) * x)  # noqa: E731
+    with _x64():
+        x, y = jnp.array([0.3, -0.2]), jnp.array([1.5, 0.5])
+        for nums in (0, 1, (0, 1)):
+            chex.assert_trees_all_close(_grad(f, argnums=nums)(x, y), jax.grad(f, argnums=nums)(x, y), rtol=1e-12)
+        h = lambda x: jnp.sum(jnp.cos(jax.grad(f)(x, y)))  # noqa: E731
+        cos_sum = rf.lift(lambda g: jnp.sum(jnp.cos(g)))
+        hr = lambda x: cos_sum(rf.grad(rf.lift(f))(x, y))  # noqa: E731
+        np.testing.assert_allclose(rf.grad(hr)(x), jax.grad(h)(x), rtol=1e-10)
+
+
+def _closing_rule(x, w, scan: bool):
+    @jax.custom_jvp
+    def scaled(v):
+        return jnp.tanh(v) * w
+
+    @scaled.defjvp
+    def scaled_jvp(p, t):
+        return scaled(p[0]), 2.0 * w * t[0]  # closes over w (not differentiated)
+
+    if not scan:
+        return jnp.sum(jax.jit(scaled)(x * x))
+
+    def body(c, xi):
+        return c + jax.jit(scaled)(xi * c), None
+
+    return jnp.sum(lax.scan(body, x, jnp.arange(3.0))[0])
+
+
+def test_custom_jvp_under_jit_closing_over_a_value():
+    f = functools.partial(_closing_rule, scan=False)
+    with _x64():
+        x, w = jnp.array([0.1, 0.4]), jnp.array([0.5, 2.0])
+        np.testing.assert_allclose(_grad(f)(x, w), 4 * w * x, rtol=1e-12)
+        np.testing.assert_allclose(_grad(f, jit=True)(x, w), jax.grad(f)(x, w), rtol=1e-12)
+
+
+def test_custom_jvp_in_scan():
+    def f(x, w):
+        def body(c, xi):
+            return c + jnp.sinc(xi * c) * w + jax.nn.relu(c - xi), None
+
+        return jnp.sum(lax.scan(body, x, jnp.arange(3.0))[0])
+
+    with _x64():
+        x, w = jnp.array([0.1, -0.3]), jnp.array([0.5, 2.0])
+        _check(f, (x, w))
+        x0 = jnp.array([0.0, 1.0])  # relu's and sinc's rules at 0 (no finite differences there)
+        chex.assert_trees_all_close(_grad(f, argnums=(0, 1))(x0, w), jax.grad(f, argnums=(0, 1))(x0, w))
+
+
+def test_custom_jvp_rule_closing_over_a_value_outside_a_scan_body_raises():
+    """A known limit, loud: the rule's closure crosses a scan body (jax.grad can)."""
+    f = functools.partial(_closing_rule, scan=True)
+    x = jnp.array([0.1, 0.4])
+    with pytest.raises(rf.AutogradError, match="pass the value to the custom_jvp function as an argument"):
+        rf.grad(rf.lift(f))(x, x)
+
+
+def test_vmap_of_the_gradient():
+    f = lambda x: jnp.sum(jax.nn.relu(x) * jnp.sinc(x))  # noqa: E731
+    with _x64():
+        xs = jnp.array([[0.0, 1.0], [2.0, -1.0], [0.5, 0.0]])
+        np.testing.assert_allclose(jax.vmap(_grad(f))(xs), jax.vmap(jax.grad(f))(xs), rtol=1e-12)
+
+
+def test_custom_jvp_closing_over_a_tracked_value_raises():
+    def f(x, w):
+        @jax.custom_jvp
+        def g(v):
+            return jnp.sin(v) * w
+
+        g.defjvp(lambda p, t: (g(p[0]), jnp.cos(p[0]) * t[0]))
+        return jnp.sum(g(x))
+
+    x = jnp.ones(2)
+    with pytest.raises(rf.AutogradError, match="closes over a tracked value"):
+        rf.grad(rf.lift(f), argnums=1)(x, x)
+
+
+def test_equinox_filter_custom_jvp_in_scan():
+    eqx = pytest.importorskip("equinox")
+
+    @eqx.filter_custom_jvp
+    def f(x, y, fn):
+        return fn(x) * y
+
+    @f.def_jvp
+    def f_jvp(primals, tangents):
+        x, y, fn = primals
+        tx, ty, _ = tangents  # None: a symbolic zero
+        tx = jnp.zeros_like(x) if tx is None else tx
+        ty = jnp.zeros_like(y) if ty is None else ty
+        return f(x, y, fn), 2.0 * (jnp.cos(x) * y * tx + fn(x) * ty)  # twice the primal's derivative
+
+    def loss(x, y):
+        return jnp.sum(lax.scan(lambda c, _: (c + f(c, y, jnp.sin), None), x, None, length=3)[0])
+
+    with _x64():
+        x, y = jnp.array([0.3, 0.5]), jnp.array([1.5, -2.0])
+        for nums in (0, 1, (0, 1)):
+            want = jax.grad(loss, argnums=nums)(x, y)
+            chex.assert_trees_all_close(_grad(loss, argnums=nums)(x, y), want, rtol=1e-12)
+            chex.assert_trees_all_close(_grad(loss, True, nums)(x, y), want, rtol=1e-12)
+
+
+# -- lax.custom_root and lax.custom_linear_solve ----------------------------------------
+
+
+def _newton_sqrt(a):
+    def f(x):
+        return x**2 - a
+
+    def solve(f, x0):
+        return lax.while_loop(lambda s: jnp.max(jnp.abs(f(s))) > 1e-12, lambda s: s - f(s) / (2 * s), x0)
+
+    return lax.custom_root(f, jnp.ones_like(a), solve, lambda g, y: y / g(jnp.ones_like(y)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_root_with_iterative_solver(jit):
+    f = lambda a: _newton_sqrt(a) * a  # noqa: E731
+    with _x64():
+        a = jnp.array(2.0)
+        np.testing.assert_allclose(_grad(f, jit)(a), 1.5 * np.sqrt(2.0), rtol=1e-10)
+        np.testing.assert_allclose(_grad(f, jit)(a), jax.grad(f)(a), rtol=1e-12)
+        gg = rf.grad(rf.grad(rf.lift(f)))
+        np.testing.assert_allclose(gg(a), jax.grad(jax.grad(f))(a), rtol=1e-10)
+
+
+def _richardson(matvec, b):
+    """An iterative solver (a while_loop): x <- x + (b - A x) / 4."""
+
+    def body(s):
+        return s + (b - matvec(s)) / 4.0
+
+    return lax.while_loop(lambda s: jnp.max(jnp.abs(b - matvec(s))) > 1e-13, body, jnp.zeros_like(b))
+
+
+def test_custom_linear_solve_with_iterative_solver():
+    def f(m, b):
+        a = m @ m.T + 3.0 * jnp.eye(3)
+        x = lax.custom_linear_solve(lambda v: a @ v, b, _richardson, symmetric=True)
+        return jnp.sum(jnp.sin(x))
+
+    with _x64():
+        m = jnp.array([[0.5, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.4, 0.2, 0.5]])
+        b = jnp.array([1.0, -0.5, 0.25])
+        _check(f, (m, b), fd_tol=1e-5)
+
+
+# -- custom_vjp: symbolic zeros, None, static residuals ---------------------------------
+
+
+@jax.custom_vjp
+def _scaled_mul(x, y):
+    return x * y
+
+
+def _scaled_mul_fwd(x, y):
+    return x * y, (y, True, 3)  # a Python bool and int among the residuals
+
+
+def _scaled_mul_bwd(res, g):
+    y, flag, k = res
+    assert isinstance(flag, bool)  # a static value, as jax.grad gives it
+    return (g * y * k if flag else g, None)  # None: a zero cotangent for y
+
+
+_scaled_mul.defvjp(_scaled_mul_fwd, _scaled_mul_bwd)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_vjp_none_cotangent_and_static_residuals(jit):
+    f = lambda x, y: jnp.sum(_scaled_mul(x, y))  # noqa: E731
+    with _x64():
+        x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+        for nums in (0, 1, (0, 1)):
+            chex.assert_trees_all_close(_grad(f, jit, nums)(x, y), jax.grad(f, argnums=nums)(x, y))
+        np.testing.assert_allclose(_grad(f, jit)(x, y), 3 * y)
+
+
+_PERTURBED: list = []
+_CTS: list = []
+
+
+@jax.custom_vjp
+def _sz(x, y):
+    return jnp.sin(x) * y, x + y
+
+
+def _sz_fwd(x, y):
+    _PERTURBED.append((x.perturbed, y.perturbed))
+    # a fwd that trusts the flags: nothing saved for an unperturbed input
+    return _sz(x.value, y.value), (x.value, y.value, x.perturbed, y.perturbed)
+
+
+def _sz_bwd(res, g):
+    x, y, px, py = res
+    g1, g2 = g
+    _CTS.append((type(g1) is SymbolicZero, type(g2) is SymbolicZero))
+    g1 = jnp.zeros_like(x) if type(g1) is SymbolicZero else g1
+    g2 = jnp.zeros_like(x) if type(g2) is SymbolicZero else g2
+    gx = jnp.cos(x) * y * g1 + g2 if px else None
+    gy = jnp.sin(x) * g1 + g2 if py else SymbolicZero(jax.typeof(y).to_tangent_aval())
+    return gx, gy
+
+
+_sz.defvjp(_sz_fwd, _sz_bwd, symbolic_zeros=True)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_vjp_symbolic_zeros_protocol(jit):
+    f = lambda x, y: jnp.sum(_sz(x, y)[0])  # noqa: E731
+    with _x64():
+        x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+        _PERTURBED.clear()
+        _CTS.clear()
+        got = _grad(f, jit)(x, y)
+        assert _PERTURBED and all(p == (True, False) for p in _PERTURBED)
+        assert _CTS and all(c == (False, True) for c in _CTS)  # the unused output's cotangent: a marker
+        np.testing.assert_allclose(got, jax.grad(f)(x, y))
+        assert float(jnp.max(jnp.abs(got))) > 0.1
+        for nums in (1, (0, 1)):
+            chex.assert_trees_all_close(_grad(f, jit, nums)(x, y), jax.grad(f, argnums=nums)(x, y))
+        g2 = lambda x, y: jnp.sum(_sz(x, y)[0] * _sz(x, y)[1])  # noqa: E731
+        chex.assert_trees_all_close(_grad(g2, jit, (0, 1))(x, y), jax.grad(g2, argnums=(0, 1))(x, y))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_equinox_filter_custom_vjp(jit):
+    eqx = pytest.importorskip("equinox")
+
+    @eqx.filter_custom_vjp
+    def e(vjp_arg, w, scale):
+        (x,) = vjp_arg
+        return jnp.sin(x) * w * scale
+
+    @e.def_fwd
+    def e_fwd(perturbed, vjp_arg, w, scale):
+        return e(vjp_arg, w, scale), None
+
+    @e.def_bwd
+    def e_bwd(res, g, perturbed, vjp_arg, w, scale):
+        (x,) = vjp_arg
+        return (jnp.cos(x) * w * scale * g,)
+
+    f = lambda x, w: jnp.sum(e((x,), w, 2.0))  # noqa: E731
+    with _x64():
+        x, w = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+        got = _grad(f, jit)(x, w)
+        np.testing.assert_allclose(got, jax.grad(f)(x, w))
+        np.testing.assert_allclose(got, 2 * jnp.cos(x) * w)
+
+
+# -- the library's custom_jvp functions -------------------------------------------------
+
+_P = np.array([0.3, 1.7, 0.9])  # positive
+_R = np.array([-0.8, 0.4, 1.3])  # real
+_U = np.array([0.2, 0.55, 0.85])  # in (0, 1)
+_M = np.array([[1.2, 0.3, -0.1], [0.2, 0.9, 0.4], [-0.3, 0.1, 1.1]])
+
+# (name, function, arguments, finite-difference tolerance or None for no fd check)
+LIBRARY = [
+    ("jax.nn.relu", lambda x: jnp.sum(jax.nn.relu(x) * x), (_R,), 1e-6),
+    ("jax.nn.relu6", lambda x: jnp.sum(jax.nn.relu6(3 * x)), (_R,), 1e-6),
+    ("jax.nn.softmax", lambda x: jnp.sum(jax.nn.softmax(x) * jnp.arange(3.0)), (_R,), 1e-6),
+    ("jax.nn.log_softmax", lambda x: jnp.sum(jax.nn.log_softmax(x) * jnp.arange(3.0)), (_R,), 1e-6),
+    ("jax.nn.logsumexp", lambda x: jax.nn.logsumexp(x), (_R,), 1e-6),
+    ("jax.nn.softplus", lambda x: jnp.sum(jax.nn.softplus(x)), (_R,), 1e-6),
+    ("jax.nn.silu", lambda x: jnp.sum(jax.nn.silu(x)), (_R,), 1e-6),
+    ("jax.nn.gelu", lambda x: jnp.sum(jax.nn.gelu(x)), (_R,), 1e-6),
+    ("jax.nn.gelu_exact", lambda x: jnp.sum(jax.nn.gelu(x, approximate=False)), (_R,), 1e-6),
+    ("jax.nn.elu", lambda x: jnp.sum(jax.nn.elu(x)), (_R,), 1e-6),
+    ("jax.nn.celu", lambda x: jnp.sum(jax.nn.celu(x)), (_R,), 1e-6),
+    ("jax.nn.log_sigmoid", lambda x: jnp.sum(jax.nn.log_sigmoid(x)), (_R,), 1e-6),
+    ("jax.nn.log1mexp", lambda x: jnp.sum(jax.nn.log1mexp(x)), (_P,), 1e-6),
+    ("jax.nn.standardize", lambda x: jnp.sum(jax.nn.standardize(x) * jnp.arange(3.0)), (_R,), 1e-6),
+    ("jnp.logaddexp", lambda x, y: jnp.sum(jnp.logaddexp(x, y)), (_R, _P), 1e-6),
+    ("jnp.logaddexp2", lambda x, y: jnp.sum(jnp.logaddexp2(x, y)), (_R, _P), 1e-6),
+    ("jnp.sinc", lambda x: jnp.sum(jnp.sinc(x)), (_R,), 1e-6),
+    ("jnp.frexp", lambda x: jnp.sum(jnp.frexp(x)[0] * x), (_R,), 1e-6),
+    ("jnp.ldexp", lambda x: jnp.sum(jnp.ldexp(x, 2)), (_R,), 1e-6),
+    ("jnp.i0", lambda x: jnp.sum(jnp.i0(x)), (_R,), 1e-6),
+    ("jnp.linalg.det", lambda m: jnp.linalg.det(m), (_M,), 1e-6),
+    ("jnp.linalg.slogdet", lambda m: jnp.linalg.slogdet(m)[1], (_M,), 1e-6),
+    ("jnp.linalg.pinv", lambda m: jnp.sum(jnp.linalg.pinv(m) ** 2), (_M,), 1e-5),
+    ("jnp.linalg.norm", lambda m: jnp.linalg.norm(m, 2), (_M,), 1e-5),
+    ("scipy.logsumexp", lambda x: jax.scipy.special.logsumexp(x, b=jnp.array([1.0, 2.0, 0.5])), (_R,), 1e-6),
+    ("scipy.xlogy", lambda x, y: jnp.sum(jax.scipy.special.xlogy(x, y)), (_R, _P), 1e-6),
+    ("scipy.xlog1py", lambda x, y: jnp.sum(jax.scipy.special.xlog1py(x, y)), (_R, _P), 1e-6),
+    ("scipy.entr", lambda x: jnp.sum(jax.scipy.special.entr(x)), (_P,), 1e-6),
+    ("scipy.expit", lambda x: jnp.sum(jax.scipy.special.expit(x)), (_R,), 1e-6),
+    ("scipy.logit", lambda x: jnp.sum(jax.scipy.special.logit(x)), (_U,), 1e-6),
+    ("scipy.log_ndtr", lambda x: jnp.sum(jax.scipy.special.log_ndtr(x)), (_R,), 1e-6),
+    ("scipy.ndtri", lambda x: jnp.sum(jax.scipy.special.ndtri(x)), (_U,), 1e-6),
+    ("scipy.erfcx", lambda x: jnp.sum(jax.scipy.special.erfcx(x)), (_R,), 1e-6),
+    ("scipy.erf", lambda x: jnp.sum(jax.scipy.special.erf(x) * jax.scipy.special.erfc(x)), (_R,), 1e-6),
+    ("scipy.dawsn", lambda x: jnp.sum(jax.scipy.special.dawsn(x)), (_R,), 1e-6),
+    ("scipy.expi", lambda x: jnp.sum(jax.scipy.special.expi(x)), (_P,), 1e-6),
+    ("scipy.sici", lambda x: jnp.sum(sum(jax.scipy.special.sici(x))), (_P,), 1e-6),
+    ("scipy.kl_div", lambda x, y: jnp.sum(jax.scipy.special.kl_div(x, y)), (_P, _U), 1e-6),
+    ("scipy.rel_entr", lambda x, y: jnp.sum(jax.scipy.special.rel_entr(x, y)), (_P, _U), 1e-6),
+    ("scipy.i0e", lambda x: jnp.sum(jax.scipy.special.i0e(x) + jax.scipy.special.i1e(x)), (_R,), 1e-6),
+    ("scipy.poch", lambda z: jnp.sum(jax.scipy.special.poch(z, jnp.array([1.5, 2.0, 0.5]))), (_P,), 1e-5),
+    ("lax.custom_root", lambda a: jnp.sum(_newton_sqrt(a) * a), (_P,), 1e-6),
+]
+# one fast case per family (nn, ufuncs, scipy.special, linalg, lax); the sweep is slow
+FAST = {"jax.nn.softmax", "jnp.logaddexp", "scipy.xlogy", "jnp.linalg.det", "lax.custom_root"}
+
+
+def _library_params():
+    for name, f, args, tol in LIBRARY:
+        marks = () if name in FAST else (pytest.mark.slow,)
+        yield pytest.param(f, args, tol, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("f, args, tol", list(_library_params()))
+def test_library_custom_jvp_functions(f, args, tol, jit):
+    with _x64():
+        _check(f, tuple(jnp.asarray(a) for a in args), jit=jit, fd=tol is not None, fd_tol=tol or 1e-6)
+
+
+def test_library_second_order_sample():
+    """Second order through a library rule (softplus, log_softmax): the recorded
+    reverse walk over the rule differentiates again."""
+    f = lambda x: jnp.sum(jax.nn.log_softmax(x) * jnp.arange(3.0)) + jnp.sum(jax.nn.softplus(x) ** 2)  # noqa: E731
+    with _x64():
+        x = jnp.asarray(_R)
+        h = functools.partial(jnp.dot, jnp.array([0.5, -1.0, 2.0]))
+        got = rf.grad(lambda x: rf.lift(h)(rf.grad(rf.lift(f))(x)))(x)
+        np.testing.assert_allclose(got, jax.grad(lambda x: h(jax.grad(f)(x)))(x), rtol=1e-10)
