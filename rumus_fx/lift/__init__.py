@@ -9,8 +9,10 @@ from . import rules_control as rules_control
 from . import rules_conv as rules_conv
 from . import rules_custom as rules_custom
 from . import rules_elementwise as rules_elementwise
+from . import rules_fft as rules_fft
 from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg
+from . import rules_reduce as rules_reduce
 from . import rules_structural as rules_structural
 from .interpreter import LiftedBackward as LiftedBackward
 from .interpreter import Program as Program

@@ -145,7 +145,7 @@ COMPLEX_OK.update(
         "dot_general", "conv_general_dilated", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
         "reduce_window_sum", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
         "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack",
-        "gather", "scatter", "scatter-add", "scatter-sub", "lu", "triangular_solve", "custom_linear_solve",
+        "tile", "gather", "scatter", "scatter-add", "scatter-sub", "lu", "triangular_solve", "custom_linear_solve",
         # calls and control flow (their bodies' rules are checked one by one)
         "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
         "optimization_barrier", "sharding_constraint", "reshard",

@@ -553,3 +553,22 @@ defrule(
         ),
     ),
 )
+
+
+def _tile_vjp(r, g):
+    """``tile``'s output is the operand repeated ``reps[d]`` times along each
+    axis ``d``: the gradient sums the copies (a reshape to (rep, size) pairs)."""
+    shape = tuple(r.in_avals[0].shape)
+    reps = tuple(r.p["reps"])
+    pairs = tuple(k for pair in zip(reps, shape) for k in pair)
+    return (jnp.sum(g.reshape(pairs), axis=tuple(range(0, 2 * len(shape), 2))),)
+
+
+defrule(
+    "tile",
+    _tile_vjp,
+    table=(
+        TableEntry("tile", lambda x: jnp.sin(jnp.tile(x, (2, 3))), unary_samples([(2, 3), (1, 4)]), vmap=True),
+        TableEntry("tile_rank_up", lambda x: jnp.tile(x, (3, 1, 2)) ** 2, unary_samples([(2, 3)])),
+    ),
+)
