@@ -229,3 +229,20 @@ def test_equinox_rules_load_when_a_program_first_holds_one_of_its_primitives():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[2.0, 4.0]"
+
+
+def test_equinox_nondifferentiable_backward_refuses_a_nonzero_gradient():
+    """``symbolic=False``: a zero gradient passes, a nonzero one fails at run time
+    with equinox's message, as under ``jax.grad``."""
+    import equinox.internal as eqxi
+
+    def f(x):
+        return jnp.sin(eqxi.nondifferentiable_backward(x, name="the state", symbolic=False))
+
+    x = jnp.array([0.5, 1.0])
+    with pytest.raises(Exception, match="the state cannot be reverse-mode autodifferentiated"):
+        jax.grad(lambda v: jnp.sum(f(v)))(x)
+    with pytest.raises(Exception, match="the state cannot be reverse-mode autodifferentiated"):
+        rf.grad(lambda v: rf.sum(rf.lift(f)(v)))(x)
+    with pytest.raises(Exception, match="the state cannot be reverse-mode autodifferentiated"):
+        jax.block_until_ready(jax.jit(rf.grad(lambda v: rf.sum(rf.lift(f)(v))))(x))
