@@ -148,7 +148,7 @@ RULES: dict[str, Rule] = {}
 LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
     (
         "equinox",
-        frozenset({"maybe_set", "select_if_vmap", "nondifferentiable_backward"}),
+        frozenset({"maybe_set", "select_if_vmap", "nondifferentiable_backward", "vprim"}),
         "rumus_fx.lift.rules_equinox",
     ),
 ]  # fmt: skip

@@ -16,6 +16,11 @@ integer outputs and pass through without a rule.
   it (the value at ``i`` before the write is never read, so ``jax.grad`` and rf
   agree with finite differences exactly when the buffer is used as equinox
   documents).
+* ``vprim``: equinox's batched form of such a primitive (``maybe_set`` under
+  ``jax.vmap``, with a batched predicate): the inner primitive's rule, vmapped
+  over the batch axes (an unbatched input's gradient summed over the batch).
+  Under ``vmap`` equinox's ``select_if_vmap`` is a real select, so the inner
+  ``maybe_set`` with a batched predicate has false steps.
 * ``select_if_vmap(pred, x, y)``: ``x`` outside ``vmap`` (its forward); the
   gradient goes to ``x``.
 * ``nondifferentiable_backward(x)``: the identity whose reverse refuses a
@@ -38,11 +43,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from equinox.internal._loop import common as _eqx_loop
+from equinox.internal._primitive import _vprim_p
 
+from ..autograd.record import Aval
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal
 from .library import defrule
+from .rules import Params, rule_for
 
 # -- maybe_set -------------------------------------------------------------------
 
@@ -168,4 +176,86 @@ defrule(
         ),
     ),
     errors=_nondiff_errors,
+)
+
+
+# -- vprim: a primitive batched by equinox's vmap rule ---------------------------------
+
+
+def _unbatched(aval: Aval, axis: int | None) -> Aval:
+    if axis is None:
+        return aval
+    return Aval(tuple(d for k, d in enumerate(aval.shape) if k != axis), aval.dtype)
+
+
+def _vprim_prepare(step: Any) -> None:
+    """At lift time: the batched primitive must have a rule (named in the error)."""
+    inner = step.params["prim"]
+    if rule_for(inner) is None:
+        where = f", emitted {step.where}" if step.where else ""
+        raise AutogradError(
+            f"rf.lift: no backward rule for the primitive '{inner.name}' (batched by equinox's vprim{where}); "
+            "register one with rf.defrule"
+        )
+
+
+def _vprim_vjp(r: Any, g: Any) -> tuple:
+    inner_prim = r.params["prim"]
+    inner = rule_for(inner_prim)
+    axes = tuple(r.params["__batch_axes"])
+    size = r.params["__axis_size"]
+    params = dict(r.params["params"])
+    if inner_prim is eqxi.maybe_set_p and axes[0] is not None:
+        params["makes_false_steps"] = True  # select_if_vmap with a batched predicate selects
+    in_avals = tuple(_unbatched(a, b) for a, b in zip(r.in_avals, axes))
+    out_avals = tuple(_unbatched(a, 0) for a in r.out_avals)
+    inner_params = Params(params)
+
+    def one(ins: tuple, outs: tuple, g: tuple) -> tuple:
+        rec = inner.record(inner_params, in_avals, out_avals, r.needs, ins, outs, (), (), ())
+        grads = inner.vjp(rec, g if inner.multiple_results or inner_prim.multiple_results else g[0])
+        return tuple(None if (gr is None or not need) else gr for gr, need in zip(grads, r.needs))
+
+    outs = tuple(r.outs)
+    grads = jax.vmap(one, in_axes=(axes, 0, 0), out_axes=0, axis_size=size)(tuple(r.ins), outs, tuple(g))
+    result: list[Any] = []
+    for gr, b in zip(grads, axes):
+        if gr is None:
+            result.append(None)
+        elif b is None:
+            result.append(jnp.sum(gr, axis=0))  # an unbatched input: its gradient is summed over the batch
+        else:
+            result.append(jnp.moveaxis(gr, 0, b))
+    return tuple(result)
+
+
+_vprim_vjp.prepare = _vprim_prepare  # type: ignore[attr-defined]
+
+
+def _vmapped_buffer_program(xs: jax.Array, x: jax.Array) -> jax.Array:
+    """``maybe_set`` under ``jax.vmap`` with a batched predicate (a ``vprim``):
+    each row of ``x`` written into its buffer for half the batch, and a shared
+    (unbatched) index."""
+    xs = xs.at[:, jnp.array([1, 3])].set(0.0)
+
+    def one(buf: jax.Array, xrow: jax.Array, k: jax.Array) -> jax.Array:
+        pred = k % 2 == 0
+        return _eqx_loop._maybe_set(pred, buf, xrow, jnp.array(1), kwargs={}, makes_false_steps=False)
+
+    ys = jax.vmap(one)(xs, x, jnp.arange(x.shape[0]))
+    return jnp.sin(ys) * ys
+
+
+defrule(
+    _vprim_p,
+    _vprim_vjp,
+    doc="Backward record of equinox's ``vprim`` primitive (a primitive batched by jax.vmap).",
+    table=(
+        TableEntry(
+            "eqx_vprim_maybe_set",
+            _vmapped_buffer_program,
+            lambda rng: [Sample((normal(rng, 4, 5, 3), normal(rng, 4, 3)), diff=(0, 1))],
+            prims=("vprim",),
+        ),
+    ),
 )
