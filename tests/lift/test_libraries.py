@@ -190,15 +190,18 @@ def equinox_gru(dtype: Any) -> tuple[Callable, tuple]:
 # -- diffrax: an ODE solve, each adjoint ---------------------------------------------------
 
 
-def diffrax_ode(adjoint: Any) -> Callable[[Any], tuple[Callable, tuple]]:
+def diffrax_ode(adjoint: Any, batch: int = 0) -> Callable[[Any], tuple[Callable, tuple]]:
+    """An ODE solve; with ``batch``, ``jax.vmap`` over a batch of initial values
+    (equinox's loop buffers then appear as ``vprim``)."""
+
     def build(dtype: Any) -> tuple[Callable, tuple]:
-        y0 = _normal(5, (3,), dtype)
+        y0 = _normal(5, (batch, 3) if batch else (3,), dtype)
         params = {"a": _normal(6, (3, 3), dtype) * 0.3, "b": _normal(7, (3,), dtype)}
 
         def vector_field(t: Any, y: jax.Array, p: Any) -> jax.Array:
             return jnp.tanh(p["a"] @ y) - 0.5 * y + p["b"] * jnp.cos(t)
 
-        def loss(y0: jax.Array, params: Any) -> jax.Array:
+        def solve(y0: jax.Array, params: Any) -> jax.Array:
             sol = diffrax.diffeqsolve(
                 diffrax.ODETerm(vector_field),
                 diffrax.Tsit5(),
@@ -212,6 +215,11 @@ def diffrax_ode(adjoint: Any) -> Callable[[Any], tuple[Callable, tuple]]:
                 max_steps=16,
             )
             return jnp.sum(sol.ys**2)
+
+        def loss(y0: jax.Array, params: Any) -> jax.Array:
+            if batch:
+                return jnp.sum(jax.vmap(solve, in_axes=(0, None))(y0, params))
+            return solve(y0, params)
 
         return loss, (y0, params)
 
@@ -241,6 +249,7 @@ MODELS = [
     Model("equinox_gru_scan_vmap", equinox_gru, (0, 1)),
     Model("diffrax_recursive_checkpoint_adjoint", diffrax_ode(diffrax.RecursiveCheckpointAdjoint()), (0, 1)),
     Model("diffrax_direct_adjoint", diffrax_ode(diffrax.DirectAdjoint()), (0, 1), default=False),
+    Model("diffrax_direct_adjoint_vmapped", diffrax_ode(diffrax.DirectAdjoint(), batch=2), (0, 1), default=False),
     # the continuous adjoint: jax.grad's value (not the discrete derivative finite differences see)
     Model("diffrax_backsolve_adjoint", diffrax_ode(diffrax.BacksolveAdjoint()), (0, 1), fd=False, default=False),
 ]
