@@ -70,7 +70,9 @@ def defrule(
     gets zeros). It returns a sequence with one gradient (or ``None``) per
     input, each of its input's shape. The rule may be run under ``jax.jit`` and,
     for a gradient of a gradient, recorded on a tape: write it as a pure
-    function of ``r`` and ``g``.
+    function of ``r`` and ``g``. Real floating operands only: a complex value
+    that carries a gradient into the primitive is refused when the program is
+    lifted.
 
     ``saves`` says which inputs and outputs the formula reads: ``(ins, outs)``,
     tuples of positions, or a function ``saves(needs)`` / ``saves(needs, params)``
