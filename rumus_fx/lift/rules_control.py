@@ -376,12 +376,12 @@ def _custom_vjp_vjp(r, g):
     info = r._step.sub
     nc = info["nc"]
     cts = []
-    for gk, a in zip(g, r.out_avals):
+    for k, (gk, a) in enumerate(zip(g, r.out_avals)):
         if gk is None:
             if info["symbolic_zeros"]:  # jax gives a symbolic_zeros bwd a marker for a zero cotangent
                 gk = SymbolicZero(jax.core.ShapedArray(a.shape, a.dtype).to_tangent_aval())
             else:
-                gk = _zeros_like_aval(a)
+                gk = _zeros_like_aval(a, r.out_sharding(k))
         cts.append(gk)
     grads = r.p["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts)
     grads = list(grads)

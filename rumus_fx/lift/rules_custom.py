@@ -68,19 +68,58 @@ def _tracer_var(c: Any) -> Any:
     return getattr(c, "val", None)
 
 
+def _same_ref(x: Any, ref: Any) -> bool:
+    return x is ref or (isinstance(x, int) and isinstance(ref, int) and x == ref)
+
+
+def _body_input(step, k: int) -> int | None:
+    """Which input of a body program input ``k`` of ``step`` (a scan, cond or
+    checkpoint) becomes, when it is the same value in every run of the body."""
+    name = step.prim.name
+    if name == "scan":
+        return k if k < step.params["num_consts"] else None
+    if name == "cond":
+        return k - 1 if k >= 1 else None
+    if name in ("checkpoint", "remat2"):
+        return k
+    return None
+
+
+def _find_ref(program, var: Any) -> Any:
+    """The ref of jaxpr variable ``var`` in ``program``: one of its own
+    variables, or a value of an enclosing program that enters this body as a
+    constant input of the enclosing step."""
+    if program is None or var is None:
+        return None
+    ref = program.var_refs.get(var)
+    if ref is not None or program.enclosing is None:
+        return ref
+    outer, ostep = program.enclosing
+    oref = _find_ref(outer, var)
+    if oref is None:
+        return None
+    if not isinstance(oref, int):  # a constant
+        return oref
+    for k, x in enumerate(ostep.ins):
+        j = _body_input(ostep, k) if _same_ref(x, oref) else None
+        if j is not None and j < len(program.in_slots):
+            return program.in_slots[j]
+    return None
+
+
 def _closure_input(step, c: Any, name: str) -> tuple[str, int]:
     """A value the JVP rule closes over, as an input of the step: found among
-    the variables of the program (the lifted function and the calls inlined in
-    it) and added to the step's inputs if it is not one already. It carries no
-    gradient through the rule (jax.grad cannot differentiate a rule that closes
-    over a differentiated value either)."""
+    the variables of the program (the lifted function, the calls inlined in it,
+    and the constants a scan/cond/checkpoint body receives) and added to the
+    step's inputs if it is not one already. It carries no gradient through the
+    rule (jax.grad cannot differentiate a rule that closes over a differentiated
+    value either)."""
     program = step.program
-    var = _tracer_var(c)
-    ref = program.var_refs.get(var) if program is not None and var is not None else None
+    ref = _find_ref(program, _tracer_var(c))
     if ref is None:
         raise AutogradError(
             f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a traced value "
-            "defined outside the lax.scan/cond/while body that calls it; pass the value to the "
+            "that does not reach the body that calls it (only the rule uses it); pass the value to the "
             "custom_jvp function as an argument."
         )
     if isinstance(ref, int) and program.tracked[ref]:
@@ -90,7 +129,7 @@ def _closure_input(step, c: Any, name: str) -> tuple[str, int]:
             "either). Pass the value as an argument."
         )
     for k, x in enumerate(step.ins):
-        if x is ref or (isinstance(ref, int) and isinstance(x, int) and x == ref):
+        if _same_ref(x, ref):
             return ("in", k)
     step.ins = (*step.ins, ref)
     step.in_avals = (*step.in_avals, Aval(tuple(c.aval.shape), np.dtype(c.aval.dtype)))
@@ -213,11 +252,12 @@ def _closes_over_tracked(x, w):
 
 
 def _rule_closes_over_outside_scan(x, w):
-    """The rule closes over ``w`` from outside the scan body that calls it."""
+    """Only the rule (not the primal) closes over ``w``, from outside the scan
+    body that calls it: ``w`` does not reach the body."""
 
     @jax.custom_jvp
     def f(v):
-        return jnp.tanh(v) * w
+        return jnp.tanh(v)
 
     f.defjvp(lambda p, t: (f(p[0]), w * t[0]))
     return lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0]
@@ -238,7 +278,7 @@ def _custom_jvp_errors():
             jax_too=True,
         ),
         BadProgram(
-            "rule closes over a value from outside a scan body",
+            "only the rule closes over a value from outside a scan body",
             _rule_closes_over_outside_scan,
             (ones, ones),
             AutogradError,

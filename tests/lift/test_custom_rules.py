@@ -182,7 +182,8 @@ def test_custom_jvp_under_jit_closing_over_a_value():
         np.testing.assert_allclose(_grad(f, jit=True)(x, w), jax.grad(f)(x, w), rtol=1e-12)
 
 
-def test_custom_jvp_in_scan():
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["grad", "full"])
+def test_custom_jvp_in_scan(full):
     def f(x, w):
         def body(c, xi):
             return c + jnp.sinc(xi * c) * w + jax.nn.relu(c - xi), None
@@ -191,15 +192,45 @@ def test_custom_jvp_in_scan():
 
     with _x64():
         x, w = jnp.array([0.1, -0.3]), jnp.array([0.5, 2.0])
-        _check(f, (x, w))
+        if full:
+            _check(f, (x, w))
         x0 = jnp.array([0.0, 1.0])  # relu's and sinc's rules at 0 (no finite differences there)
         chex.assert_trees_all_close(_grad(f, argnums=(0, 1))(x0, w), jax.grad(f, argnums=(0, 1))(x0, w))
 
 
-def test_custom_jvp_rule_closing_over_a_value_outside_a_scan_body_raises():
-    """A known limit, loud: the rule's closure crosses a scan body (jax.grad can)."""
+def test_custom_jvp_in_scan_and_cond_closing_over_a_value():
     f = functools.partial(_closing_rule, scan=True)
+
+    def g(x, w):
+        @jax.custom_jvp
+        def h(v):
+            return jnp.sin(v) * w
+
+        h.defjvp(lambda p, t: (h(p[0]), 3.0 * w * t[0]))
+        return jnp.sum(lax.cond(x[0] > 0, lambda v: jax.checkpoint(h)(v * v), lambda v: v, x))
+
+    with _x64():
+        x, w = jnp.array([0.1, 0.4]), jnp.array([0.5, 2.0])
+        for fun in (f, g):
+            np.testing.assert_allclose(_grad(fun)(x, w), jax.grad(fun)(x, w), rtol=1e-12)
+            np.testing.assert_allclose(_grad(fun, jit=True)(x, w), jax.grad(fun)(x, w), rtol=1e-12)
+        np.testing.assert_allclose(_grad(g)(x, w), 6 * w * x, rtol=1e-12)
+
+
+def test_custom_jvp_rule_alone_closing_over_a_value_outside_a_scan_body_raises():
+    """A known limit, loud: only the rule uses a value from outside the scan body
+    (it never reaches the body); jax.grad can."""
+
+    def f(x, w):
+        @jax.custom_jvp
+        def g(v):
+            return jnp.tanh(v)
+
+        g.defjvp(lambda p, t: (g(p[0]), w * t[0]))
+        return jnp.sum(lax.scan(lambda c, _: (g(c), None), x, None, length=2)[0])
+
     x = jnp.array([0.1, 0.4])
+    jax.grad(f)(x, x)
     with pytest.raises(rf.AutogradError, match="pass the value to the custom_jvp function as an argument"):
         rf.grad(rf.lift(f))(x, x)
 
@@ -289,6 +320,18 @@ def test_custom_linear_solve_with_iterative_solver():
         a = m @ m.T + 3.0 * jnp.eye(3)
         x = lax.custom_linear_solve(lambda v: a @ v, b, _richardson, symmetric=True)
         return jnp.sum(jnp.sin(x))
+
+    with _x64():
+        m = jnp.array([[0.5, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.4, 0.2, 0.5]])
+        b = jnp.array([1.0, -0.5, 0.25])
+        chex.assert_trees_all_close(_grad(f, argnums=(0, 1))(m, b), jax.grad(f, argnums=(0, 1))(m, b), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_custom_linear_solve_with_iterative_solver_each_argument_and_fd():
+    def f(m, b):
+        a = m @ m.T + 3.0 * jnp.eye(3)
+        return jnp.sum(jnp.sin(lax.custom_linear_solve(lambda v: a @ v, b, _richardson, symmetric=True)))
 
     with _x64():
         m = jnp.array([[0.5, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.4, 0.2, 0.5]])
@@ -450,25 +493,39 @@ LIBRARY = [
     ("scipy.rel_entr", lambda x, y: jnp.sum(jax.scipy.special.rel_entr(x, y)), (_P, _U), 1e-6),
     ("scipy.i0e", lambda x: jnp.sum(jax.scipy.special.i0e(x) + jax.scipy.special.i1e(x)), (_R,), 1e-6),
     ("scipy.poch", lambda z: jnp.sum(jax.scipy.special.poch(z, jnp.array([1.5, 2.0, 0.5]))), (_P,), 1e-5),
+    ("scipy.hyp1f1", lambda x: jnp.sum(jax.scipy.special.hyp1f1(1.5, 2.5, x)), (_U,), 1e-6),
+    ("scipy.hyp2f1", lambda x: jnp.sum(jax.scipy.special.hyp2f1(0.5, 1.5, 2.5, x)), (_U,), 1e-6),
+    ("scipy.owens_t", lambda h, a: jnp.sum(jax.scipy.special.owens_t(h, a)), (_R, _P), 1e-6),
+    ("scipy.zeta", lambda q: jnp.sum(jax.scipy.special.zeta(3.0, q)), (_P,), 1e-5),
     ("lax.custom_root", lambda a: jnp.sum(_newton_sqrt(a) * a), (_P,), 1e-6),
 ]
 # one fast case per family (nn, ufuncs, scipy.special, linalg, lax); the sweep is slow
 FAST = {"jax.nn.softmax", "jnp.logaddexp", "scipy.xlogy", "jnp.linalg.det", "lax.custom_root"}
 
 
+# functions whose own code mixes dtypes or ranks (the suite's strict settings refuse it)
+LOOSE = {"scipy.hyp1f1", "scipy.hyp2f1", "scipy.owens_t", "scipy.zeta"}
+
+
 def _library_params():
     for name, f, args, tol in LIBRARY:
         marks = () if name in FAST else (pytest.mark.slow,)
-        yield pytest.param(f, args, tol, id=name, marks=marks)
+        yield pytest.param(name, f, args, tol, id=name, marks=marks)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("f, args, tol", list(_library_params()))
-def test_library_custom_jvp_functions(f, args, tol, jit):
-    with _x64():
+@pytest.mark.parametrize("name, f, args, tol", list(_library_params()))
+def test_library_custom_jvp_functions(name, f, args, tol, jit):
+    loose = name in LOOSE
+    with (
+        _x64(),
+        jax.numpy_dtype_promotion("standard" if loose else "strict"),
+        jax.numpy_rank_promotion("allow" if loose else "raise"),
+    ):
         _check(f, tuple(jnp.asarray(a) for a in args), jit=jit, fd=tol is not None, fd_tol=tol or 1e-6)
 
 
+@pytest.mark.slow
 def test_library_second_order_sample():
     """Second order through a library rule (softplus, log_softmax): the recorded
     reverse walk over the rule differentiates again."""
