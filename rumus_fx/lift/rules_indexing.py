@@ -5,9 +5,17 @@ Note [Indexing and sorting rules]
 Every formula here gives what ``jax.grad`` gives, including where the
 mathematics leaves a choice:
 
-* ``gather``'s gradient is a ``scatter-add`` of the cotangent with the gather's
+* Out-of-range indices: each gradient lands where the forward read or wrote.
+  ``gather``'s gradient is a ``scatter-add`` of the cotangent with the gather's
   own mode, so out-of-bounds rows (``fill``) get nothing and clamped rows
-  (``clip``) get the gradient of every read.
+  (``clip``) get the gradient of every read; an update's gradient is read back
+  with the scatter's mode (nothing for a dropped write). ``promise_in_bounds``
+  with an index that breaks the promise is implementation-defined; rf follows
+  what the forward did (XLA's gather clamps such an index, its scatter skips
+  the write), so the gather's gradient goes to the clamped row and a skipped
+  update gets none. ``jax.grad`` drops the first and gives the second one (its
+  transposes swap the two behaviours); rf's values are the forward's
+  derivatives (finite differences agree).
 * ``scatter`` (``.at[].set``) with possibly duplicate indices: the winning update
   at each position is found in the backward by scattering update ids (1, 2, ...)
   with the forward's indices and mode and gathering them back (default mode). An
@@ -106,6 +114,16 @@ def _read_back(r, x, mode=None, fill_value=None):
     return lax.gather(x, r.ins[1], gd, sizes, mode=mode, fill_value=fill_value)
 
 
+def _written(r):
+    """The gather mode that reads back, for each update, where the scatter ``r``
+    wrote it: the scatter's own mode, except that an out-of-range index under
+    ``promise_in_bounds`` (the forward's scatter skipped that write) reads 0."""
+    mode = r.p["mode"]
+    if mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
+        return lax.GatherScatterMode.FILL_OR_DROP
+    return mode
+
+
 def _scatter_kw(r):
     return dict(
         dimension_numbers=r.p["dimension_numbers"],
@@ -130,6 +148,9 @@ def _no_combiner(step):
 def _gather_vjp(r, g):
     aval = r.in_avals[0]
     zeros = shd.zeros(aval.shape, g.dtype, r.in_sharding(0))
+    mode = r.p["mode"]
+    if mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
+        mode = lax.GatherScatterMode.CLIP  # what the forward's gather did with such an index
     out = lax.scatter_add(
         zeros,
         r.ins[1],
@@ -137,7 +158,7 @@ def _gather_vjp(r, g):
         _scatter_dnums_of_gather(r.p["dimension_numbers"]),
         indices_are_sorted=r.p["indices_are_sorted"],
         unique_indices=r.p["unique_indices"],
-        mode=r.p["mode"],
+        mode=mode,
     )
     return out.astype(aval.dtype), None
 
@@ -206,7 +227,7 @@ def _scatter_add_vjp(r, g, sign=1):
     g_op = g if r.needs[0] else None
     g_up = None
     if r.needs[2]:
-        g_up = _read_back(r, g, mode=r.p["mode"], fill_value=0)
+        g_up = _read_back(r, g, mode=_written(r), fill_value=0)
         if sign < 0:
             g_up = -g_up
     return g_op, None, g_up
@@ -252,7 +273,7 @@ def _scatter_mul_vjp(r, g):
     if r.needs[0]:
         g_op = lax.scatter_mul(g, r.ins[1], r.ins[2], **_scatter_kw(r))
     if r.needs[2]:
-        g_up = _read_back(r, g * r.ins[0], mode=r.p["mode"], fill_value=0)
+        g_up = _read_back(r, g * r.ins[0], mode=_written(r), fill_value=0)
     return g_op, None, g_up
 
 
@@ -333,7 +354,7 @@ def _scatter_extremal_vjp(r, g):
     up_coef = lax.select(won, up_norm, jnp.zeros_like(y))
     op_norm = lax.select(kept, 1.0 / (n_won + 1), jnp.zeros_like(n_won))
     op_coef = (-1.0 + op_norm) / n_refs
-    u = _read_back(r, g, mode=r.p["mode"], fill_value=0)
+    u = _read_back(r, g, mode=_written(r), fill_value=0)
     g_op = g_up = None
     if r.needs[0]:
         g_op = g + lax.scatter_add(jnp.zeros_like(g), idx, u * op_coef, dn)
@@ -395,7 +416,7 @@ def _scatter_vjp(r, g):
         if r.needs[0]:
             g_op = lax.scatter(g, idx, shd.zeros(up_shape, g.dtype, r.in_sharding(2)), **_scatter_kw(r))
         if r.needs[2]:
-            g_up = _read_back(r, g, mode=r.p["mode"], fill_value=0)
+            g_up = _read_back(r, g, mode=_written(r), fill_value=0)
         return g_op, None, g_up
     # which update won each position: scatter update ids, read them back
     ids_shape = [1 if d in dn.update_window_dims else s for d, s in enumerate(up_shape)]
@@ -408,7 +429,7 @@ def _scatter_vjp(r, g):
         g_op = lax.select(landed == 0, g, jnp.zeros_like(g))
     if r.needs[2]:
         won = ids == _read_back(r, landed)
-        g_up = _read_back(r, g, mode=r.p["mode"], fill_value=0)
+        g_up = _read_back(r, g, mode=_written(r), fill_value=0)
         g_up = lax.select(won, g_up, jnp.zeros_like(g_up))
     return g_op, None, g_up
 

@@ -414,9 +414,7 @@ def _clamped_starts(idx, operand_shape, window_shape):
     ``[0, size - window]`` (a start below ``-size`` reads from 0, one past the end
     from ``size - window``). Given to ``lax.dynamic_*`` as non-negative values, so
     its wrapper does not add ``size`` to a negative start a second time."""
-    return tuple(
-        jnp.clip(i, 0, max(n - w, 0)).astype(i.dtype) for i, n, w in zip(idx, operand_shape, window_shape)
-    )
+    return tuple(jnp.clip(i, 0, max(n - w, 0)).astype(i.dtype) for i, n, w in zip(idx, operand_shape, window_shape))
 
 
 def _dynamic_slice_vjp(r, g):

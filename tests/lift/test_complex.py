@@ -1,0 +1,188 @@
+"""Complex numbers under ``rf.lift`` and ``rf.grad``: every rule that accepts
+complex operands (``COMPLEX_OK``) gives ``jax.grad``'s value (its convention,
+``holomorphic=False``: a real loss of complex inputs), each complex argument
+alone and both together, eager and jit; a rule not checked for complex values
+refuses them, naming the primitive. The real-input programs through complex
+values are in the primitive table (float64 finite differences there)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import rumus_fx as rf
+import rumus_fx.numpy as rnp
+from rumus_fx.lift.rules import COMPLEX_OK
+
+
+def _c(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape) + 1j * rng.standard_normal(shape))
+
+
+def _args():
+    rng = np.random.default_rng(11)
+    return _c(rng, 3, 4), _c(rng, 3, 4)
+
+
+M = np.random.default_rng(2).standard_normal((4, 2)) * (1 - 0.5j)
+
+UNARY = {
+    "exp": jnp.exp, "exp2": jnp.exp2, "log": jnp.log, "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan,
+    "tanh": jnp.tanh, "sinh": jnp.sinh, "cosh": jnp.cosh, "sqrt": jnp.sqrt, "rsqrt": lax.rsqrt,
+    "square": jnp.square, "integer_pow": lambda z: z**3, "neg": lambda z: -z, "expm1": jnp.expm1,
+    "log1p": jnp.log1p, "asin": jnp.arcsin, "acos": jnp.arccos, "atan": jnp.arctan, "asinh": jnp.arcsinh,
+    "acosh": jnp.arccosh, "atanh": jnp.arctanh, "logistic": lax.logistic,
+    "real": jnp.real, "imag": jnp.imag, "conj": jnp.conj, "abs": jnp.abs,
+    "convert": lambda z: z.astype(jnp.complex64).astype(z.dtype), "copy": lambda z: jnp.array(z, copy=True),
+}  # fmt: skip
+
+LINEAR = {
+    "dot_general": lambda z: z @ jnp.asarray(M, z.dtype),
+    "reduce_sum": lambda z: jnp.sum(z, 0),
+    "reduce_prod": lambda z: jnp.prod(z, 1),
+    "cumsum": lambda z: jnp.cumsum(z, 1),
+    "cumprod": lambda z: jnp.cumprod(z, 1),
+    "transpose": lambda z: z.T,
+    "reshape": lambda z: z.reshape(2, 6),
+    "broadcast": lambda z: z[None] * jnp.ones((2, 1, 1), z.dtype),
+    "pad": lambda z: jnp.pad(z, 1),
+    "slice": lambda z: z[1:, ::2],
+    "rev": lambda z: z[::-1],
+    "dynamic_slice": lambda z: lax.dynamic_slice(z, (1, 1), (2, 2)),
+    "gather": lambda z: z[jnp.array([0, 2, 2])],
+    "squeeze": lambda z: z[None].squeeze(0),
+    "split": lambda z: jnp.split(z, 2, axis=1)[1],
+    "tile": lambda z: jnp.tile(z, (2, 1)),
+    "fft": lambda z: jnp.fft.fft2(z),
+    "complex": lambda z: lax.complex(jnp.real(z) * 2, jnp.imag(z) ** 2),
+    "angle": jnp.angle,
+}
+
+BINARY = {
+    "add": lambda z, w: z + w,
+    "sub": lambda z, w: z - w,
+    "mul": lambda z, w: z * w,
+    "div": lambda z, w: z / w,
+    "pow": lambda z, w: z**w,
+    "select_n": lambda z, w: jnp.where(jnp.real(w) > 0, z, w),
+    "concatenate": lambda z, w: jnp.concatenate([z, w]),
+    "stack": lambda z, w: jnp.stack([z, w]),
+    "dynamic_update_slice": lambda z, w: lax.dynamic_update_slice(w, z[:2, :2], (1, 1)),
+    "scatter-add": lambda z, w: w.at[jnp.array([0, 2, 2])].add(z),
+    "scatter-sub": lambda z, w: w.at[jnp.array([0, 2, 2])].subtract(z),
+    "scatter": lambda z, w: w.at[jnp.array([0, 2])].set(z[:2]),
+    "conv": lambda z, w: lax.conv(z[None, None], w[None, None, :2, :2], (1, 1), "VALID"),
+    "solve": lambda z, w: jnp.linalg.solve(z[:, :3] + 3 * jnp.eye(3, dtype=z.dtype), w[:, 3]),
+    "det": lambda z, w: jnp.linalg.det(z[:, :3] * w[:, :3] + 3 * jnp.eye(3, dtype=z.dtype)),
+    "scan": lambda z, w: lax.scan(lambda c, x: (c * x + 1, c * w[0]), jnp.ones(4, z.dtype), z)[1],
+    "cond": lambda z, w: lax.cond(True, lambda: z * w, lambda: z),
+    "checkpoint": lambda z, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(z, w),
+}
+
+
+def _real_loss(y):
+    """A real loss weighing real and imaginary parts differently."""
+    if jnp.iscomplexobj(y):
+        y = y * (0.3 - 0.7j)
+        return jnp.sum(jnp.real(y) + 2 * jnp.imag(y) ** 2)
+    return jnp.sum(y * 1.3)
+
+
+GROUPS = {
+    "unary": lambda z, w: sum(_real_loss(f(z * 0.5 + w * 0.1)) for f in UNARY.values()),
+    "linear": lambda z, w: sum(_real_loss(f(z * w)) for f in LINEAR.values()),
+    "binary": lambda z, w: sum(_real_loss(f(z, w)) for f in BINARY.values()),
+}
+
+
+# both arguments together under jit by default (one compiled program per group);
+# each argument alone, and eagerly, with -m slow
+SUBSETS = [
+    pytest.param((0, 1), True, id="both-jit"),
+    pytest.param((0,), True, id="first-jit", marks=pytest.mark.slow),
+    pytest.param((1,), True, id="second-jit", marks=pytest.mark.slow),
+    pytest.param((0, 1), False, id="both-eager", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("nums,jit", SUBSETS)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_complex_rules_match_jax_grad(group, nums, jit):
+    f = GROUPS[group]
+    with jax.enable_x64(True):
+        args = _args()
+        g = rf.grad(rf.lift(f), argnums=nums)
+        got = (jax.jit(g) if jit else g)(*args)
+        want = jax.jit(jax.grad(f, argnums=nums))(*args)
+        chex.assert_trees_all_equal_dtypes(got, want)
+        chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_every_complex_rule_is_exercised():
+    """Each rule listed as accepting complex values is emitted with a complex
+    operand by one of the programs above."""
+    seen: set[str] = set()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if any(jnp.iscomplexobj(jnp.zeros((), v.aval.dtype)) for v in (*e.invars, *e.outvars)):
+                seen.add(e.primitive.name)
+            for p in e.params.values():
+                for q in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(q, "jaxpr", q)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    with jax.enable_x64(True):
+        for f in GROUPS.values():
+            walk(jax.make_jaxpr(f)(*_args()).jaxpr)
+    # primitives that only forward their operand (or call a body checked rule by rule)
+    # and those jax.numpy emits for complex values only in programs jax.grad refuses
+    untested = {"add_any", "copy_p", "expand_dims", "optimization_barrier", "sharding_constraint", "reshard"}
+    untested |= {"custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "lu", "triangular_solve"}
+    untested |= {"custom_linear_solve", "reduce"}
+    missing = COMPLEX_OK - seen - untested
+    assert not missing, missing
+
+
+def test_abs_of_complex():
+    """``sum(abs(v * (1 + 2j)))``: jax.grad gives sqrt(5) sign(v) (rf gave
+    -1.34 sign(v)), through rf.lift and through rnp.abs on a complex Tensor."""
+    with jax.enable_x64(True):
+        v = jnp.array([0.5, -1.5, 2.0, -0.1])
+        f = lambda v: jnp.sum(jnp.abs(v.astype(jnp.complex128) * (1 + 2j)))  # noqa: E731
+        want = np.sqrt(5.0) * np.sign(v)
+        np.testing.assert_allclose(jax.grad(f)(v), want, rtol=1e-12)
+        np.testing.assert_allclose(rf.grad(rf.lift(f))(v), want, rtol=1e-12)
+        z = lax.complex(v, 2 * v)
+        np.testing.assert_allclose(rf.grad(lambda z: rf.sum(rnp.abs(z)))(z), jax.grad(lambda z: jnp.sum(jnp.abs(z)))(z))
+        np.testing.assert_allclose(rf.grad(lambda z: rf.sum(abs(z)))(z), np.conj(z) / np.abs(z))
+
+
+def test_abs_at_zero():
+    """jax.grad(jnp.abs)(0.) is 1 for a real operand, 0 for a complex one."""
+    x = jnp.zeros(3)
+    np.testing.assert_array_equal(rf.grad(lambda x: rf.sum(rnp.abs(x)))(x), [1, 1, 1])
+    np.testing.assert_array_equal(rf.grad(rf.lift(lambda x: jnp.sum(jnp.abs(lax.complex(x, x * 0)))))(x), [0, 0, 0])
+
+
+def test_grad_accepts_complex_inputs_as_jax_grad_does():
+    with jax.enable_x64(True):
+        z, w = _args()
+        f = lambda z, w: jnp.sum(jnp.abs(jnp.sin(z) * w) ** 2)  # noqa: E731
+        got = rf.grad(rf.lift(f), argnums=(0, 1))(z, w)
+        chex.assert_trees_all_close(got, jax.grad(f, argnums=(0, 1))(z, w), rtol=1e-10)
+        with pytest.raises(TypeError, match="real-valued outputs"):
+            rf.grad(rf.lift(lambda z: jnp.sum(z)))(z)
+
+
+def test_a_rule_not_checked_for_complex_refuses_them():
+    """``sort`` of complex values (lexicographic) has no rule checked for them:
+    an error naming the primitive, not a value that might be wrong."""
+    z, _ = _args()
+    with pytest.raises(rf.AutogradError, match=r"'sort'.*complex"):
+        rf.grad(rf.lift(lambda z: jnp.sum(jnp.real(jnp.sort(z)))))(z)
