@@ -28,7 +28,9 @@ from .errors import ShapeError as ShapeError
 from .errors import ShardingError as ShardingError
 from .errors import VersionMismatch as VersionMismatch
 from .lift import checkpoint as checkpoint
+from .lift import defrule as defrule
 from .lift import lift as lift
+from .lift import undefrule as undefrule
 from .ops.activation import gelu as gelu
 from .ops.activation import leaky_relu as leaky_relu
 from .ops.activation import relu as relu

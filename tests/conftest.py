@@ -6,6 +6,12 @@ import jax
 import numpy as np
 import pytest
 
+from rumus_fx.lift.rules import load_library_rules
+
+# the rules rf ships for other libraries' primitives (equinox) join the primitive
+# table and the error audit when the library is installed
+load_library_rules()
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 

@@ -18,11 +18,12 @@ from . import rules_structural as rules_structural
 from .interpreter import LiftedBackward as LiftedBackward
 from .interpreter import Program as Program
 from .interpreter import lift as lift
+from .library import defrule as defrule
+from .library import undefrule as undefrule
 from .remat import checkpoint as checkpoint
 from .rules import NON_DIFFERENTIABLE as NON_DIFFERENTIABLE
 from .rules import RULES as RULES
 from .rules import PrimitiveRecord as PrimitiveRecord
-from .rules import defrule as defrule
 
 _engine.CREATE_GRAPH = _higher.recorded_backward  # Note [Create graph] in higher.py
 _transforms.set_lift(lift)  # the nested transforms run lifted (Note [Higher order])

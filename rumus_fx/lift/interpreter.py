@@ -50,7 +50,7 @@ from ..kernels.dispatch import use as kernel_mode
 from ..ops._declare import Placeholder
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
-from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, RULES, Params, PrimitiveRecord, Rule, is_complex, is_float
+from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 Array = jax.Array
 _Tracer = jax.core.Tracer
@@ -88,6 +88,7 @@ class Step:
     saved_in: tuple[int, ...] = ()
     saved_out: tuple[int, ...] = ()
     sub: Any = None  # control flow: nested programs
+    where: str = ""  # the library call and the user's line that emitted it (for errors)
     program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
 
 
@@ -143,7 +144,7 @@ class Program:
             return _Const(v.val)
         return env[v]
 
-    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict) -> None:
+    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict, within: str = "") -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             ins = [self._read(env, v) for v in eqn.invars]
@@ -158,7 +159,8 @@ class Program:
                     sub_env[v] = _Const(c)
                 for v, x in zip(inner_jaxpr.invars, ins):
                     sub_env[v] = x
-                self._flatten(inner_jaxpr, sub_env)
+                call = eqn.params.get("name") or getattr(eqn.params.get("call_jaxpr"), "__name__", None) or name
+                self._flatten(inner_jaxpr, sub_env, _where(eqn, f"inside {name} {call!r}") or within)
                 for v, w in zip(eqn.outvars, inner_jaxpr.outvars):
                     if not isinstance(v, jcore.DropVar):
                         env[v] = self._read(sub_env, w)
@@ -179,6 +181,7 @@ class Program:
                     tuple(_aval(v) for v in eqn.outvars),
                     tuple(_sharding(v) for v in eqn.invars),
                     tuple(_sharding(v) for v in eqn.outvars),
+                    where=_where(eqn, within=within),
                     program=self,
                 )
             )
@@ -195,13 +198,14 @@ class Program:
             name = step.prim.name
             if name in NON_DIFFERENTIABLE or not any(is_float(a) for a in step.out_avals):
                 continue
-            rule = RULES.get(name)
+            rule = rule_for(step.prim)
             if rule is None:
+                where = f", emitted {step.where}" if step.where else ""
                 raise AutogradError(
-                    f"rf.lift: no backward rule for the primitive '{name}' (in {self.name}); "
+                    f"rf.lift: no backward rule for the primitive '{name}' (in {self.name}{where}); "
                     "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
-                    "Write the computation with primitives rf.lift supports, or wrap it in "
-                    "jax.custom_vjp with a hand-written backward."
+                    "Write the computation with primitives rf.lift supports, wrap it in "
+                    "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
                 )
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
                 raise AutogradError(
@@ -220,7 +224,7 @@ class Program:
                     _ENCLOSING.reset(token)
             si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
             step.saved_in = tuple(si)
-            step.saved_out = tuple(so)
+            step.saved_out = tuple(range(len(step.outs))) if so is None else tuple(so)  # None: every output
             for k, s in enumerate(step.outs):
                 tracked[s] = is_float(step.out_avals[k])
         self.tracked = tracked
@@ -327,6 +331,46 @@ class Program:
                 g = _conform(g, st.in_shardings[k], rec.name, k)
                 grads[x] = g if x not in grads else grads[x] + g
         return [grads.get(s) for s in self.in_slots]
+
+
+def _is_internal(path: str) -> bool:
+    return any(f"{os.sep}{d}{os.sep}" in path for d in ("jax", "jaxlib", "rumus_fx", "contextlib"))
+
+
+def _where(eqn: Any, call: str = "", within: str = "") -> str:
+    """Where an equation came from, for error messages: the library call that
+    emitted it (the innermost frame outside jax and rumus_fx: a function of
+    equinox, diffrax, ... or of the user), the user's outermost line, and the
+    equation's name stack (``vmap(...)``, ``jit(...)``, module names)."""
+    try:
+        frames = [f for f in eqn.source_info.traceback.frames if not _is_internal(f.file_name)]
+        stack = str(eqn.source_info.name_stack)
+    except Exception:  # pragma: no cover - source info is best effort
+        return within
+    if not frames:
+        return within
+    parts = [call] if call else []
+    if frames:
+        inner, outer = frames[0], frames[-1]
+        parts.append(f"by {_fn(inner)} at {_short(inner.file_name)}:{inner.line_num}")
+        if outer is not inner:
+            parts.append(f"called from {_fn(outer)} at {_short(outer.file_name)}:{outer.line_num}")
+    if stack:
+        parts.append(f"name stack {stack}")
+    return ", ".join(parts)
+
+
+def _fn(frame: Any) -> str:
+    """A frame's function: ``f.<locals>.g`` -> ``g``, ``Model.__call__`` kept."""
+    return frame.function_name.split("<locals>.")[-1]
+
+
+def _short(path: str) -> str:
+    """``.../site-packages/diffrax/_integrate.py`` -> ``diffrax/_integrate.py``."""
+    for marker in ("site-packages", "dist-packages"):
+        if marker in path:
+            return path.split(marker + os.sep, 1)[1]
+    return os.path.basename(path)
 
 
 def _run_rule(rec: PrimitiveRecord, g: Any, needs: tuple[bool, ...]) -> Any:
@@ -477,6 +521,12 @@ class _Capture:
 ANOMALY_CHECK: Callable[[Program], Callable | None] | None = debug.lifted_anomaly_check
 _PROGRAMS: dict[Any, tuple[Program, Any]] = {}
 _MAX_PROGRAMS = 2048
+
+
+def clear_programs() -> None:
+    """Forget every lifted program (a rule was registered or removed: the next
+    call traces again and reads the rules anew)."""
+    _PROGRAMS.clear()
 
 
 def is_array_leaf(x: Any) -> bool:

@@ -42,7 +42,10 @@ Nothing here calls JAX's JVP or transpose rules: ``jax.extend.core`` and
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -134,21 +137,72 @@ class Rule:
     saves: Callable[[tuple[bool, ...], Params], tuple[tuple[int, ...], tuple[int, ...]]]
     forward: Callable | None = None
     multiple_results: bool = False
+    primitive: Any = None  # the Primitive object the rule is for (None: any of that name)
 
 
 RULES: dict[str, Rule] = {}
 
+# libraries whose primitives rf ships rules for, loaded the first time a
+# program holds one of their primitives: (module rf reads the library from,
+# the primitives' names, the rf module declaring their rules)
+LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
+    (
+        "equinox",
+        frozenset({"maybe_set", "select_if_vmap", "nondifferentiable_backward", "vprim"}),
+        "rumus_fx.lift.rules_equinox",
+    ),
+]  # fmt: skip
+
+
+def load_library_rules() -> list[str]:
+    """Declare now the rules of every library of ``LIBRARY_RULES`` that is
+    installed (importing it); returns the libraries loaded. (Programs load them
+    by themselves when they hold one of the primitives: this is for listings
+    such as the primitive table.)"""
+    loaded = []
+    for lib, _, module in LIBRARY_RULES:
+        if importlib.util.find_spec(lib) is not None:
+            importlib.import_module(module)
+            loaded.append(lib)
+    return loaded
+
+
+def rule_for(prim: Any) -> Rule | None:
+    """The rule of primitive ``prim`` (a ``jax.extend.core.Primitive``), or None.
+
+    A rule declared for a primitive object (``rf.defrule(equinox_p, ...)``)
+    serves that object only, never another primitive of the same name. The
+    rules of a library's primitives (``LIBRARY_RULES``) are declared the first
+    time one of its primitives is met, when the library is loaded."""
+    name = prim.name
+    rule = RULES.get(name)
+    if rule is None:
+        for lib, names, module in LIBRARY_RULES:
+            if name in names and lib in sys.modules:
+                importlib.import_module(module)
+                rule = RULES.get(name)
+    if rule is not None and rule.primitive is not None and rule.primitive is not prim:
+        return None
+    return rule
+
+
 # primitives whose outputs carry no gradient: comparisons, integer and bit
-# arithmetic, random bits, rounding (derivative zero almost everywhere) and
-# stop_gradient. Any primitive with only integer/bool outputs passes through too.
+# arithmetic, random bits and keys, tokens, rounding (float outputs whose
+# derivative is zero almost everywhere, as jax.grad has it) and stop_gradient.
+# Any primitive with only integer/bool outputs passes through too. Never here: a
+# primitive with a float output that can depend on a float input with a nonzero
+# derivative (nextafter, rng_uniform, a float-to-float bitcast_convert_type):
+# those have a rule or are refused (tests/lift/test_primitive_audit.py checks it).
 NON_DIFFERENTIABLE: set[str] = {
-    "stop_gradient", "floor", "ceil", "round", "sign", "nextafter", "is_finite",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "iota",
+    "stop_gradient", "floor", "ceil", "round", "sign", "is_finite",
+    "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to", "and", "or", "not", "xor", "iota",
     "argmax", "argmin", "random_bits", "random_seed", "random_wrap", "random_unwrap",
-    "random_fold_in", "random_split", "threefry2x32", "rng_uniform", "rng_bit_generator",
+    "random_fold_in", "random_split", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",
+    "iota_2x32_shape", "rng_bit_generator", "mulhi",
     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
-    "reduce_and", "reduce_or", "reduce_xor", "lu_pivots_to_permutation", "bitcast_convert_type",
+    "reduce_and", "reduce_or", "reduce_xor", "lu_pivots_to_permutation",
     "debug_callback", "debug_print", "random_clone", "device_put_p_nondiff",
+    "axis_index", "platform_index", "create_token", "after_all",
 }  # fmt: skip
 
 
@@ -190,6 +244,8 @@ def defrule(
     doc: str | None = None,
     table: tuple[TableEntry, ...] = (),
     errors: Callable[[], list[BadProgram]] | None = None,
+    primitive: Any = None,
+    module: str | None = None,
 ) -> Rule:
     """Declare the backward rule of primitive ``name`` (see Note [Primitive rules]);
     it joins the op registry (Note [Declaring an op] in ``autograd/registry.py``)
@@ -198,21 +254,22 @@ def defrule(
     cls_name = record_name or f"{camel(name)}Backward"
     cls = type(cls_name, (PrimitiveRecord,), {"__doc__": doc or f"Backward record of the ``{name}`` primitive."})
     cls = frozen(cls)
-    cls.__module__ = vjp.__module__
+    module = module or vjp.__module__
+    cls.__module__ = module
     saves_fn = _saves_of(saves) if callable(saves) else _saves_fixed(*saves)
-    rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results)
+    rule = Rule(name, cls, vjp, saves_fn, forward, multiple_results, primitive)
     cls.rule = rule
-    RULES[name] = rule
     declare(
         OpDecl(
             name=name,
             kind="primitive",
             records=(cls,),
             errors=errors,
-            module=vjp.__module__,
+            module=module,
             extra={"rule": rule, "saves": saves_fn, "backward": vjp, "table": tuple(table)},
         )
     )
+    RULES[name] = rule
     return rule
 
 
