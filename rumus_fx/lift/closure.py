@@ -42,6 +42,7 @@ input: it is traced per call with the value baked in, as ``jax.jit`` would bake 
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial as functools_partial
@@ -413,6 +414,39 @@ def _class_attr(cls: type, name: str) -> Any:
     return None
 
 
+def _current(v: Any) -> Any:
+    """The value passed for an array of the closure. A NumPy array is read anew
+    on every call (it may have been written in place): a small one is compared
+    byte for byte with the copy made at the last call and that copy's device
+    array reused when equal (a transfer costs more than the comparison); a large
+    one is copied (a later in-place write must not reach this call's program or
+    residuals) and handed to the compiled program like its other inputs."""
+    if isinstance(v, Tensor):
+        return v.value
+    if not isinstance(v, np.ndarray):
+        return v
+    dtype = jax.dtypes.canonicalize_dtype(v.dtype)
+    if v.nbytes > _NUMPY_CACHED_BYTES:
+        return np.array(v, dtype=dtype)
+    raw = v.tobytes()
+    hit = _NUMPY.get(id(v))
+    if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype and hit[3] == raw:
+        return hit[4]
+    x = jnp.asarray(np.array(v, dtype=dtype))
+    try:
+        ref = weakref.ref(v)
+    except TypeError:  # pragma: no cover - ndarrays are weakly referenceable
+        return x
+    if len(_NUMPY) >= 256:
+        _NUMPY.clear()
+    _NUMPY[id(v)] = (ref, v.shape, v.dtype, raw, x)
+    return x
+
+
+_NUMPY_CACHED_BYTES = 1 << 20
+_NUMPY: dict[int, tuple[Any, tuple, Any, bytes, Any]] = {}
+
+
 def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     """What ``fun`` (and the functions among ``statics``) read through closures,
     globals, defaults and a bound object: None when it cannot be taken apart
@@ -429,8 +463,6 @@ def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     c._drain()
     if not c.complete:
         return None
-    c.values = [
-        v.value if isinstance(v, Tensor) else jnp.asarray(v) if isinstance(v, np.ndarray) else v for v in c.arrays
-    ]
+    c.values = [_current(v) for v in c.arrays]
     c.tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in c.arrays)
     return c
