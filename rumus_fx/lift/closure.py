@@ -34,13 +34,17 @@ What the walk does not reach (an array three objects deep in an attribute not na
 by the code, a list of thousands of elements, a function more than ``DEPTH`` calls
 away) is read at trace time: a Tensor read that way is captured and the call traced
 afresh each time (correct, not cached); a raw array read that way is a constant of
-the program, as in ``jax.jit``. A function that needs a closed-over array's value
+the program, as in ``jax.jit``. While a trace runs (the first call, or after a
+static change) the closure's places hold the trace's inputs: another thread reading
+the same global at that moment sees them (traces of lifted functions themselves take
+turns). A function that needs a closed-over array's value
 while tracing (``if float(y[0]) > 0``, NumPy functions on it) cannot take it as an
 input: it is traced per call with the value baked in, as ``jax.jit`` would bake it.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -77,10 +81,12 @@ _LIBRARY = (
     "threading",
 )
 _OWN = "rumus_fx"
+_SKIPPED = (*_LIBRARY, _OWN)
 _SCALARS = (type(None), bool, int, str, bytes, type(Ellipsis))
 _INEXACT = (float, complex, np.generic)
 
 _TRACES = 0
+_SUBSTITUTING = threading.RLock()  # one substituted trace at a time (a nested lift re-enters)
 
 
 def traces() -> int:
@@ -167,15 +173,46 @@ class _Default:
         self.f.__defaults__ = tuple(d)
 
 
+# what a value is, by its type (looked up once per type: isinstance against
+# jax.Array, an ABC, costs more than the rest of a value's visit)
+_ARRAY, _NUMPY_ARRAY, _SCALAR, _INEXACT_SCALAR, _CONTAINER, _PARTIAL, _FUNCTION, _METHOD, _MODULE, _OTHER = range(10)
+_KINDS: dict[type, int] = {}
+
+
+def _kind_of(t: type) -> int:
+    k = _KINDS.get(t)
+    if k is None:
+        if issubclass(t, (Tensor, jax.Array)):
+            k = _ARRAY
+        elif issubclass(t, np.ndarray):
+            k = _NUMPY_ARRAY
+        elif t in _SCALARS:
+            k = _SCALAR
+        elif issubclass(t, _INEXACT):
+            k = _INEXACT_SCALAR
+        elif t is list or t is dict or t is tuple or (issubclass(t, tuple) and hasattr(t, "_fields")):
+            k = _CONTAINER
+        elif issubclass(t, functools_partial):
+            k = _PARTIAL
+        elif t is types.FunctionType:
+            k = _FUNCTION
+        elif t is types.MethodType:
+            k = _METHOD
+        elif issubclass(t, types.ModuleType):
+            k = _MODULE
+        else:
+            k = _OTHER
+        _KINDS[t] = k
+    return k
+
+
 def _is_array(v: Any) -> bool:
-    if isinstance(v, (Tensor, jax.Array)):
-        return True
-    return isinstance(v, np.ndarray) and v.dtype.kind in "biufc"
+    k = _kind_of(type(v))
+    return k == _ARRAY or (k == _NUMPY_ARRAY and v.dtype.kind in "biufc")
 
 
 def _container(v: Any) -> bool:
-    t = type(v)
-    return t is list or t is dict or t is tuple or (isinstance(v, tuple) and hasattr(t, "_fields"))
+    return _kind_of(type(v)) == _CONTAINER
 
 
 _NAMES: dict[Any, tuple[str, ...]] = {}
@@ -231,15 +268,16 @@ class Closure:
         if self.nodes > MAX_NODES:
             self.complete = False
             return _Ident(v)
-        if _is_array(v):
+        t = type(v)
+        kind = _kind_of(t)
+        if kind == _ARRAY or (kind == _NUMPY_ARRAY and v.dtype.kind in "biufc"):
             self.arrays.append(v)
             return "A"
-        t = type(v)
-        if t in _SCALARS:
+        if kind == _SCALAR:
             return (t, v)
-        if isinstance(v, _INEXACT):
+        if kind == _INEXACT_SCALAR:
             return (t, repr(v))  # 0.0 vs -0.0, nan
-        if _container(v):
+        if kind == _CONTAINER:
             k = self.containers.get(id(v))
             if k is not None:  # the same list or dict again: substituted once
                 return ("alias", k)
@@ -248,29 +286,26 @@ class Closure:
             if t is dict:
                 return (t, tuple((k, self._value(x, depth)) for k, x in v.items()))
             return (t, tuple(self._value(x, depth) for x in v))
-        if isinstance(v, functools_partial):
+        if kind == _PARTIAL:
             self.todo.append((v, depth, True))
             return ("partial", v.func if isinstance(v.func, types.FunctionType) else _Ident(v.func))
-        if isinstance(v, types.FunctionType):
-            mod = _module(v)
-            if depth > 0 and not mod.startswith(_LIBRARY + (_OWN,)):
+        if kind == _FUNCTION:
+            mod = v.__module__ or ""
+            if depth > 0 and not mod.startswith(_SKIPPED):
                 self.todo.append((v, depth - 1, True))
                 return ("f", v.__code__)
             if mod.startswith(_OWN):  # not looked into, but the attributes it names count
                 self.names.update(_code_names(v.__code__))
             return _Ident(v)
-        if isinstance(v, types.MethodType):  # a new object at each attribute read
+        if kind == _METHOD:  # a new object at each attribute read
             self.todo.append((v, depth - 1, True))
             return "m"
-        if (
-            depth > 0
-            and not isinstance(v, type)
-            and hasattr(v, "__dict__")
-            and not _module(type(v)).startswith(_LIBRARY)
-        ):
-            self.todo.append((v, depth - 1, True))
-        elif isinstance(v, types.ModuleType) and depth > 0 and not v.__name__.startswith(_LIBRARY + (_OWN,)):
-            self.todo.append((v, depth - 1, True))
+        if depth > 0:
+            if kind == _MODULE:
+                if not v.__name__.startswith(_SKIPPED):
+                    self.todo.append((v, depth - 1, True))
+            elif not isinstance(v, type) and hasattr(v, "__dict__") and not _module(t).startswith(_LIBRARY):
+                self.todo.append((v, depth - 1, True))
         return _Ident(v)
 
     def _site(self, site: Any, v: Any, tag: Any, depth: int) -> None:
@@ -308,13 +343,16 @@ class Closure:
         own = not isinstance(obj, types.ModuleType)
         if own:
             done: set[str] = set()
+            mro = [c.__dict__ for c in cls.__mro__[:-1]]
             while True:
-                wanted = [n for n in (self.names | {"__call__"}) - done if _class_attr(cls, n) is not None]
+                wanted = {n for d in mro for n in (self.names | {"__call__"}).intersection(d)} - done
                 if not wanted:
                     break
                 for n in sorted(wanted):
                     done.add(n)
                     a = _class_attr(cls, n)
+                    if a is None:
+                        continue
                     fns = [a.fget] if isinstance(a, property) else [getattr(a, "__func__", a)]
                     for fn in fns:
                         if isinstance(fn, types.FunctionType) and id(fn) not in self.seen:
@@ -363,6 +401,7 @@ class Closure:
         redirected through ``bind``), put back on exit."""
         undo: list[Callable[[], None]] = []
         seen: set[int] = set()
+        _SUBSTITUTING.acquire()
         try:
             for site, start, stop in self.sites:
                 old = site.get()
@@ -374,6 +413,7 @@ class Closure:
         finally:
             for u in reversed(undo):
                 u()
+            _SUBSTITUTING.release()
 
 
 def _put(v: Any, it: Iterator[Any], bind: dict[int, Any], undo: list, seen: set[int]) -> Any:
