@@ -216,3 +216,45 @@ def test_rebound_global_finite_differences(x64, monkeypatch):
         eps = 1e-6
         fd = (loss_global(w + eps * v) - loss_global(w - eps * v)) / (2 * eps)
         np.testing.assert_allclose(jnp.vdot(got, v), fd, rtol=1e-6, atol=1e-9)
+
+
+_PL = [jnp.ones(4), jnp.ones(4) * 2.0]
+_PD = {"a": jnp.ones(4) * 3.0}
+_PT = (jnp.ones(4) * 4.0, 5.0)
+
+
+def loss_containers(w):
+    return jnp.sum(w * _PL[0] * _PL[1] + _PD["a"] * jnp.sin(w) * _PT[0] * _PT[1])
+
+
+def test_arrays_in_lists_dicts_and_tuples(monkeypatch):
+    x = jnp.linspace(-1.0, 1.0, 4)
+    _check(loss_containers, w=x, jit=False)
+    before = closure.traces()
+    _PL[0] = _PL[0] + 1.0  # a list and a dict written in place, a tuple rebound
+    _PD["a"] = _PD["a"] * -2.0
+    monkeypatch.setattr(_MOD, "_PT", (_PT[0] - 3.0, 5.0))
+    _check(loss_containers, w=x)
+    assert closure.traces() == before
+    monkeypatch.setattr(_MOD, "_PT", (_PT[0], 6.0))  # a Python value in the tuple: a new trace
+    _check(loss_containers, w=x, jit=False)
+    assert isinstance(_PL[0], jax.Array) and not isinstance(_PL[0], jax.core.Tracer)  # put back
+
+
+def test_closure_over_an_outer_jit_value_and_second_order(monkeypatch):
+    x = jnp.linspace(-1.0, 1.0, 4)
+
+    @jax.jit
+    def outer(w, y):  # the lifted function closes over a value of the enclosing trace
+        return rf.grad(rf.lift(lambda v: jnp.sum(jnp.sin(v) * y)))(w)
+
+    np.testing.assert_allclose(outer(x, x * 2.0), jnp.cos(x) * x * 2.0, rtol=1e-6)
+
+    def f(w):
+        return jnp.sum(jnp.sin(w) ** 2 * _Y[:4, 0])
+
+    g2 = rf.grad(lambda w: rf.sum(rf.grad(rf.lift(f))(w) ** 2))
+    for seed in (19, 20):
+        monkeypatch.setattr(_MOD, "_Y", _y(seed))
+        want = jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(x)
+        np.testing.assert_allclose(g2(x), want, rtol=1e-5, atol=1e-6)
