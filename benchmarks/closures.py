@@ -5,10 +5,11 @@ Usage: ``python -m benchmarks.closures [--blocks N] [--per-block N]``
 The same [64,32] x [32,10] tanh regression, its target ``y`` (or a scale) reached five
 ways: as an argument, as a module-level jax array, as a module-level NumPy array, a
 module-level Python float the loss multiplies by, and an array attribute of a callable
-object. Each row's eager gradient call is timed interleaved with the others and with
-``jax.grad`` of the same function, eagerly (medians of ``--repeats`` rounds after
+object. Each row's eager gradient call is timed in blocks of its own, taking turns
+with the other rows' blocks and with blocks of ``jax.grad`` of the same function, eager
+(``compare._blocks``: medians over ``--blocks`` turns of ``--per-block`` calls, after
 warm-up); the table gives ms per call, the ratio to the argument row, the ratio to
-``jax.grad`` eager, and the traces per call (``rumus_fx.lift.closure.traces()``; the
+``jax.grad`` eager, and the header the traces during the timed calls (``rumus_fx.lift.closure.traces()``; the
 cached program is reused when only values change: Note [Closures of a lifted function]
 in rumus_fx/lift/closure.py). Before timing each row's gradient is checked against
 ``jax.grad``, with the closed-over value changed once in between.

@@ -345,7 +345,8 @@ class Closure:
             done: set[str] = set()
             mro = [c.__dict__ for c in cls.__mro__[:-1]]
             while True:
-                wanted = {n for d in mro for n in (self.names | {"__call__"}).intersection(d)} - done
+                names = self.names | {"__call__"}
+                wanted = {n for d in mro for n in names.intersection(d)} - done
                 if not wanted:
                     break
                 for n in sorted(wanted):
