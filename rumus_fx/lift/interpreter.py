@@ -601,6 +601,14 @@ def lift(fun: Callable, name: str | None = None) -> Callable:
     otherwise ``fun`` just runs. Returns ``fun``'s output pytree with Tensors for
     array leaves (tracked where they depend on a tracked input).
 
+    Arrays ``fun`` reads without receiving them (closure cells, globals, default
+    arguments, ``functools.partial`` arguments, ``self.<attr>``; jax and NumPy
+    arrays, Tensors tracked or not) are inputs of the cached program, their
+    current values passed on each call; Python scalars read there are static (a
+    changed one traces again). An untracked Tensor read that way is live between
+    calls and snapshotted within one (Note [Closures of a lifted function] in
+    lift/closure.py).
+
     >>> import jax.numpy as jnp, rumus_fx as rf
     >>> rf.grad(rf.lift(lambda x: jnp.sum(jnp.sin(x) ** 2)))(jnp.ones(3)).shape
     (3,)
