@@ -18,9 +18,11 @@ backward walks the steps in reverse, calling each primitive record's formula
 (eagerly again one compiled call). ``print(tape)`` lists the per-primitive
 records (``SinBackward``, ``DotGeneralBackward``, ...) under the entry.
 
-Closures: a tracked Tensor that ``fun`` reads without receiving it as an argument
-(a parameter in a closure) is found during tracing and made an extra input, so its
-gradient is never silently lost.
+Closures: arrays and Tensors that ``fun`` reads without receiving them (closure
+cells, globals, defaults, ``self.<attr>``) are extra inputs of the cached program,
+their current values passed on each call (Note [Closures of a lifted function] in
+lift/closure.py). A tracked Tensor read some other way is found during tracing and
+made an extra input too (traced per call), so its gradient is never silently lost.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ..kernels.dispatch import use as kernel_mode
 from ..ops._declare import Placeholder
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
+from . import closure as _closure
 from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 Array = jax.Array
@@ -494,8 +497,12 @@ class _Capture:
         self.subst = subst or {}
         self.trace: Any = None  # the trace being recorded (set when it starts)
         self.constants: dict[int, Any] = {}  # storages of untracked tensors read
+        self.bound: dict[int, Any] = {}  # Tensors of the closure: id -> the trace's input
 
     def value(self, t: Tensor) -> Any:
+        sub = self.bound.get(id(t))
+        if sub is not None:
+            return sub
         gid = t.grad_id
         if gid is None:
             # an untracked tensor made before the trace: its value is baked into
@@ -541,10 +548,22 @@ def _leaf_value(x: Any) -> Any:
     return x
 
 
-def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...], avals: list, name: str):
-    """make_jaxpr of ``fun`` on the array leaves; returns (closed jaxpr,
-    output treedef, static output leaves, output-is-array mask, captures)."""
+def _trace(
+    fun: Callable,
+    treedef: Any,
+    statics: tuple,
+    is_arr: tuple[bool, ...],
+    avals: list,
+    name: str,
+    clo: _closure.Closure | None = None,
+    cavals: Sequence[Any] = (),
+):
+    """make_jaxpr of ``fun`` on the array leaves (and on the arrays ``clo`` found
+    in its closure, inputs after them); returns (closed jaxpr, output treedef,
+    static output leaves, output-is-array mask, captures)."""
+    _closure.count_trace()
     out_info: list[Any] = []
+    n = len(avals) + len(cavals)
 
     def flat(*arrays_and_caps):
         if tensor_mod.CAPTURE is not None and tensor_mod.CAPTURE.trace is None:
@@ -554,7 +573,11 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
         it_s = iter(statics)
         leaves = [next(it_a) if a else next(it_s) for a in is_arr]
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        out = fun(*args, **kwargs)
+        if clo is None:
+            out = fun(*args, **kwargs)
+        else:
+            with clo.substituted(arrays_and_caps[len(avals) : n], tensor_mod.CAPTURE.bound):
+                out = fun(*args, **kwargs)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, Tensor))
         mask = tuple(is_array_leaf(x) for x in out_leaves)
         out_info[:] = [out_tree, tuple(x for x, m in zip(out_leaves, mask) if not m), mask]
@@ -568,7 +591,7 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
         # have rules, a Pallas kernel call has none (the kernels run where rf ops
         # are called on the tape directly)
         with suspend_recording(), kernel_mode("reference"):
-            closed = jax.make_jaxpr(flat)(*avals)
+            closed = jax.make_jaxpr(flat)(*avals, *cavals)
     except Exception as e:
         _raise_sharding_error(e, name, avals)
         if isinstance(e, (TypeError, ValueError)):
@@ -581,17 +604,17 @@ def _trace(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple[bool, ...]
         cap_avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shd.sharding_of(t.value)) for t in captured]
 
         def flat2(*xs):
-            subst = {id(t): b for t, b in zip(captured, xs[len(avals) :])}
+            subst = {id(t): b for t, b in zip(captured, xs[n:])}
             inner = tensor_mod.CAPTURE
             tensor_mod.CAPTURE = _Capture(cap.first_id, subst)
             try:
-                return flat(*xs[: len(avals)])
+                return flat(*xs[:n])
             finally:
                 cap.constants.update(tensor_mod.CAPTURE.constants)
                 tensor_mod.CAPTURE = inner
 
         with suspend_recording(), kernel_mode("reference"):
-            closed = jax.make_jaxpr(flat2)(*avals, *cap_avals)
+            closed = jax.make_jaxpr(flat2)(*avals, *cavals, *cap_avals)
         return closed, out_info, captured, list(cap.constants.values())
     return closed, out_info, [], list(cap.constants.values())
 
@@ -658,6 +681,14 @@ def lift(fun: Callable, name: str | None = None) -> Callable:
     otherwise ``fun`` just runs. Returns ``fun``'s output pytree with Tensors for
     array leaves (tracked where they depend on a tracked input).
 
+    Arrays ``fun`` reads without receiving them (closure cells, globals, default
+    arguments, ``functools.partial`` arguments, ``self.<attr>``; jax and NumPy
+    arrays, Tensors tracked or not) are inputs of the cached program, their
+    current values passed on each call; Python scalars read there are static (a
+    changed one traces again). An untracked Tensor read that way is live between
+    calls and snapshotted within one (Note [Closures of a lifted function] in
+    lift/closure.py).
+
     >>> import jax.numpy as jnp, rumus_fx as rf
     >>> rf.grad(rf.lift(lambda x: jnp.sum(jnp.sin(x) ** 2)))(jnp.ones(3)).shape
     (3,)
@@ -694,6 +725,11 @@ def _is_tensor(x: Any) -> bool:
 def _lifted_call(
     fun: Callable, label: str, tape: Any, leaves: list, treedef: Any, snapshots: tuple[VersionSnapshot, ...] = ()
 ) -> Any:
+    while isinstance(fun, functools.partial):  # its arguments are arguments
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        args, kwargs = (*fun.args, *args), {**fun.keywords, **kwargs}
+        fun = fun.func
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_tensor)
     is_arr = tuple(is_array_leaf(x) for x in leaves)
     arrays = [x for x, a in zip(leaves, is_arr) if a]
     # rf.lax.add & co. given as a computation are jax's own functions inside
@@ -704,21 +740,46 @@ def _lifted_call(
     avals = [
         jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in values
     ]
-    try:
-        signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
-        key = (fun, treedef, statics, is_arr, signature, tracked_in)
-        hash(key)
-    except TypeError:
-        key = None
-    hit = _PROGRAMS.get(key) if key is not None else None
-    if hit is not None and _closes_over_tensor((fun, *statics)):
-        hit = None  # a closure holds a Tensor: trace again (capture it, snapshot it)
+    # what fun reads through its closure (Note [Closures of a lifted function])
+    clo = _closure.scan(fun, statics)
+    key, hit, cavals = _closure_key(clo, treedef, statics, is_arr, avals, tracked_in)
+    if key is None and clo is not None:
+        clo, cavals = None, []
+    if clo is None:
+        try:
+            signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
+            key = (fun, treedef, statics, is_arr, signature, tracked_in)
+            hash(key)
+        except TypeError:
+            key = None
+        hit = _PROGRAMS.get(key) if key is not None else None
+        if hit is not None and _closes_over_tensor((fun, *statics)):
+            hit = None  # a closure holds a Tensor: trace again (capture it, snapshot it)
     constants: list[Any] = []
     if hit is None:
-        closed, out_info, captured, constants = _trace(fun, treedef, statics, is_arr, avals, label)
-        program = Program(closed, tracked_in + (True,) * len(captured), label)
+        traced = None
+        if clo is not None:
+            try:
+                traced = _trace(fun, treedef, statics, is_arr, avals, label, clo, cavals)
+            except Exception:
+                # the function needs a closed-over array's value while tracing: it
+                # is traced per call with the values baked in
+                if len(_NO_SUBSTITUTION) >= _MAX_PROGRAMS:
+                    _NO_SUBSTITUTION.clear()
+                _NO_SUBSTITUTION[key] = True
+                clo, cavals, key = None, [], None
+        if traced is None:
+            traced = _trace(fun, treedef, statics, is_arr, avals, label)
+        closed, out_info, captured, constants = traced
+        ctracked = clo.tracked if clo is not None else ()
+        program = Program(closed, tracked_in + ctracked + (True,) * len(captured), label)
         hit = (program, out_info)
-        if key is not None and not captured and not constants and not _closes_over_tensor((fun, *statics)):
+        if (
+            key is not None
+            and not captured
+            and not constants
+            and (clo is not None or not _closes_over_tensor((fun, *statics)))
+        ):
             if len(_PROGRAMS) >= _MAX_PROGRAMS:
                 _PROGRAMS.clear()
             _PROGRAMS[key] = hit
@@ -727,10 +788,14 @@ def _lifted_call(
     program, (out_tree, out_statics, out_mask) = hit
     # closed-over tracked tensors are inputs of the entry too
     cap_tensors = list(captured)
-    all_values = values + [t.value for t in captured]
+    cvals = clo.values if clo is not None else []
+    all_values = values + cvals + [t.value for t in captured]
     outputs, residuals = program.forward(all_values)
-    # inputs of the entry: tracked argument tensors and captured storages
-    in_tensors = [x if isinstance(x, Tensor) else None for x in arrays] + cap_tensors
+    # inputs of the entry: tracked argument tensors, the closure's arrays and captured storages
+    carrays = [x if isinstance(x, Tensor) else None for x in clo.arrays] if clo is not None else []
+    # untracked Tensors of the closure are snapshotted for this call (live between calls)
+    constants = list(constants) + [x._storage for x in carrays if x is not None and x.grad_id is None]
+    in_tensors = [x if isinstance(x, Tensor) else None for x in arrays] + carrays + cap_tensors
     in_ids = tuple(t.grad_id if (t is not None and t.grad_id is not None) else None for t in in_tensors)
     out_tensors = []
     for v, tr in zip(outputs, program.out_tracked):
@@ -753,12 +818,38 @@ def _lifted_call(
             out_ids,
             tuple(program.in_avals),
             tuple(program.out_avals),
-            replay=weak_values(all_values),
+            replay=weak_values(values)
+            + tuple(_Strong(v) for v in cvals)
+            + weak_values(all_values[len(values) + len(cvals) :]),
         )
     it_o = iter(out_tensors)
     it_s = iter(out_statics)
     out_leaves = [next(it_o) if m else next(it_s) for m in out_mask]
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+
+_NO_SUBSTITUTION: dict[Any, bool] = {}
+
+
+def _closure_key(
+    clo: _closure.Closure | None, treedef: Any, statics: tuple, is_arr: tuple, avals: list, tracked_in: tuple
+) -> tuple[Any, Any, list]:
+    """The cache key of a call whose closure was taken apart (None when it
+    cannot be), the cached program (None on a miss) and the closure's avals."""
+    if clo is None:
+        return None, None, []
+    cavals = [
+        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in clo.values
+    ]
+    try:
+        signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in (*avals, *cavals))
+        key = ("closure", tuple(clo.key), treedef, statics, is_arr, signature, tracked_in + clo.tracked)
+        hash(key)
+    except TypeError:
+        return None, None, []
+    if key in _NO_SUBSTITUTION:
+        return None, None, []
+    return key, _PROGRAMS.get(key), cavals
 
 
 def weak_values(values: Sequence[Any]) -> tuple[Any, ...]:

@@ -1,0 +1,509 @@
+"""What a lifted function reads without receiving it: closure cells, globals,
+default arguments and the attributes of a bound object.
+
+Note [Closures of a lifted function]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``rf.lift(fun)`` caches one compiled program per signature. A function also reads
+values it was not given: a module-level target array, a NumPy constant, a Python
+scale factor, ``self.w`` of a callable object. Before each call ``scan`` walks what
+``fun`` can reach:
+
+- the cells of its closure, the globals its code names (``co_names``, nested code
+  objects included), its default and keyword-default arguments;
+- for a bound method or a callable object, the attributes of the object that the
+  code names (``self.w``), and the methods and properties of its class it names;
+- functions reached that way (the helpers a loss calls), objects and modules
+  (``mod.Y``), and the elements of lists, tuples and dicts held there.
+
+Arrays found (jax and NumPy arrays, Tensors tracked or not) become extra inputs of
+the program: their current values are passed on every call, so a rebound global, a
+NumPy array written in place or a swapped attribute is always seen, and a hit of the
+cache needs only the same shapes and dtypes. Everything else found is static and
+part of the cache key: the code objects, Python scalars by value (a function may
+branch on one, so a changed scalar means a new trace), other objects by identity.
+While the function is traced, each array at its place (cell, global, default,
+attribute, list or dict item; a tuple is rebuilt) is replaced by the trace's input
+and put back afterwards; a Tensor stays in place and its reads are redirected.
+
+Untracked Tensors read this way are live: each call reads the Tensor's value at that
+moment (a Tensor rebound or written in place between calls is seen by the next call).
+Within one call they are snapshotted: writing one in place between that call and its
+backward raises ``rf.VersionMismatch``, as for a tracked input.
+
+What the walk does not reach (an array three objects deep in an attribute not named
+by the code, a list of thousands of elements, a function more than ``DEPTH`` calls
+away) is read at trace time: a Tensor read that way is captured and the call traced
+afresh each time (correct, not cached); a raw array read that way is a constant of
+the program, as in ``jax.jit``. While a trace runs (the first call, or after a
+static change) the closure's places hold the trace's inputs: another thread reading
+the same global at that moment sees them (traces of lifted functions themselves take
+turns). A function that needs a closed-over array's value
+while tracing (``if float(y[0]) > 0``, NumPy functions on it) cannot take it as an
+input: it is traced per call with the value baked in, as ``jax.jit`` would bake it.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial as functools_partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..tensor import Tensor
+
+DEPTH = 6  # functions / objects followed this many steps from the lifted function
+MAX_NODES = 512  # values looked at per call; beyond, the closure is not taken apart
+
+# modules whose functions and objects are not looked into (their globals are the
+# library's own); rumus_fx's functions are looked into only as the lifted function
+_LIBRARY = (
+    "jax",
+    "jaxlib",
+    "numpy",
+    "scipy",
+    "ml_dtypes",
+    "builtins",
+    "functools",
+    "operator",
+    "math",
+    "typing",
+    "abc",
+    "collections",
+    "weakref",
+    "contextlib",
+    "threading",
+)
+_OWN = "rumus_fx"
+_SKIPPED = (*_LIBRARY, _OWN)
+_SCALARS = (type(None), bool, int, str, bytes, type(Ellipsis))
+_INEXACT = (float, complex, np.generic)
+
+_TRACES = 0
+_SUBSTITUTING = threading.RLock()  # one substituted trace at a time (a nested lift re-enters)
+
+
+def traces() -> int:
+    """How many times ``rf.lift`` has traced a function in this process (a
+    cache hit does not trace)."""
+    return _TRACES
+
+
+def count_trace() -> None:
+    global _TRACES
+    _TRACES += 1
+
+
+class _Ident:
+    """A key part that compares by identity (and keeps the object alive, so its
+    id is not reused while the key is held)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ident) and other.obj is self.obj
+
+
+# -- places a value is read from -------------------------------------------------
+
+
+class _Cell:
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any):
+        self.cell = cell
+
+    def get(self) -> Any:
+        return self.cell.cell_contents
+
+    def set(self, v: Any) -> None:
+        self.cell.cell_contents = v
+
+
+class _Item:
+    __slots__ = ("d", "k")
+
+    def __init__(self, d: Any, k: Any):
+        self.d, self.k = d, k
+
+    def get(self) -> Any:
+        return self.d[self.k]
+
+    def set(self, v: Any) -> None:
+        self.d[self.k] = v
+
+
+class _Attr:
+    __slots__ = ("name", "obj")
+
+    def __init__(self, obj: Any, name: str):
+        self.obj, self.name = obj, name
+
+    def get(self) -> Any:
+        return self.obj.__dict__[self.name]
+
+    def set(self, v: Any) -> None:
+        object.__setattr__(self.obj, self.name, v)  # frozen dataclasses too
+
+
+class _Default:
+    __slots__ = ("f", "i")
+
+    def __init__(self, f: Any, i: int):
+        self.f, self.i = f, i
+
+    def get(self) -> Any:
+        return self.f.__defaults__[self.i]
+
+    def set(self, v: Any) -> None:
+        d = list(self.f.__defaults__)
+        d[self.i] = v
+        self.f.__defaults__ = tuple(d)
+
+
+# what a value is, by its type (looked up once per type: isinstance against
+# jax.Array, an ABC, costs more than the rest of a value's visit)
+_ARRAY, _NUMPY_ARRAY, _SCALAR, _INEXACT_SCALAR, _CONTAINER, _PARTIAL, _FUNCTION, _METHOD, _MODULE, _OTHER = range(10)
+_KINDS: dict[type, int] = {}
+
+
+def _kind_of(t: type) -> int:
+    k = _KINDS.get(t)
+    if k is None:
+        if issubclass(t, (Tensor, jax.Array)):
+            k = _ARRAY
+        elif issubclass(t, np.ndarray):
+            k = _NUMPY_ARRAY
+        elif t in _SCALARS:
+            k = _SCALAR
+        elif issubclass(t, _INEXACT):
+            k = _INEXACT_SCALAR
+        elif t is list or t is dict or t is tuple or (issubclass(t, tuple) and hasattr(t, "_fields")):
+            k = _CONTAINER
+        elif issubclass(t, functools_partial):
+            k = _PARTIAL
+        elif t is types.FunctionType:
+            k = _FUNCTION
+        elif t is types.MethodType:
+            k = _METHOD
+        elif issubclass(t, types.ModuleType):
+            k = _MODULE
+        else:
+            k = _OTHER
+        _KINDS[t] = k
+    return k
+
+
+def _is_array(v: Any) -> bool:
+    k = _kind_of(type(v))
+    return k == _ARRAY or (k == _NUMPY_ARRAY and v.dtype.kind in "biufc")
+
+
+def _container(v: Any) -> bool:
+    return _kind_of(type(v)) == _CONTAINER
+
+
+_NAMES: dict[Any, tuple[str, ...]] = {}
+
+
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names a code object (and the code objects nested in it) reads."""
+    names = _NAMES.get(code)
+    if names is None:
+        out: dict[str, None] = {}
+        todo = [code]
+        while todo:
+            c = todo.pop()
+            out.update(dict.fromkeys(c.co_names))
+            todo.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
+        names = tuple(out)
+        if len(_NAMES) > 4096:
+            _NAMES.clear()
+        _NAMES[code] = names
+    return names
+
+
+def _module(v: Any) -> str:
+    if isinstance(v, types.ModuleType):
+        return v.__name__
+    m = getattr(v, "__module__", None)
+    return m if isinstance(m, str) else ""
+
+
+class Closure:
+    """The arrays (``arrays``: the objects; ``values``: the jax arrays passed)
+    and the static ``key`` of what a function reads, with the places to put the
+    trace's inputs (``substituted``)."""
+
+    def __init__(self) -> None:
+        self.key: list[Any] = []
+        self.arrays: list[Any] = []
+        self.sites: list[tuple[Any, int, int]] = []
+        self.names: set[str] = set()
+        self.seen: dict[int, Any] = {}
+        self.containers: dict[int, int] = {}
+        self.todo: list[tuple[Any, int, bool]] = []
+        self.nodes = 0
+        self.complete = True
+        self.values: list[Any] = []
+        self.tracked: tuple[bool, ...] = ()
+
+    # -- the walk ---------------------------------------------------------------
+    def _value(self, v: Any, depth: int) -> Any:
+        """The key of ``v``; arrays in it are collected (in order), functions and
+        objects are queued to be looked into."""
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            self.complete = False
+            return _Ident(v)
+        t = type(v)
+        kind = _kind_of(t)
+        if kind == _ARRAY or (kind == _NUMPY_ARRAY and v.dtype.kind in "biufc"):
+            self.arrays.append(v)
+            return "A"
+        if kind == _SCALAR:
+            return (t, v)
+        if kind == _INEXACT_SCALAR:
+            return (t, repr(v))  # 0.0 vs -0.0, nan
+        if kind == _CONTAINER:
+            k = self.containers.get(id(v))
+            if k is not None:  # the same list or dict again: substituted once
+                return ("alias", k)
+            self.containers[id(v)] = len(self.containers)
+            self.seen.setdefault(id(v), v)
+            if t is dict:
+                return (t, tuple((k, self._value(x, depth)) for k, x in v.items()))
+            return (t, tuple(self._value(x, depth) for x in v))
+        if kind == _PARTIAL:
+            self.todo.append((v, depth, True))
+            return ("partial", v.func if isinstance(v.func, types.FunctionType) else _Ident(v.func))
+        if kind == _FUNCTION:
+            mod = v.__module__ or ""
+            if depth > 0 and not mod.startswith(_SKIPPED):
+                self.todo.append((v, depth - 1, True))
+                return ("f", v.__code__)
+            if mod.startswith(_OWN):  # not looked into, but the attributes it names count
+                self.names.update(_code_names(v.__code__))
+            return _Ident(v)
+        if kind == _METHOD:  # a new object at each attribute read
+            self.todo.append((v, depth - 1, True))
+            return "m"
+        if depth > 0:
+            if kind == _MODULE:
+                if not v.__name__.startswith(_SKIPPED):
+                    self.todo.append((v, depth - 1, True))
+            elif not isinstance(v, type) and hasattr(v, "__dict__") and not _module(t).startswith(_LIBRARY):
+                self.todo.append((v, depth - 1, True))
+        return _Ident(v)
+
+    def _site(self, site: Any, v: Any, tag: Any, depth: int) -> None:
+        start = len(self.arrays)
+        self.key.append((tag, self._value(v, depth)))
+        if len(self.arrays) > start:
+            self.sites.append((site, start, len(self.arrays)))
+
+    def _function(self, f: types.FunctionType, depth: int) -> None:
+        code = f.__code__
+        names = _code_names(code)
+        self.names.update(names)
+        self.key.append(("fn", code))
+        for i, c in enumerate(f.__closure__ or ()):
+            try:
+                v = c.cell_contents
+            except ValueError:  # not yet assigned
+                self.key.append(("cell", i, None))
+                continue
+            self._site(_Cell(c), v, ("cell", i), depth)
+        g = f.__globals__
+        for n in names:
+            if n in g:
+                self._site(_Item(g, n), g[n], ("g", n), depth)
+        for i, v in enumerate(f.__defaults__ or ()):
+            self._site(_Default(f, i), v, ("d", i), depth)
+        for n, v in (f.__kwdefaults__ or {}).items():
+            self._site(_Item(f.__kwdefaults__, n), v, ("kw", n), depth)
+
+    def _object(self, obj: Any, depth: int) -> None:
+        """The attributes of ``obj`` its code names (the class's methods and
+        properties it names are looked into first, their names added)."""
+        self.key.append(("o", _Ident(obj)))
+        cls = type(obj)
+        own = not isinstance(obj, types.ModuleType)
+        if own:
+            done: set[str] = set()
+            mro = [c.__dict__ for c in cls.__mro__[:-1]]
+            while True:
+                names = self.names | {"__call__"}
+                wanted = {n for d in mro for n in names.intersection(d)} - done
+                if not wanted:
+                    break
+                for n in sorted(wanted):
+                    done.add(n)
+                    a = _class_attr(cls, n)
+                    if a is None:
+                        continue
+                    fns = [a.fget] if isinstance(a, property) else [getattr(a, "__func__", a)]
+                    for fn in fns:
+                        if isinstance(fn, types.FunctionType) and id(fn) not in self.seen:
+                            self.seen[id(fn)] = fn
+                            if _module(fn).startswith(_LIBRARY + (_OWN,)):
+                                self.names.update(_code_names(fn.__code__))
+                            else:
+                                self._function(fn, depth)
+                self._drain()  # functions they call may name more attributes
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return
+        for n in sorted(self.names.intersection(attrs)):
+            site = _Attr(obj, n) if own else _Item(attrs, n)
+            self._site(site, attrs[n], ("a", n), depth)
+
+    def _drain(self) -> None:
+        while self.todo:
+            v, depth, _ = self.todo.pop(0)
+            if id(v) in self.seen and not _container(v):
+                continue
+            self.seen[id(v)] = v
+            if isinstance(v, types.FunctionType):
+                self._function(v, depth)
+            elif isinstance(v, types.MethodType):
+                self.key.append(("m",))
+                self._push(v.__func__, depth + 1)
+                self._drain()
+                self._push(v.__self__, depth + 1)
+            elif isinstance(v, functools_partial):
+                start = len(self.arrays)
+                self.key.append(("p", self._value((v.args, v.keywords), depth)))
+                if len(self.arrays) > start:  # a partial's arrays cannot be replaced in it
+                    self.complete = False
+                self._push(v.func, depth)
+            else:
+                self._object(v, depth)
+
+    def _push(self, v: Any, depth: int) -> None:
+        self.key.append(("root", self._value(v, depth)))
+
+    # -- substitution -----------------------------------------------------------
+    @contextmanager
+    def substituted(self, inputs: Sequence[Any], bind: dict[int, Any]) -> Iterator[None]:
+        """Each array at its place replaced by its input (Tensors: their reads
+        redirected through ``bind``), put back on exit."""
+        undo: list[Callable[[], None]] = []
+        seen: set[int] = set()
+        _SUBSTITUTING.acquire()
+        try:
+            for site, start, stop in self.sites:
+                old = site.get()
+                new = _put(old, iter(inputs[start:stop]), bind, undo, seen)
+                if new is not old:
+                    site.set(new)
+                    undo.append(functools_partial(site.set, old))
+            yield
+        finally:
+            for u in reversed(undo):
+                u()
+            _SUBSTITUTING.release()
+
+
+def _put(v: Any, it: Iterator[Any], bind: dict[int, Any], undo: list, seen: set[int]) -> Any:
+    """``v`` with its arrays replaced by the next inputs (the walk's order);
+    lists and dicts are changed in place (recorded in ``undo``)."""
+    if _is_array(v):
+        x = next(it)
+        if isinstance(v, Tensor):
+            bind[id(v)] = x
+            return v
+        return x
+    if not _container(v):
+        return v
+    if id(v) in seen:
+        return v
+    seen.add(id(v))
+    t = type(v)
+    if t is list or t is dict:
+        for k, e in list(v.items() if t is dict else enumerate(v)):
+            n = _put(e, it, bind, undo, seen)
+            if n is not e:
+                v[k] = n
+                undo.append(functools_partial(v.__setitem__, k, e))
+        return v
+    items = [_put(e, it, bind, undo, seen) for e in v]
+    if all(a is b for a, b in zip(items, v)):
+        return v
+    return t(items) if t is tuple else t(*items)
+
+
+def _class_attr(cls: type, name: str) -> Any:
+    for c in cls.__mro__:
+        if c is object:
+            return None
+        a = c.__dict__.get(name)
+        if a is not None:
+            return a if isinstance(a, (types.FunctionType, property, staticmethod, classmethod)) else None
+    return None
+
+
+def _current(v: Any) -> Any:
+    """The value passed for an array of the closure. A NumPy array is read anew
+    on every call (it may have been written in place): a small one is compared
+    byte for byte with the copy made at the last call and that copy's device
+    array reused when equal (a transfer costs more than the comparison); a large
+    one is copied (a later in-place write must not reach this call's program or
+    residuals) and handed to the compiled program like its other inputs."""
+    if isinstance(v, Tensor):
+        return v.value
+    if not isinstance(v, np.ndarray):
+        return v
+    dtype = jax.dtypes.canonicalize_dtype(v.dtype)
+    if v.nbytes > _NUMPY_CACHED_BYTES:
+        return np.array(v, dtype=dtype)
+    raw = v.tobytes()
+    hit = _NUMPY.get(id(v))
+    if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype and hit[3] == raw:
+        return hit[4]
+    x = jnp.asarray(np.array(v, dtype=dtype))
+    try:
+        ref = weakref.ref(v)
+    except TypeError:  # pragma: no cover - ndarrays are weakly referenceable
+        return x
+    if len(_NUMPY) >= 256:
+        _NUMPY.clear()
+    _NUMPY[id(v)] = (ref, v.shape, v.dtype, raw, x)
+    return x
+
+
+_NUMPY_CACHED_BYTES = 1 << 20
+_NUMPY: dict[int, tuple[Any, tuple, Any, bytes, Any]] = {}
+
+
+def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
+    """What ``fun`` (and the functions among ``statics``) read through closures,
+    globals, defaults and a bound object: None when it cannot be taken apart
+    (too large, or arrays held where they cannot be replaced)."""
+    c = Closure()
+    if isinstance(fun, types.FunctionType) and not _module(fun).startswith(_LIBRARY):
+        c.seen[id(fun)] = fun
+        c._function(fun, DEPTH)  # the lifted function itself, rf's own included
+    else:
+        c._push(fun, DEPTH + 1)
+    for s in statics:
+        if callable(s):
+            c._push(s, DEPTH)
+    c._drain()
+    if not c.complete:
+        return None
+    c.values = [_current(v) for v in c.arrays]
+    c.tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in c.arrays)
+    return c

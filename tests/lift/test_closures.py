@@ -1,0 +1,260 @@
+"""rf.lift of functions that read arrays and Python values they were not given
+(closure cells, module globals, default arguments, ``self.<attr>``, partials).
+
+The lifted program is cached: every call must see the current values (each call
+equals ``jax.grad`` of the same function at that moment, eagerly and under
+``jax.jit``), and a new trace happens only when something static changes (Note
+[Closures of a lifted function] in rumus_fx/lift/closure.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rumus_fx as rf
+from rumus_fx.lift import closure
+
+_MOD = sys.modules[__name__]
+_X = jnp.asarray(np.random.default_rng(0).standard_normal((6, 4)), jnp.float32)
+_W = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)) * 0.5, jnp.float32)
+_Y = jnp.zeros((6, 3), jnp.float32)
+_YN = np.zeros((6, 3), np.float32)
+_SCALE = 1.0
+_Y8 = jnp.asarray(np.random.default_rng(8).standard_normal((6, 3)), jnp.float32)
+_FLAG = 1.0
+
+
+def _y(seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((6, 3)), jnp.float32)
+
+
+def _check(fn, *rest, w=_W, jit=True):
+    """rf.grad(rf.lift(fn)) equals jax.grad(fn) now (gradient in the first
+    argument), eagerly and (``jit``) under a fresh jax.jit."""
+    want = jax.grad(fn)(w, *rest)
+    lifted = rf.lift(fn)
+    np.testing.assert_allclose(rf.grad(lifted)(w, *rest), want, rtol=1e-5, atol=1e-6)
+    if jit:
+        np.testing.assert_allclose(jax.jit(lambda v: rf.grad(lifted)(v, *rest))(w), want, rtol=1e-5, atol=1e-6)
+
+
+def loss_global(w):
+    return jnp.mean((jnp.tanh(_X @ w) - _Y) ** 2) * _SCALE
+
+
+def loss_numpy(w):
+    return jnp.mean((jnp.tanh(_X @ w) - _YN) ** 2)
+
+
+def loss_scaled(w, x):  # reads no array it is not given: only a Python float
+    return jnp.sum(jnp.tanh(x @ w)) * _SCALE
+
+
+def loss_branch(w, x):
+    h = x @ w
+    return jnp.sum(jnp.tanh(h)) if _FLAG > 0 else jnp.sum(jnp.sin(h) * _FLAG)
+
+
+def test_rebound_global_and_scale_are_seen_without_retracing(monkeypatch):
+    monkeypatch.setattr(_MOD, "_Y", _y(2))
+    _check(loss_global)
+    before = closure.traces()
+    for seed in (3, 4):
+        monkeypatch.setattr(_MOD, "_Y", _y(seed))
+        _check(loss_global, jit=seed == 4)
+    assert closure.traces() == before  # same shapes: the cached program, new values
+    for s in (2.0, -0.5):  # a Python float the function multiplies by
+        monkeypatch.setattr(_MOD, "_SCALE", s)
+        _check(loss_global, jit=False)
+        _check(loss_scaled, _X)
+
+
+def test_numpy_array_written_in_place_is_seen(monkeypatch):
+    yn = np.zeros((6, 3), np.float32)
+    monkeypatch.setattr(_MOD, "_YN", yn)
+    _check(loss_numpy, jit=False)
+    before = closure.traces()
+    yn[...] = np.asarray(_y(5))
+    _check(loss_numpy, jit=False)
+    yn *= -2.0
+    _check(loss_numpy)
+    assert closure.traces() == before
+
+
+def test_python_value_the_function_branches_on(monkeypatch):
+    for flag in (1.0, -1.0, 2.0, -3.0):
+        monkeypatch.setattr(_MOD, "_FLAG", flag)
+        _check(loss_branch, _X, jit=flag < -2)
+
+
+class _Model:
+    def __init__(self, y):
+        self.y = y
+        self.scale = 1.0
+
+    def __call__(self, w):
+        return jnp.mean((jnp.tanh(_X @ w) - self.y) ** 2) * self.scale
+
+    def loss(self, w):
+        return self(w) + jnp.sum(self.y[0] * w[0])
+
+
+def test_swapped_attribute_of_a_callable_object_and_of_a_bound_method():
+    m = _Model(_y(6))
+    _check(m, jit=False)
+    _check(m.loss, jit=False)
+    before = closure.traces()
+    m.y = _y(7)
+    _check(m)
+    _check(m.loss)
+    assert closure.traces() == before
+    m.scale = 3.0
+    _check(m)
+
+
+def test_closure_cell_default_argument_partial_and_helper():
+    def make(y, k=2.0):
+        return lambda w: jnp.sum((_X @ w - y) ** 2) * k
+
+    def with_default(w, y=_Y8):
+        return jnp.sum(jnp.sin(_X @ w) * y)
+
+    def helper(w):
+        return jnp.tanh(_X @ w) * _Y
+
+    def calls_helper(w):
+        return jnp.sum(helper(w) ** 2)
+
+    _check(make(_y(9)), jit=False)
+    before = closure.traces()
+    _check(make(_y(10)), jit=False)  # a new function object with the same code: no new trace
+    assert closure.traces() == before
+    _check(make(_y(10), 3.0))  # a Python value in a cell: a new trace, its value used
+    _check(with_default, jit=False)
+    with_default.__defaults__ = (_y(11),)
+    _check(with_default)
+    _check(calls_helper)
+    part = functools.partial(lambda w, y: jnp.sum(jnp.tanh(_X @ w) * y), y=_y(12))
+    _check(part, jit=False)
+    _check(functools.partial(part.func, y=_y(13)))
+
+
+def test_function_needing_a_closed_over_value_while_tracing():
+    yb = np.array(_y(14))
+
+    def loss(w):  # the array's value decides the program: traced with it baked in
+        return jnp.sum(jnp.tanh(_X @ w)) if float(yb[0, 0]) > 0 else jnp.sum(jnp.sin(_X @ w))
+
+    for sign in (1.0, -1.0, 1.0):
+        yb[0, 0] = sign
+        _check(loss, jit=sign < 0)
+
+
+def test_one_trace_for_a_hundred_calls(monkeypatch):
+    lifted = rf.grad(rf.lift(loss_global))
+    lifted(_W)
+    before = closure.traces()
+    for seed in range(100):
+        monkeypatch.setattr(_MOD, "_Y", jnp.full((6, 3), seed / 100.0, jnp.float32))
+        g = lifted(_W)
+    assert closure.traces() == before
+    np.testing.assert_allclose(g, jax.grad(loss_global)(_W), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(_MOD, "_Y", jnp.ones((1, 3), jnp.float32))  # a new shape: one new trace
+    np.testing.assert_allclose(lifted(_W), jax.grad(loss_global)(_W), rtol=1e-5, atol=1e-6)
+    assert closure.traces() == before + 1
+
+
+def test_tracked_tensor_in_a_closure_gets_its_gradient_on_every_call():
+    y = _y(15)
+
+    def outer(w, v):
+        return rf.lift(lambda x: jnp.sum(jnp.tanh(x @ w) * v))(_X)  # w and v closed over
+
+    def plain(w, v):
+        return jnp.sum(jnp.tanh(_X @ w) * v)
+
+    g = rf.grad(outer, argnums=(0, 1))
+    for w in (_W, _W * 2.0, -_W):
+        got = g(w, y)
+        want = jax.grad(plain, argnums=(0, 1))(w, y)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_untracked_tensor_in_a_closure_is_live_between_calls_and_snapshotted_within_one():
+    c = rf.tensor(_y(16))
+
+    def loss(w):
+        return jnp.sum(jnp.tanh(_X @ w) * c)
+
+    lifted = rf.lift(loss)
+    for _ in range(2):
+        want = jax.grad(lambda w: jnp.sum(jnp.tanh(_X @ w) * c.value))(_W)
+        np.testing.assert_allclose(rf.grad(lifted)(_W), want, rtol=1e-5, atol=1e-6)
+        c.add_(1.0)  # written in place between calls: the next call reads the new value
+    with rf.Tape() as tape:
+        w = rf.tensor(_W, requires_grad=True)
+        out = lifted(w)
+    c.add_(1.0)  # written between this call and its backward
+    with pytest.raises(rf.VersionMismatch):
+        tape.backward(out)
+
+
+def test_rebound_global_finite_differences(x64, monkeypatch):
+    w = jnp.asarray(_W, jnp.float64)
+    for seed in (17, 18):
+        monkeypatch.setattr(_MOD, "_Y", jnp.asarray(_y(seed), jnp.float64))
+        monkeypatch.setattr(_MOD, "_X", jnp.asarray(_X, jnp.float64))
+        got = rf.grad(rf.lift(loss_global))(w)
+        v = jnp.asarray(np.random.default_rng(seed).standard_normal(w.shape))
+        eps = 1e-6
+        fd = (loss_global(w + eps * v) - loss_global(w - eps * v)) / (2 * eps)
+        np.testing.assert_allclose(jnp.vdot(got, v), fd, rtol=1e-6, atol=1e-9)
+
+
+_PL = [jnp.ones(4), jnp.ones(4) * 2.0]
+_PD = {"a": jnp.ones(4) * 3.0}
+_PT = (jnp.ones(4) * 4.0, 5.0)
+
+
+def loss_containers(w):
+    return jnp.sum(w * _PL[0] * _PL[1] + _PD["a"] * jnp.sin(w) * _PT[0] * _PT[1])
+
+
+def test_arrays_in_lists_dicts_and_tuples(monkeypatch):
+    x = jnp.linspace(-1.0, 1.0, 4)
+    _check(loss_containers, w=x, jit=False)
+    before = closure.traces()
+    _PL[0] = _PL[0] + 1.0  # a list and a dict written in place, a tuple rebound
+    _PD["a"] = _PD["a"] * -2.0
+    monkeypatch.setattr(_MOD, "_PT", (_PT[0] - 3.0, 5.0))
+    _check(loss_containers, w=x)
+    assert closure.traces() == before
+    monkeypatch.setattr(_MOD, "_PT", (_PT[0], 6.0))  # a Python value in the tuple: a new trace
+    _check(loss_containers, w=x, jit=False)
+    assert isinstance(_PL[0], jax.Array) and not isinstance(_PL[0], jax.core.Tracer)  # put back
+
+
+def test_closure_over_an_outer_jit_value_and_second_order(monkeypatch):
+    x = jnp.linspace(-1.0, 1.0, 4)
+
+    @jax.jit
+    def outer(w, y):  # the lifted function closes over a value of the enclosing trace
+        return rf.grad(rf.lift(lambda v: jnp.sum(jnp.sin(v) * y)))(w)
+
+    np.testing.assert_allclose(outer(x, x * 2.0), jnp.cos(x) * x * 2.0, rtol=1e-6)
+
+    def f(w):
+        return jnp.sum(jnp.sin(w) ** 2 * _Y[:4, 0])
+
+    g2 = rf.grad(lambda w: rf.sum(rf.grad(rf.lift(f))(w) ** 2))
+    for seed in (19, 20):
+        monkeypatch.setattr(_MOD, "_Y", _y(seed))
+        want = jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(x)
+        np.testing.assert_allclose(g2(x), want, rtol=1e-5, atol=1e-6)
