@@ -245,6 +245,7 @@ PROGRAM_OPS: dict[str, tuple[int, Callable, Callable]] = {
     "relu": (1, lambda c, a: rf.relu(a), lambda c, a: jax.nn.relu(a)),
     "sigmoid": (1, lambda c, a: rf.sigmoid(a), lambda c, a: jax.nn.sigmoid(a)),
     "tanh": (1, lambda c, a: rf.tanh(a), lambda c, a: jnp.tanh(a)),
+    "softplus": (1, lambda c, a: rf.softplus(a), lambda c, a: jax.nn.softplus(a)),
     "gelu": (1, lambda c, a: rf.gelu(a), lambda c, a: jax.nn.gelu(a)),
     "gelu_exact": (1, lambda c, a: rf.gelu(a, approximate=False), lambda c, a: jax.nn.gelu(a, approximate=False)),
     "leaky_relu": (1, lambda c, a: rf.leaky_relu(a, 0.1), lambda c, a: jax.nn.leaky_relu(a, 0.1)),

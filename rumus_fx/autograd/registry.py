@@ -118,7 +118,10 @@ class TableEntry:
     its rule (``defrule(table=...)``): a jax program ``fun`` of arrays that emits
     the primitive(s) ``prims`` (default: the rule's own), its samples, and which
     checks apply (``vmap``: also under ``jax.vmap``; ``fd``: float64 finite
-    differences). ``rf.grad(rf.lift(fun))`` is compared with ``jax.grad(fun)``."""
+    differences). ``rf.grad(rf.lift(fun))`` is compared with ``jax.grad(fun)``, or
+    with ``jax.grad(oracle)`` where ``fun`` is a program jax.grad cannot
+    differentiate (a generic ``reduce_window``) and ``oracle`` the same function
+    written so that it can."""
 
     name: str
     fun: Callable
@@ -129,6 +132,7 @@ class TableEntry:
     fd_tol: float = 1e-6
     vmap: bool = False
     fd: bool = True
+    oracle: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

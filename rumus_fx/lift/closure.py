@@ -474,6 +474,8 @@ def _current(v: Any) -> Any:
     if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype and hit[3] == raw:
         return hit[4]
     x = jnp.asarray(np.array(v, dtype=dtype))
+    if isinstance(x, jax.core.Tracer):  # made inside an enclosing trace: valid only there, never cached
+        return x
     try:
         ref = weakref.ref(v)
     except TypeError:  # pragma: no cover - ndarrays are weakly referenceable

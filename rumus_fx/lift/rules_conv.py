@@ -67,7 +67,6 @@ from __future__ import annotations
 import functools
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -545,23 +544,21 @@ def _relu_pool_ref(x):
     return jnp.maximum(_max_pool(x, (2, 3), (1, 2), ((1, 0), (1, 1))), 0.0)
 
 
-@jax.custom_jvp
 def _relu_pool(x):
     """max(0, window max) as a generic reduce_window (init 0, a lambda body);
-    jax.grad goes through the equivalent reduce_window_max program instead."""
+    jax.grad cannot differentiate it, so the table's oracle is the equivalent
+    reduce_window_max program, ``_relu_pool_ref``."""
     return lax.reduce_window(x, 0.0, lambda a, b: lax.max(a, b), (2, 3), (1, 2), ((1, 0), (1, 1)))
 
 
-_relu_pool.defjvp(lambda p, t: jax.jvp(_relu_pool_ref, p, t))
+def _shifted_sum_pool_ref(x):
+    return _sum_pool(x, (2, 2), (2, 1), ((0, 0), (1, 0))) + 1
 
 
-@jax.custom_jvp
 def _shifted_sum_pool(x):
-    """1 + window sum as a generic reduce_window (init 1)."""
+    """1 + window sum as a generic reduce_window (init 1); oracle
+    ``_shifted_sum_pool_ref``."""
     return lax.reduce_window(x, 1.0, lax.add, (2, 2), (2, 1), ((0, 0), (1, 0)))
-
-
-_shifted_sum_pool.defjvp(lambda p, t: jax.jvp(lambda x: _sum_pool(x, (2, 2), (2, 1), ((0, 0), (1, 0))) + 1, p, t))
 
 
 def _reduce_window_errors():
@@ -591,8 +588,10 @@ defrule(
     multiple_results=True,
     doc="Backward record of a generic ``reduce_window`` whose body is ``add``, ``max`` or ``min``.",
     table=(
-        TableEntry("reduce_window_generic_max", _relu_pool, unary_samples([(5, 7)], distinct)),
-        TableEntry("reduce_window_generic_add", _shifted_sum_pool, unary_samples([(5, 4)])),
+        TableEntry("reduce_window_generic_max", _relu_pool, unary_samples([(5, 7)], distinct), oracle=_relu_pool_ref),
+        TableEntry(
+            "reduce_window_generic_add", _shifted_sum_pool, unary_samples([(5, 4)]), oracle=_shifted_sum_pool_ref
+        ),
     ),
     errors=_reduce_window_errors,
 )

@@ -24,6 +24,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 import rumus_fx as rf
+from rumus_fx.lift.interpreter import clear_programs
 from rumus_fx.testing import check_grads
 
 
@@ -406,6 +407,7 @@ def test_custom_vjp_symbolic_zeros_protocol(jit):
         x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
         _PERTURBED.clear()
         _CTS.clear()
+        clear_programs()  # fwd and bwd record what they are given while traced: trace anew here
         got = _grad(f, jit)(x, y)
         assert _PERTURBED and all(p == (True, False) for p in _PERTURBED)
         assert _CTS and all(c == (False, True) for c in _CTS)  # the unused output's cotangent: a marker
