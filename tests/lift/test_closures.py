@@ -258,3 +258,20 @@ def test_closure_over_an_outer_jit_value_and_second_order(monkeypatch):
         monkeypatch.setattr(_MOD, "_Y", _y(seed))
         want = jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(x)
         np.testing.assert_allclose(g2(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_array_read_inside_an_enclosing_jit_is_not_cached_across_traces():
+    """A small NumPy array read through the closure is turned into a device array;
+    inside an enclosing trace that array is a tracer of that trace and must not be
+    reused by the next trace (it leaked: UnexpectedTracerError)."""
+    idx = np.array([2, 0, 1])
+
+    def loss(a):
+        return jnp.sum(a[idx] ** 2)
+
+    a = jnp.arange(1.0, 4.0)
+    want = jax.grad(loss)(a)
+    for shape_change in (False, True):  # a second, separate trace of the enclosing jit
+        x = jnp.concatenate([a, jnp.zeros(1)]) if shape_change else a
+        got = jax.jit(rf.grad(rf.lift(loss)))(x)
+        np.testing.assert_allclose(got[:3], want)
