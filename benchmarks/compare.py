@@ -92,6 +92,18 @@ def _compile_time(fun: Callable, args: tuple) -> tuple[float, Any]:
     return time.perf_counter() - t0, compiled
 
 
+def compile_pair(fun_a: Callable, fun_b: Callable, args: tuple, times: int) -> tuple[list, list, Any, Any]:
+    """Trace + compile times of two functions, ``times`` each, interleaved: (seconds
+    of a, seconds of b, a's last compiled program, b's)."""
+    ct_a, ct_b = [], []
+    for _ in range(times):
+        t, comp_a = _compile_time(fun_a, args)
+        ct_a.append(t)
+        t, comp_b = _compile_time(fun_b, args)
+        ct_b.append(t)
+    return ct_a, ct_b, comp_a, comp_b
+
+
 def _blocks(
     fns: list[Callable[[], Any]],
     blocks: int,
@@ -174,12 +186,7 @@ def measure(model: Model, repeats: int = 30, eager_repeats: int = 5, with_torch:
     vg_j = jax.value_and_grad(model.loss_jax)
 
     # trace + compile (interleaved, median of 3) and compiled temp memory
-    ct_rf, ct_j = [], []
-    for _ in range(3):
-        t, comp_rf = _compile_time(vg_rf, args)
-        ct_rf.append(t)
-        t, comp_j = _compile_time(vg_j, args)
-        ct_j.append(t)
+    ct_rf, ct_j, comp_rf, comp_j = compile_pair(vg_rf, vg_j, args, 3)
     mem_rf = comp_rf.memory_analysis().temp_size_in_bytes
     mem_j = comp_j.memory_analysis().temp_size_in_bytes
     flops = cost_flops(comp_rf)

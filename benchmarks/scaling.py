@@ -25,7 +25,7 @@ import numpy as np
 
 import rumus_fx as rf
 
-from .compare import _block, _compile_time, _interleaved, _torch_settle, torch_available
+from .compare import _block, _interleaved, _torch_settle, compile_pair, torch_available
 from .models import Model, cnn, tiny_gpt
 
 
@@ -61,12 +61,7 @@ def points(quick: bool = False) -> list[Point]:
 def measure(model: Model, repeats: int, with_torch: bool) -> dict[str, float]:
     args = (model.params, model.batch)
     vg_rf, vg_j = rf.value_and_grad(model.loss_rf), jax.value_and_grad(model.loss_jax)
-    ct_rf, ct_j = [], []
-    for _ in range(2):
-        t, comp_rf = _compile_time(vg_rf, args)
-        ct_rf.append(t)
-        t, comp_j = _compile_time(vg_j, args)
-        ct_j.append(t)
+    ct_rf, ct_j, comp_rf, comp_j = compile_pair(vg_rf, vg_j, args, 2)
     mem_rf = comp_rf.memory_analysis().temp_size_in_bytes
     mem_j = comp_j.memory_analysis().temp_size_in_bytes
     jit_rf, jit_j = jax.jit(vg_rf), jax.jit(vg_j)
