@@ -15,7 +15,6 @@ Which checks are which:
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import chex
@@ -27,6 +26,8 @@ from jax.experimental import pallas as _pallas  # noqa: F401 - loaded before the
 
 import rumus_fx as rf
 from rumus_fx.kernels import batch_norm, cross_entropy, dispatch, layer_norm, mosaic_gpu, softmax
+
+from ._backends import hide_triton
 
 MOSAIC_CALL = "mosaic_gpu"
 TRITON = "__gpu$xla.gpu.triton"
@@ -228,12 +229,7 @@ def _cuda_export(x):
 
 @pytest.fixture
 def no_triton(monkeypatch):
-    for name in [m for m in sys.modules if m.startswith("jax.experimental.pallas.triton")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
-    monkeypatch.delattr(jax.experimental.pallas, "triton", raising=False)
-    monkeypatch.setattr(dispatch, "_WARNED", set())
-    jax.clear_caches()
+    hide_triton(monkeypatch)
     yield
     jax.clear_caches()
 

@@ -4,7 +4,6 @@ that traces it; a kernel that cannot be built for the running jax falls back
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import chex
@@ -17,6 +16,7 @@ from jax.experimental import pallas as _pallas  # noqa: F401 - jax.experimental.
 import rumus_fx as rf
 from rumus_fx.kernels import dispatch
 
+from ._backends import hide_triton
 from ._jaxpr import pallas_calls
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -82,13 +82,8 @@ def test_weight_gradient_kernel_in_interpret_mode_with_leading_axes():
 def no_triton(monkeypatch):
     """This jax without Pallas' Triton backend (as after its removal): its
     import fails. An accelerator is pretended, so ``auto`` stages the kernels."""
-    for name in [m for m in sys.modules if m.startswith("jax.experimental.pallas.triton")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
-    monkeypatch.delattr(jax.experimental.pallas, "triton", raising=False)
-    jax.clear_caches()  # kernels jitted with Triton present keep their traces
+    hide_triton(monkeypatch)
     monkeypatch.setattr(dispatch, "_accelerator_present", lambda: True)
-    monkeypatch.setattr(dispatch, "_WARNED", set())
     monkeypatch.setattr(dispatch, "MOSAIC_GPU", {})  # no Mosaic GPU variant either
     monkeypatch.delenv("RUMUS_FX_KERNELS", raising=False)
 
