@@ -2,10 +2,14 @@
 
 Note [Anomaly mode]
 ~~~~~~~~~~~~~~~~~~~
-Inside ``detect_anomaly()`` the engine hands every record's input gradients to
-``check_finite`` right after the record's backward rule ran (through the hook
-this module registers with ``engine.set_anomaly_hook``: the state, ``ANOMALY``,
-and the check both live here; the engine only calls the hook). The first record,
+Inside ``detect_anomaly()`` every record's input gradients go to
+``check_finite`` right after the record's backward rule ran, in the tape's walk
+and in a lifted call's walk alike (the rule runner calls the hook this module
+registers with ``runner.set_anomaly_hook``, Note [One rule runner] in
+rumus_fx/autograd/runner.py: the state, ``ANOMALY``, and the check both live
+here; the runner only calls the hook). A row of a lifted call is named as the
+primitive record, the lifted function and its row, ``SqrtBackward in
+rf.lift(jax.numpy.sqrt) (tape index 1.0)``. The first record,
 in backward order, whose gradient holds a NaN or an Inf is the one reported:
 later records only propagate it. Eagerly the check is a plain ``bool`` and
 raises ``AnomalyError`` (an ``rf.AutogradError``) on the spot. Under a trace
@@ -51,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from .autograd import engine
+from .autograd import runner
 from .errors import AutogradError
 from .storage import live_storage_count
 
@@ -197,13 +201,13 @@ def check_anomalies(since: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------
-# the check (called by the engine, rumus_fx/autograd/engine.py, through the
-# hook registered below)
+# the check (called by the rule runner, rumus_fx/autograd/runner.py, through
+# the hook registered below)
 # ---------------------------------------------------------------------------
 
 
-def anomaly_check() -> engine.AnomalyCheck | None:
-    """The engine's anomaly hook: None when anomaly mode is off, else
+def anomaly_check() -> runner.AnomalyCheck | None:
+    """The rule runner's anomaly hook: None when anomaly mode is off, else
     ``check_finite`` in the current mode."""
     mode = ANOMALY.get()
     if mode is None:
@@ -211,63 +215,20 @@ def anomaly_check() -> engine.AnomalyCheck | None:
     return functools.partial(check_finite, mode=mode)
 
 
-engine.set_anomaly_hook(anomaly_check)
-
-
-class _RowOp:
-    """A lifted call's primitive record, named for anomaly messages:
-    ``SqrtBackward in rf.lift(jax.numpy.sqrt)``."""
-
-    __slots__ = ("name", "rec")
-
-    def __init__(self, rec: Any, program_name: str):
-        self.rec = rec
-        self.name = f"{rec.name} in rf.lift({program_name})"
-
-    def saved_arrays(self) -> dict[str, Any]:
-        return self.rec.saved_arrays()
-
-
-class _RowEntry:
-    """The ``TapeEntry``-like view of one row of a lifted call that
-    ``check_finite`` reads (inputs: which get gradients; avals)."""
-
-    __slots__ = ("input_avals", "inputs", "op")
-
-    def __init__(self, rec: Any, program_name: str):
-        st = rec._step
-        self.op = _RowOp(rec, program_name)
-        self.inputs = tuple(0 if need else None for need in st.needs)
-        self.input_avals = tuple((tuple(a.shape), a.dtype) for a in st.in_avals)
-
-
-def lifted_anomaly_check(program: Any) -> Any:
-    """The check a lifted call's backward runs after each primitive's rule in
-    anomaly mode (None otherwise): the error names the primitive record, its
-    row (``"<tape index>.<row>"``, as the tape prints it) and the lifted
-    function, eagerly and under jit (Note [Anomaly mode])."""
-    mode = ANOMALY.get()
-    walk = engine.ANOMALY_WALK.get()
-    if mode is None or walk is None:
-        return None
-
-    def check(rec: Any, row: int, grad_out: Any, in_grads: Sequence[Any]) -> None:
-        grads = [g if need else None for g, need in zip(in_grads, rec._step.needs)]
-        walk[1] = check_finite(_RowEntry(rec, program.name), f"{walk[0]}.{row}", grad_out, grads, walk[1], mode)
-
-    return check
-
+runner.set_anomaly_hook(anomaly_check)
 
 
 def check_finite(
-    entry: Any, index: int, grad_out: Any, in_grads: Sequence[Any], state: Any = None, mode: str = "callback"
+    site: runner.Site, index: Any, grad_out: Any, in_grads: Sequence[Any], state: Any = None, mode: str = "callback"
 ) -> Any:
-    """Check the gradients record ``entry`` (at tape ``index``) returned.
+    """Check the gradients the record at ``site`` (at tape ``index``, or
+    ``"<index>.<row>"`` in a lifted call) returned; None for an input that
+    needs no gradient.
 
     ``state`` is ``None`` or a traced flag "an earlier record in this backward
     walk already failed"; the updated flag is returned for the next record.
     """
-    checked = [(k, g) for k, (gid, g) in enumerate(zip(entry.inputs, in_grads)) if gid is not None and g is not None]
+    checked = [(k, g) for k, (need, g) in enumerate(zip(site.needs, in_grads)) if need and g is not None]
     if not checked:
         return state
     traced = isinstance(state, jax.core.Tracer) or any(isinstance(g, jax.core.Tracer) for _, g in checked)
@@ -277,7 +238,7 @@ def check_finite(
         nan = [bool(jnp.any(jnp.isnan(g))) for _, g in checked]
         bad = [not bool(jnp.all(jnp.isfinite(g))) for _, g in checked]
         raise _make_error(
-            entry, index, [k for k, _ in checked], np.array(bad), np.array(nan), _finite(grad_out), _saved_finite(entry)
+            site, index, [k for k, _ in checked], np.array(bad), np.array(nan), _finite(grad_out), _saved_finite(site)
         )
     bad = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for _, g in checked])
     nan = jnp.stack([jnp.any(jnp.isnan(g)) for _, g in checked])
@@ -285,13 +246,13 @@ def check_finite(
     ks = tuple(k for k, _ in checked)
     if mode == "checkify":
         for j, k in enumerate(ks):  # one check per input: the message names it
-            err = AnomalyError(entry.op.name, index, _describe_entry(entry), (k,), "nan/inf", _CHECKIFY_CAUSE)
+            err = AnomalyError(site.name, index, _describe(site), (k,), "nan/inf", _CHECKIFY_CAUSE)
             _register(str(err), err)
             checkify.check(jnp.logical_not(jnp.logical_and(bad[j], jnp.logical_not(earlier))), _escape(str(err)))
     else:
         origin = jnp.logical_and(jnp.any(bad), jnp.logical_not(earlier))
-        static = _Static(entry, index, ks)
-        jax.debug.callback(static.report, origin, bad, nan, _finite(grad_out), _saved_finite(entry))
+        static = _Static(site, index, ks)
+        jax.debug.callback(static.report, origin, bad, nan, _finite(grad_out), _saved_finite(site))
     return jnp.logical_or(earlier, jnp.any(bad))
 
 
@@ -300,11 +261,11 @@ class _Static:
 
     __slots__ = ("index", "inputs", "may_raise", "op", "shapes")
 
-    def __init__(self, entry: Any, index: int, inputs: Sequence[int]):
-        self.op = entry.op.name
+    def __init__(self, site: runner.Site, index: Any, inputs: Sequence[int]):
+        self.op = site.name
         self.index = index
         self.inputs = tuple(inputs)
-        self.shapes = _describe_entry(entry)
+        self.shapes = _describe(site)
         # one device: raising aborts the program cleanly; with several, the
         # other devices could wait forever in a collective (see the note)
         self.may_raise = jax.device_count() == 1
@@ -318,8 +279,8 @@ class _Static:
             raise err
 
 
-def _make_error(entry, index, inputs, bad, nan, grad_out_finite, saved_finite) -> AnomalyError:
-    return _error(entry.op.name, index, _describe_entry(entry), inputs, bad, nan, grad_out_finite, saved_finite)
+def _make_error(site, index, inputs, bad, nan, grad_out_finite, saved_finite) -> AnomalyError:
+    return _error(site.name, index, _describe(site), inputs, bad, nan, grad_out_finite, saved_finite)
 
 
 def _error(op, index, shapes, inputs, bad, nan, grad_out_finite, saved_finite) -> AnomalyError:
@@ -345,9 +306,9 @@ def _finite(x: Any) -> Any:
     return jnp.all(jnp.isfinite(x))
 
 
-def _saved_finite(entry: Any) -> Any:
+def _saved_finite(site: runner.Site) -> Any:
     flags = []
-    for value in entry.op.saved_arrays().values():
+    for value in site.saved_arrays().values():
         for v in value if isinstance(value, tuple) else (value,):
             dtype = getattr(v, "dtype", None)
             if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
@@ -359,9 +320,9 @@ def _saved_finite(entry: Any) -> Any:
     return jnp.all(jnp.stack(flags))
 
 
-def _describe_entry(entry: Any) -> list[str]:
+def _describe(site: runner.Site) -> list[str]:
     out = []
-    for a in entry.input_avals:
+    for a in site.avals:
         if a is None:
             out.append("scalar")
         else:

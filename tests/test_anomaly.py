@@ -241,3 +241,25 @@ def test_several_devices_defer_the_error_to_check_anomalies(monkeypatch):
     _assert_log_backward(info.value)
     with rf.debug.detect_anomaly():  # nothing left over for the next block
         g(X0 + 1.0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lifted_call_between_records_in_anomaly_mode(jit):
+    """A lifted call's rows are checked inside its own compiled call; eagerly,
+    the check's traced state stays inside that call, so the records walked
+    after it (here the product ``x * 3.0``) still run: the gradient equals
+    jax.grad's, and a NaN in a row is still reported as that row."""
+    import rumus_fx.numpy as rnp
+
+    def f(x):
+        return rnp.sum(rnp.sqrt(x * 3.0)) * 2.0
+
+    wrap = jax.jit if jit else (lambda h: h)
+    x = jnp.asarray([1.0, 2.0])
+    with rf.debug.detect_anomaly():
+        got = wrap(rf.grad(f))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.sqrt(x * 3.0)) * 2.0)(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(AnomalyError, match=r"SqrtBackward in rf\.lift\(jax\.numpy\.sqrt\) \(tape index 1\.0\)"):
+        with rf.debug.detect_anomaly():
+            wrap(rf.grad(f))(jnp.asarray([0.0, 2.0]))

@@ -39,7 +39,6 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import numpy as np
 
-from ..eager import compiled
 from ..errors import VersionMismatch
 from ..storage import StorageHandle, WeakStorageHandle, nbytes_of
 
@@ -220,7 +219,7 @@ class Record:
             _RECORD_TYPES.append(cls)
         # every record class, whatever its name, is a pytree (saved data as
         # children, metadata as static aux data) so that eager backward can run
-        # each rule as one cached, compiled jax.jit call (see run_backward_rule)
+        # each rule as one cached, compiled jax.jit call (see runner.run_rule)
         jax.tree_util.register_pytree_node(cls, _flatten_record, functools.partial(_unflatten_record, cls))
 
     @property
@@ -413,32 +412,6 @@ def _unflatten_record(cls: type, aux: tuple, children: list[Any]) -> Record:
     for (name, _), a in zip(_flatten_plan(cls), aux):
         object.__setattr__(rec, name, next(it) if a is _CHILD else a)
     return rec
-
-
-def _call_backward(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
-    return rec.backward(g, needs)
-
-
-def _call_flat(treedef: Any, leaves: list[Any], g: jax.Array, needs: tuple[bool, ...]) -> tuple:
-    return treedef.unflatten(leaves).backward(g, needs)
-
-
-def run_backward_rule(rec: Record, g: jax.Array, needs: tuple[bool, ...]) -> tuple:
-    """``rec.backward(g, needs)``; eagerly as one compiled call per (record type,
-    metadata, shapes), which fuses the rule's elementwise work and pays one
-    dispatch instead of one per primitive. Under a trace (jit, vmap, jvp) the
-    rule is traced inline (Note [Eager compilation] in rumus_fx/eager.py). The record is flattened once: its structure is the
-    compiled call's static key, its leaves the arguments."""
-    leaves, treedef = jax.tree_util.tree_flatten(rec)
-    tracer = jax.core.Tracer
-    if isinstance(g, tracer) or any(isinstance(c, tracer) for c in leaves):
-        return rec.backward(g, needs)
-    opts = rec.compiler_options
-    try:
-        hash(treedef)
-    except TypeError:  # a static field that does not hash: jit flattens the record itself
-        return compiled(_call_backward, (2,), compiler_options=opts)(rec, g, needs)
-    return compiled(_call_flat, (0, 3), compiler_options=opts)(treedef, leaves, g, needs)
 
 
 def provenance_of(rec: Record, known: dict[int, int | None]) -> tuple[tuple[str, int | None, int | None], ...]:

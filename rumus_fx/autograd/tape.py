@@ -123,7 +123,9 @@ class Tape:
         of each input, or ()) lets the engine check that the record's gradients
         keep their inputs' explicit shardings; ``provenance``/``replay``: see
         ``TapeEntry``."""
-        self._entries.append(new_entry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay))
+        self._entries.append(
+            new_entry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay)
+        )
 
     # -- inspection ----------------------------------------------------------
     @property

@@ -334,7 +334,9 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
             seeds.append((gid, ct.astype(arr.dtype)))
         wrt = [(t, like) for tensors, _, likes in tracked for t, like in zip(tensors, likes)]
         it = iter(gradients(entries, seeds, wrt, _foreign_check(first)))
-        return tuple(jax.tree_util.tree_unflatten(treedef, [next(it) for _ in tensors]) for tensors, treedef, _ in tracked)
+        return tuple(
+            jax.tree_util.tree_unflatten(treedef, [next(it) for _ in tensors]) for tensors, treedef, _ in tracked
+        )
 
     out_tree_arrays = jax.tree_util.tree_unflatten(out_tree, out_arrays)
     if has_aux:

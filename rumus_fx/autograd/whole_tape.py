@@ -2,8 +2,8 @@
 
 Note [Whole-tape backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-Eagerly, ``run_backward`` calls each record's rule as its own compiled program
-(``record.run_backward_rule``): one dispatch per record, and nothing fuses
+Eagerly, the tape's walk runs each record's rule as its own compiled program
+(``runner.run_rule``): one dispatch per record, and nothing fuses
 across records, so layout-only records (reshape, transpose) and chains of
 elementwise rules each materialise their gradients. A training loop records the
 same tape every step, so here the whole walk is compiled once and replayed:
@@ -53,11 +53,10 @@ import jax
 
 from ..eager import PY_SCALARS, scalar_operand
 from .record import from_structure, structure_key
+from .walk import walk
 
 if TYPE_CHECKING:  # typing only: tape.py builds on the engine, which uses this module
     from .tape import TapeEntry
-
-Walk = Callable[..., dict[int, jax.Array]]
 
 # signature -> _Seen (first sighting) or _Compiled; least recently used dropped first
 _CACHE: collections.OrderedDict[Any, Any] = collections.OrderedDict()
@@ -163,9 +162,8 @@ def run(
     seeds: dict[int, jax.Array],
     keep: set[int] | None,
     foreign: Callable[[int], None] | None,
-    walk: Walk,
 ) -> dict[int, jax.Array]:
-    """``walk(entries, seeds, keep, foreign)`` -- the engine's reverse walk --
+    """``walk(entries, seeds, keep, foreign)`` -- the tape's reverse walk --
     run as one cached compiled program when this tape's signature repeats
     (Note [Whole-tape backward])."""
     found = _signature(entries, seeds, keep) if _ENABLED[0] and entries else None
@@ -174,7 +172,7 @@ def run(
     sig, leaves_of, local = found
     hit = _CACHE.get(sig)
     if hit is None:
-        return _first_sighting(sig, entries, seeds, keep, foreign, walk, local)
+        return _first_sighting(sig, entries, seeds, keep, foreign, local)
     _CACHE.move_to_end(sig)
     if hit.rules:
         return walk(entries, seeds, keep, foreign)
@@ -190,7 +188,7 @@ def run(
     for i in hit.live:
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):  # third sighting: compile the walk (not timed)
-        hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]), _options(entries))
+        hit = _CACHE[sig] = _compile(sig, hit, type(entries[0]), _options(entries))
         out = hit.fn(_arguments(leaves_of), list(seeds.values()))
     elif len(hit.timed) < TIMED:
         out = _timed(lambda: hit.fn(_arguments(leaves_of), list(seeds.values())), leaves_of, seeds, hit.timed)
@@ -230,7 +228,7 @@ def _arguments(leaves_of: list[list[Any]]) -> list[list[Any]]:
     return leaves_of
 
 
-def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int, jax.Array]:
+def _first_sighting(sig, entries, seeds, keep, foreign, local) -> dict[int, jax.Array]:
     """Walk rule by rule, noting the live entries and the foreign ids."""
     live: list[int] = []
     went_foreign: list[int] = []
@@ -261,7 +259,7 @@ def _options(entries: Sequence[TapeEntry]) -> Any:
     return found
 
 
-def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type, options: Any = None) -> _Compiled:
+def _compile(sig: Any, seen: _Seen, entry_type: type, options: Any = None) -> _Compiled:
     parts, seed_ids, keep_ids = sig[1]
     keep = None if keep_ids is None else set(keep_ids)
 

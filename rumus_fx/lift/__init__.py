@@ -15,11 +15,11 @@ from . import rules_linalg as rules_linalg
 from . import rules_reduce as rules_reduce
 from . import rules_special as rules_special
 from . import rules_structural as rules_structural
-from .interpreter import LiftedBackward as LiftedBackward
-from .interpreter import Program as Program
 from .interpreter import lift as lift
 from .library import defrule as defrule
 from .library import undefrule as undefrule
+from .lifted_record import LiftedBackward as LiftedBackward
+from .program import Program as Program
 from .remat import checkpoint as checkpoint
 from .rules import NON_DIFFERENTIABLE as NON_DIFFERENTIABLE
 from .rules import RULES as RULES

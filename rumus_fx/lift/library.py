@@ -29,13 +29,13 @@ from typing import Any
 from jax.extend import core as jcore
 
 from ..autograd.registry import BadProgram, TableEntry, lookup, undeclare
-from . import interpreter
+from . import interpreter, program
 from .rules import NON_DIFFERENTIABLE, RULES, Rule
 from .rules import defrule as _declare_rule
 
 # the call primitives rf runs through (their bodies are recorded), and the
-# control flow whose rules are part of the interpreter: no rule of their own
-RESERVED = interpreter.INLINE_CALLS | {
+# calls inlined into a program and control flow with built-in rules: no rule of their own
+RESERVED = program.INLINE_CALLS | {
     "scan",
     "cond",
     "while",

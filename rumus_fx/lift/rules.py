@@ -109,10 +109,6 @@ class PrimitiveRecord(Record):
     in_shardings: tuple[Any, ...] = ()  # per input: its explicit sharding or None
     out_shardings: tuple[Any, ...] = ()
 
-    @property
-    def p(self) -> Params:
-        return self.params
-
     def in_sharding(self, k: int = 0) -> Any:
         """Input ``k``'s sharding when it is over Explicit mesh axes, else None
         (see Note [Gradients keep their operand's sharding]: the gradient a rule
@@ -280,12 +276,12 @@ def add_table(name: str, *entries: TableEntry) -> None:
     decl.extra["table"] = decl.extra["table"] + entries
 
 
-def in_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def saves_inputs(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``saves`` value: these inputs, no outputs."""
     return (ks, ())
 
 
-def out_(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def saves_outputs(*ks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``saves`` value: these outputs, no inputs."""
     return ((), ks)
 

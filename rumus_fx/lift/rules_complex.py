@@ -31,7 +31,7 @@ from jax import lax
 
 from ..autograd.registry import Sample, TableEntry
 from ..ops._declare import far_from_zero, normal, unary_samples
-from .rules import COMPLEX_OK, defrule, in_
+from .rules import COMPLEX_OK, defrule, saves_inputs
 from .rules_elementwise import unbroadcast
 
 
@@ -127,7 +127,7 @@ defrule(
 defrule(
     "abs",
     _abs_vjp,
-    in_(0),
+    saves_inputs(0),
     table=(
         TableEntry("abs", jnp.abs, unary_samples(gen=far_from_zero)),
         TableEntry("abs_at_zero", lambda x: jnp.abs(x) * 2.0, unary_samples([(3, 4)], _abs_with_zeros), fd=False),

@@ -3,7 +3,7 @@
 
 Note [Control flow on the tape]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A body jaxpr becomes a nested ``Program`` (``interpreter.py``) with its own
+A body jaxpr becomes a nested ``Program`` (``program.py``) with its own
 per-primitive records. ``scan`` runs the body program inside ``lax.scan`` so that
 each iteration also returns the body's residuals, stacked along the scan axis
 (the record's ``extra``); its backward is a reverse ``lax.scan`` of the body's
@@ -28,7 +28,7 @@ from .. import sharding as shd
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
-from .interpreter import Program
+from .program import Program
 from .rules import defrule, is_float
 
 
@@ -116,7 +116,7 @@ def _scan_forward(step, vals):
 
 
 def _scan_vjp(r, g):
-    p = r.p
+    p = r.params
     nc, nk = p["num_consts"], p["num_carry"]
     prog = r._step.sub
     g = list(g)
@@ -416,7 +416,7 @@ def _custom_vjp_vjp(r, g):
             else:
                 gk = _zeros_like_aval(a, r.out_sharding(k))
         cts.append(gk)
-    grads = r.p["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts)
+    grads = r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts)
     grads = list(grads)
     out = [None] * nc
     for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):

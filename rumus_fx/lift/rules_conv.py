@@ -75,7 +75,7 @@ from .. import sharding as shd
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import distinct, normal, unary_samples
-from .rules import add_table, defrule, in_
+from .rules import add_table, defrule, saves_inputs
 
 
 def _dilated(n: int, d: int) -> int:
@@ -195,10 +195,10 @@ def _conv_vjp(r, g):
     gl = gr = None
     if r.needs[0]:
         sh = r.in_sharding(0)
-        gl = _zeros(a_lhs, sh) if empty or rhs.size == 0 else _conv_lhs_grad(g, rhs, a_lhs, r.p, sh)
+        gl = _zeros(a_lhs, sh) if empty or rhs.size == 0 else _conv_lhs_grad(g, rhs, a_lhs, r.params, sh)
     if r.needs[1]:
         sh = r.in_sharding(1)
-        gr = _zeros(a_rhs, sh) if empty or lhs.size == 0 else _conv_rhs_grad(g, lhs, a_rhs, r.p, sh)
+        gr = _zeros(a_rhs, sh) if empty or lhs.size == 0 else _conv_rhs_grad(g, lhs, a_rhs, r.params, sh)
     return gl, gr
 
 
@@ -385,7 +385,7 @@ def _reduce_window_sum_vjp(r, g):
     aval = r.in_avals[0]
     if g.size == 0 or 0 in aval.shape:
         return (_zeros(aval, r.in_sharding(0)),)
-    return (_window_sum_grad(g, tuple(aval.shape), _window(r.p)).astype(aval.dtype),)
+    return (_window_sum_grad(g, tuple(aval.shape), _window(r.params)).astype(aval.dtype),)
 
 
 def _max_pool(x, dims, strides, padding, base=None):
@@ -434,7 +434,7 @@ def _chooser_vjp(is_max):
         aval = r.in_avals[0]
         if g.size == 0 or 0 in aval.shape:
             return (_zeros(aval, r.in_sharding(0)),)
-        return (_window_chooser_grad(g, r.ins[0], _window(r.p), is_max),)
+        return (_window_chooser_grad(g, r.ins[0], _window(r.params), is_max),)
 
     vjp.__name__ = f"_reduce_window_{'max' if is_max else 'min'}_vjp"
     return vjp
@@ -443,7 +443,7 @@ def _chooser_vjp(is_max):
 defrule(
     "reduce_window_max",
     _chooser_vjp(True),
-    in_(0),
+    saves_inputs(0),
     table=(
         TableEntry(
             "reduce_window_max_pool",
@@ -472,7 +472,7 @@ defrule(
 defrule(
     "reduce_window_min",
     _chooser_vjp(False),
-    in_(0),
+    saves_inputs(0),
     table=(
         TableEntry(
             "reduce_window_min",
@@ -531,7 +531,7 @@ def _reduce_window_vjp(r, g):
     aval = r.in_avals[0]
     if g.size == 0 or 0 in aval.shape:
         return _zeros(aval, r.in_sharding(0)), None
-    window = _window(r.p)
+    window = _window(r.params)
     if kind == "sum":
         return _window_sum_grad(g, tuple(aval.shape), window).astype(aval.dtype), None
     return _window_chooser_grad(g, r.ins[0], window, kind == "max", init=r.ins[1]), None
@@ -601,7 +601,7 @@ defrule(
 
 
 def _cumsum_vjp(r, g):
-    return (lax.cumsum(g, axis=r.p["axis"], reverse=not r.p["reverse"]),)
+    return (lax.cumsum(g, axis=r.params["axis"], reverse=not r.params["reverse"]),)
 
 
 defrule(
@@ -704,7 +704,7 @@ def _scan_vjp(x, g, axis, combine, partials):
 
 def _cumulative(name, combine, partials):
     def vjp(r, g):
-        axis, reverse = r.p["axis"], r.p["reverse"]
+        axis, reverse = r.params["axis"], r.params["reverse"]
         x = r.ins[0]
         if reverse:
             x, g = lax.rev(x, (axis,)), lax.rev(g, (axis,))
@@ -712,7 +712,7 @@ def _cumulative(name, combine, partials):
         return (lax.rev(gx, (axis,)) if reverse else gx,)
 
     vjp.__name__ = f"_{name}_vjp"
-    defrule(name, vjp, in_(0))
+    defrule(name, vjp, saves_inputs(0))
 
 
 def _rev_too(op, **kw):

@@ -40,7 +40,7 @@ from ..autograd.record import Aval
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
-from .interpreter import Program
+from .program import Program
 from .rules import defrule, is_float
 
 _Tracer = jax.core.Tracer

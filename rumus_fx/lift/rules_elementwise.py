@@ -18,7 +18,7 @@ from jax import lax
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
 from ..ops._declare import binary_samples, distinct, far_from_zero, normal, positive, unary_samples, unit, wellcond
-from .rules import add_table, defrule, in_, out_
+from .rules import add_table, defrule, saves_inputs, saves_outputs
 
 
 def unbroadcast(g, aval, sharding=None):
@@ -72,31 +72,31 @@ def _plus_one_and_a_half(rng, *shape):
 
 # -- unary ---------------------------------------------------------------------
 _unary("neg", lambda r, g: -g, ((), ()), program=lambda x: -x, vmap=True)
-_unary("exp", lambda r, g: g * _output(r), out_(0), program=jnp.exp, vmap=True)
-_unary("exp2", lambda r, g: g * _output(r) * jnp.asarray(math.log(2.0), g.dtype), out_(0), program=jnp.exp2)
-_unary("log", lambda r, g: g / _input(r), in_(0), program=jnp.log, gen=positive)
-_unary("log1p", lambda r, g: g / (_input(r) + 1), in_(0), program=jnp.log1p, gen=positive)
-_unary("expm1", lambda r, g: g * (_output(r) + 1), out_(0), program=jnp.expm1)
-_unary("tanh", lambda r, g: g * (1 - _output(r) * _output(r)), out_(0), program=jnp.tanh, vmap=True)
-_unary("logistic", lambda r, g: g * _output(r) * (1 - _output(r)), out_(0), program=jax.nn.sigmoid)
-_unary("sin", lambda r, g: g * lax.cos(_input(r)), in_(0), program=jnp.sin, vmap=True)
-_unary("cos", lambda r, g: -g * lax.sin(_input(r)), in_(0), program=jnp.cos)
-_unary("tan", lambda r, g: g * (1 + _output(r) * _output(r)), out_(0), program=jnp.tan, gen=unit)
-_unary("asin", lambda r, g: g * lax.rsqrt(1 - _input(r) * _input(r)), in_(0), program=jnp.arcsin, gen=unit)
-_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _input(r) * _input(r)), in_(0), program=jnp.arccos, gen=unit)
-_unary("atan", lambda r, g: g / (1 + _input(r) * _input(r)), in_(0), program=jnp.arctan)
-_unary("sinh", lambda r, g: g * lax.cosh(_input(r)), in_(0), program=jnp.sinh)
-_unary("cosh", lambda r, g: g * lax.sinh(_input(r)), in_(0), program=jnp.cosh)
-_unary("asinh", lambda r, g: g * lax.rsqrt(_input(r) * _input(r) + 1), in_(0), program=jnp.arcsinh)
+_unary("exp", lambda r, g: g * _output(r), saves_outputs(0), program=jnp.exp, vmap=True)
+_unary("exp2", lambda r, g: g * _output(r) * jnp.asarray(math.log(2.0), g.dtype), saves_outputs(0), program=jnp.exp2)
+_unary("log", lambda r, g: g / _input(r), saves_inputs(0), program=jnp.log, gen=positive)
+_unary("log1p", lambda r, g: g / (_input(r) + 1), saves_inputs(0), program=jnp.log1p, gen=positive)
+_unary("expm1", lambda r, g: g * (_output(r) + 1), saves_outputs(0), program=jnp.expm1)
+_unary("tanh", lambda r, g: g * (1 - _output(r) * _output(r)), saves_outputs(0), program=jnp.tanh, vmap=True)
+_unary("logistic", lambda r, g: g * _output(r) * (1 - _output(r)), saves_outputs(0), program=jax.nn.sigmoid)
+_unary("sin", lambda r, g: g * lax.cos(_input(r)), saves_inputs(0), program=jnp.sin, vmap=True)
+_unary("cos", lambda r, g: -g * lax.sin(_input(r)), saves_inputs(0), program=jnp.cos)
+_unary("tan", lambda r, g: g * (1 + _output(r) * _output(r)), saves_outputs(0), program=jnp.tan, gen=unit)
+_unary("asin", lambda r, g: g * lax.rsqrt(1 - _input(r) * _input(r)), saves_inputs(0), program=jnp.arcsin, gen=unit)
+_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _input(r) * _input(r)), saves_inputs(0), program=jnp.arccos, gen=unit)
+_unary("atan", lambda r, g: g / (1 + _input(r) * _input(r)), saves_inputs(0), program=jnp.arctan)
+_unary("sinh", lambda r, g: g * lax.cosh(_input(r)), saves_inputs(0), program=jnp.sinh)
+_unary("cosh", lambda r, g: g * lax.sinh(_input(r)), saves_inputs(0), program=jnp.cosh)
+_unary("asinh", lambda r, g: g * lax.rsqrt(_input(r) * _input(r) + 1), saves_inputs(0), program=jnp.arcsinh)
 _unary(
     "acosh",
     lambda r, g: g * lax.rsqrt((_input(r) - 1) * (_input(r) + 1)),
-    in_(0),
+    saves_inputs(0),
     program=jnp.arccosh,
     gen=_plus_one_and_a_half,
 )
-_unary("atanh", lambda r, g: g / (1 - _input(r) * _input(r)), in_(0), program=jnp.arctanh, gen=unit)
-_unary("sqrt", lambda r, g: g * 0.5 / _output(r), out_(0), program=jnp.sqrt, gen=positive)
+_unary("atanh", lambda r, g: g / (1 - _input(r) * _input(r)), saves_inputs(0), program=jnp.arctanh, gen=unit)
+_unary("sqrt", lambda r, g: g * 0.5 / _output(r), saves_outputs(0), program=jnp.sqrt, gen=positive)
 add_table(
     "sqrt",
     TableEntry(
@@ -106,38 +106,40 @@ add_table(
     ),
 )
 _unary("rsqrt", lambda r, g: g * -0.5 * _output(r) / _input(r), ((0,), (0,)), program=lax.rsqrt, gen=positive)
-_unary("cbrt", lambda r, g: g / (3 * _output(r) * _output(r)), out_(0), program=jnp.cbrt, gen=positive)
-_unary("square", lambda r, g: g * 2 * _input(r), in_(0), program=jnp.square)
+_unary("cbrt", lambda r, g: g / (3 * _output(r) * _output(r)), saves_outputs(0), program=jnp.cbrt, gen=positive)
+_unary("square", lambda r, g: g * 2 * _input(r), saves_inputs(0), program=jnp.square)
 _unary(
     "erf",
     lambda r, g: g * (2 / math.sqrt(math.pi)) * lax.exp(-_input(r) * _input(r)),
-    in_(0),
+    saves_inputs(0),
     program=jsp.special.erf,
 )
 _unary(
     "erfc",
     lambda r, g: g * (-2 / math.sqrt(math.pi)) * lax.exp(-_input(r) * _input(r)),
-    in_(0),
+    saves_inputs(0),
     program=jsp.special.erfc,
 )
 _unary(
     "erf_inv",
     lambda r, g: g * (math.sqrt(math.pi) / 2) * lax.exp(_output(r) * _output(r)),
-    out_(0),
+    saves_outputs(0),
     program=jsp.special.erfinv,
     gen=unit,
 )
-_unary("lgamma", lambda r, g: g * lax.digamma(_input(r)), in_(0), program=jsp.special.gammaln, gen=positive)
+_unary("lgamma", lambda r, g: g * lax.digamma(_input(r)), saves_inputs(0), program=jsp.special.gammaln, gen=positive)
 _unary(
     "digamma",
     lambda r, g: g * lax.polygamma(jnp.ones((), _input(r).dtype), _input(r)),
-    in_(0),
+    saves_inputs(0),
     program=jsp.special.digamma,
     gen=positive,
 )
 _unary(
     "reduce_precision",
-    lambda r, g: lax.reduce_precision(g, exponent_bits=r.p["exponent_bits"], mantissa_bits=r.p["mantissa_bits"]),
+    lambda r, g: lax.reduce_precision(
+        g, exponent_bits=r.params["exponent_bits"], mantissa_bits=r.params["mantissa_bits"]
+    ),
     ((), ()),
     program=lambda x: lax.reduce_precision(x, 8, 23) * x,
     fd=False,
@@ -147,7 +149,7 @@ _unary("copy_p", lambda r, g: g, ((), ()))
 
 
 def _integer_pow(r, g):
-    n = r.p["y"]
+    n = r.params["y"]
     x = _input(r)
     if n == 0:
         return jnp.zeros_like(g)
@@ -155,7 +157,7 @@ def _integer_pow(r, g):
     return g * dx
 
 
-_unary("integer_pow", _integer_pow, in_(0), program=lambda x: x**3 + x**2 - 1 / x**2, gen=far_from_zero)
+_unary("integer_pow", _integer_pow, saves_inputs(0), program=lambda x: x**3 + x**2 - 1 / x**2, gen=far_from_zero)
 
 
 def _convert(r, g):
@@ -330,7 +332,7 @@ def _select_n_vjp(r, g):
 defrule(
     "select_n",
     _select_n_vjp,
-    in_(0),
+    saves_inputs(0),
     table=(
         TableEntry(
             "select_n",
@@ -361,7 +363,7 @@ def _clamp_samples(r):
 defrule(
     "clamp",
     _clamp_vjp,
-    in_(0, 1, 2),
+    saves_inputs(0, 1, 2),
     table=(TableEntry("clamp", lambda lo, x, hi: lax.clamp(lo, x, hi), _clamp_samples),),
 )
 

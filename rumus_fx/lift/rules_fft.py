@@ -53,8 +53,8 @@ def _irfft_transpose(t, lengths, dtype):
 
 
 def _fft_vjp(r, g):
-    kind = lax.FftType(int(r.p["fft_type"]))
-    lengths = tuple(r.p["fft_lengths"])
+    kind = lax.FftType(int(r.params["fft_type"]))
+    lengths = tuple(r.params["fft_lengths"])
     dtype = r.in_avals[0].dtype
     if kind == RFFT:
         return (_rfft_transpose(g, lengths, dtype),)

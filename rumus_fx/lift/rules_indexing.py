@@ -47,7 +47,7 @@ from .. import sharding as shd
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import distinct, normal
-from .rules import defrule, in_, is_float, out_
+from .rules import defrule, is_float, saves_inputs, saves_outputs
 
 # -- primitive-table samples -----------------------------------------------------------
 
@@ -110,7 +110,7 @@ def _gather_of_scatter(d, operand_shape, updates_shape):
 def _read_back(r, x, mode=None, fill_value=None):
     """Gather from ``x`` (operand-shaped) what the scatter ``r`` wrote there, one
     value per update element; ``mode=None`` is the default (fill)."""
-    gd, sizes = _gather_of_scatter(r.p["dimension_numbers"], r.in_avals[0].shape, r.in_avals[2].shape)
+    gd, sizes = _gather_of_scatter(r.params["dimension_numbers"], r.in_avals[0].shape, r.in_avals[2].shape)
     return lax.gather(x, r.ins[1], gd, sizes, mode=mode, fill_value=fill_value)
 
 
@@ -118,7 +118,7 @@ def _written(r):
     """The gather mode that reads back, for each update, where the scatter ``r``
     wrote it: the scatter's own mode, except that an out-of-range index under
     ``promise_in_bounds`` (the forward's scatter skipped that write) reads 0."""
-    mode = r.p["mode"]
+    mode = r.params["mode"]
     if mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
         return lax.GatherScatterMode.FILL_OR_DROP
     return mode
@@ -126,10 +126,10 @@ def _written(r):
 
 def _scatter_kw(r):
     return dict(
-        dimension_numbers=r.p["dimension_numbers"],
-        indices_are_sorted=r.p["indices_are_sorted"],
-        unique_indices=r.p["unique_indices"],
-        mode=r.p["mode"],
+        dimension_numbers=r.params["dimension_numbers"],
+        indices_are_sorted=r.params["indices_are_sorted"],
+        unique_indices=r.params["unique_indices"],
+        mode=r.params["mode"],
     )
 
 
@@ -148,16 +148,16 @@ def _no_combiner(step):
 def _gather_vjp(r, g):
     aval = r.in_avals[0]
     zeros = shd.zeros(aval.shape, g.dtype, r.in_sharding(0))
-    mode = r.p["mode"]
+    mode = r.params["mode"]
     if mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
         mode = lax.GatherScatterMode.CLIP  # what the forward's gather did with such an index
     out = lax.scatter_add(
         zeros,
         r.ins[1],
         g,
-        _scatter_dnums_of_gather(r.p["dimension_numbers"]),
-        indices_are_sorted=r.p["indices_are_sorted"],
-        unique_indices=r.p["unique_indices"],
+        _scatter_dnums_of_gather(r.params["dimension_numbers"]),
+        indices_are_sorted=r.params["indices_are_sorted"],
+        unique_indices=r.params["unique_indices"],
         mode=mode,
     )
     return out.astype(aval.dtype), None
@@ -176,7 +176,7 @@ def _embedding(table, w, ids):
 defrule(
     "gather",
     _gather_vjp,
-    in_(1),
+    saves_inputs(1),
     table=(
         TableEntry("gather_getitem", lambda x, i: x[i] ** 2, _with(normal, (5, 3), _i(*DUP)), vmap=True),
         TableEntry("gather_columns", lambda x, i: jnp.sin(x[:, i]), _with(normal, (3, 5), _i(4, 0, 4, -1))),
@@ -236,7 +236,7 @@ def _scatter_add_vjp(r, g, sign=1):
 defrule(
     "scatter-add",
     _scatter_add_vjp,
-    in_(1),
+    saves_inputs(1),
     table=(
         TableEntry(
             "scatter_add",
@@ -260,7 +260,7 @@ def _scatter_sub_vjp(r, g):
 defrule(
     "scatter-sub",
     _scatter_sub_vjp,
-    in_(1),
+    saves_inputs(1),
     table=(TableEntry("scatter_sub", lambda x, u, i: jnp.sin(x.at[i].subtract(u)), _upd((5, 3), _i(*DUP), (5, 3))),),
 )
 
@@ -341,7 +341,7 @@ def _scatter_extremal_vjp(r, g):
     among the updates that attain it and (if it does) the original value."""
     x, idx, y = r.ins
     out = r.outs[0]
-    dn = r.p["dimension_numbers"]
+    dn = r.params["dimension_numbers"]
     initial = _read_back(r, x)
     target = _read_back(r, out)
     won = y == target
@@ -409,10 +409,10 @@ defrule(
 
 def _scatter_vjp(r, g):
     idx = r.ins[1]
-    dn = r.p["dimension_numbers"]
+    dn = r.params["dimension_numbers"]
     up_shape = tuple(r.in_avals[2].shape)
     g_op = g_up = None
-    if r.p["unique_indices"]:
+    if r.params["unique_indices"]:
         if r.needs[0]:
             g_op = lax.scatter(g, idx, shd.zeros(up_shape, g.dtype, r.in_sharding(2)), **_scatter_kw(r))
         if r.needs[2]:
@@ -460,7 +460,7 @@ def _scatter_errors():
 defrule(
     "scatter",
     _scatter_vjp,
-    in_(1),
+    saves_inputs(1),
     table=(
         TableEntry(
             "scatter_set",
@@ -502,14 +502,14 @@ defrule(
 
 
 def _sort_vjp(r, g):
-    dim = r.p["dimension"]
-    nk = r.p["num_keys"]
+    dim = r.params["dimension"]
+    nk = r.params["num_keys"]
     shape = tuple(r.in_avals[0].shape)
     keys = r.ins[:nk]
     iota = lax.broadcasted_iota(
         np.int32 if shape[dim] < 2**31 - 1 else np.int64, shape, dim, out_sharding=r.in_sharding(0)
     )
-    perm = lax.sort((*keys, iota), dimension=dim, is_stable=r.p["is_stable"], num_keys=nk)[-1]
+    perm = lax.sort((*keys, iota), dimension=dim, is_stable=r.params["is_stable"], num_keys=nk)[-1]
     want = [k for k, (a, n) in enumerate(zip(r.in_avals, r.needs)) if n and is_float(a)]
     if not want:
         return (None,) * len(r.in_avals)
@@ -600,7 +600,7 @@ def _top_k_vjp(r, g):
     aval = r.in_avals[0]
     idx = r.outs[1]
     rank = idx.ndim
-    axis = r.p.get("axis", rank - 1)
+    axis = r.params.get("axis", rank - 1)
     axis = axis % rank if rank else 0
     others = tuple(d for d in range(rank) if d != axis)
     dn = lax.ScatterDimensionNumbers(
@@ -627,7 +627,7 @@ def _top_k_axis(x):
 defrule(
     "top_k",
     _top_k_vjp,
-    out_(1),
+    saves_outputs(1),
     multiple_results=True,
     table=(
         TableEntry(

@@ -26,8 +26,8 @@ from jax.extend import core as jcore
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import Placeholder, normal, spd, unary_samples, wellcond
-from .interpreter import Program
-from .rules import defrule, out_
+from .program import Program
+from .rules import defrule, saves_outputs
 
 _HI = lax.Precision.HIGHEST
 _trsolve = lax.linalg.triangular_solve
@@ -99,7 +99,7 @@ def _unpermute(x, perm, axis):
 def _triangular_solve_vjp(r, g):
     """``x = op(a)^{-1} b`` (left side) or ``b op(a)^{-1}``: ``gb`` solves with
     ``op(a)^T``; ``ga = -gb x^T`` (or ``-x^T gb``) on ``a``'s triangle only."""
-    p = r.p
+    p = r.params
     a = r.ins[0]
     kw = dict(
         left_side=p["left_side"],
@@ -166,7 +166,7 @@ def _cholesky_vjp(r, g):
 defrule(
     "cholesky",
     _cholesky_vjp,
-    out_(0),
+    saves_outputs(0),
     table=(
         TableEntry("cholesky", jnp.linalg.cholesky, unary_samples([(4, 4), (2, 3, 3)], spd), vmap=True),
         TableEntry(
@@ -218,7 +218,7 @@ def _lu_logdet(a):
 defrule(
     "lu",
     _lu_vjp,
-    out_(0, 2),
+    saves_outputs(0, 2),
     multiple_results=True,
     table=(
         TableEntry(
@@ -275,8 +275,8 @@ def _qr_vjp(r, g):
     q, rr = r.outs[0], r.outs[1]
     gq, gr = g[0], g[1]
     m, n = r.in_avals[0].shape[-2:]
-    pivoting = r.p["pivoting"]
-    if m > n and r.p["full_matrices"]:
+    pivoting = r.params["pivoting"]
+    if m > n and r.params["full_matrices"]:
         gx = _full_qr_vjp(q, rr, gq, gr, n)
     elif m < n:
         if pivoting:
@@ -308,7 +308,7 @@ def _qr_errors():
 defrule(
     "qr",
     _qr_vjp,
-    out_(0, 1),
+    saves_outputs(0, 1),
     forward=_qr_forward,
     multiple_results=True,
     table=(
@@ -338,7 +338,7 @@ def _eigh_vjp(r, g):
     ``F[i, j] = 1 / (w[j] - w[i])`` off the diagonal, 0 on it (not symmetrized,
     as JAX's rule; ``jnp.linalg.eigh`` symmetrizes its input)."""
     n = r.in_avals[0].shape[-1]
-    sub = r.p["subset_by_index"]
+    sub = r.params["subset_by_index"]
     if not (sub is None or tuple(sub) == (0, n)):
         raise AutogradError(
             "rf.lift: the gradient of a partial eigendecomposition (eigh with subset_by_index) is not defined"
@@ -360,7 +360,7 @@ def _eigh(a):
 defrule(
     "eigh",
     _eigh_vjp,
-    out_(0, 1),
+    saves_outputs(0, 1),
     multiple_results=True,
     table=(
         TableEntry("eigh", _eigh, unary_samples([(4, 4), (2, 3, 3)], spd), vmap=True),
@@ -385,7 +385,7 @@ def _svd_vjp(r, g):
     ``ds = diag(dS)``, ``dU = U (F * (dS s + (dS s)^T))``, ``dV = V (F * (s dS +
     (s dS)^T))`` (``F[i, j] = 1 / (s[j]^2 - s[i]^2)``) and, for a non-square
     matrix, the components outside the span of ``U`` (``V``)."""
-    p = r.p
+    p = r.params
     m, n = r.in_avals[0].shape[-2:]
     if p["compute_uv"] and p["full_matrices"] and m != n:
         raise AutogradError(
@@ -508,7 +508,7 @@ def _linear_solve_vjp(r, g):
     rf's own rules on the matvec program. The consts of ``vecmat``, ``solve`` and
     ``transpose_solve`` get no gradient (as in JAX); neither do aux outputs."""
     cl, n_c, nb = _linear_solve_split(r)
-    jaxprs = r.p["jaxprs"]
+    jaxprs = r.params["jaxprs"]
     if jaxprs.transpose_solve is None:
         raise AutogradError("rf.lift: custom_linear_solve needs transpose_solve (or symmetric=True) for its gradient")
     mv, ts, x = r.extra
@@ -609,7 +609,7 @@ def _tridiagonal_solve_vjp(r, g):
     x = r.outs[0]
     dl_t = jnp.concatenate([jnp.zeros_like(du[..., -1:]), du[..., :-1]], axis=-1)
     du_t = jnp.concatenate([dl[..., 1:], jnp.zeros_like(dl[..., :1])], axis=-1)
-    gb = lax.linalg.tridiagonal_solve(dl_t, d, du_t, g, perturb_singular=r.p["perturb_singular"])
+    gb = lax.linalg.tridiagonal_solve(dl_t, d, du_t, g, perturb_singular=r.params["perturb_singular"])
     zero = jnp.zeros_like(gb[..., :1, 0])
     g_dl = g_d = g_du = None
     if r.needs[0]:

@@ -34,7 +34,7 @@ from jax.extend import core as jcore
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import distinct, normal
-from .interpreter import Program
+from .program import Program
 from .rules import COMPLEX_OK, defrule
 
 

@@ -22,7 +22,7 @@ from jax import lax
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
-from .rules import defrule, in_
+from .rules import defrule, saves_inputs
 from .rules_elementwise import unbroadcast
 
 
@@ -42,11 +42,11 @@ def _two_positive(rng):
     return [Sample((positive(rng, 3, 4) * 2, positive(rng, 3, 4) * 2), diff=(0, 1))]
 
 
-defrule("igamma", _igamma_vjp, in_(0, 1), table=(TableEntry("igamma", jsp.special.gammainc, _two_positive),))
+defrule("igamma", _igamma_vjp, saves_inputs(0, 1), table=(TableEntry("igamma", jsp.special.gammainc, _two_positive),))
 defrule(
     "igammac",
     lambda r, g: _igamma_vjp(r, g, -1),
-    in_(0, 1),
+    saves_inputs(0, 1),
     record_name="IgammacBackward",
     table=(TableEntry("igammac", jsp.special.gammaincc, _two_positive),),
 )
@@ -76,7 +76,7 @@ def _polygamma_errors():
 defrule(
     "polygamma",
     _polygamma_vjp,
-    in_(0, 1),
+    saves_inputs(0, 1),
     table=(
         TableEntry(
             "polygamma",
@@ -124,7 +124,7 @@ def _betainc_samples(rng):
 defrule(
     "regularized_incomplete_beta",
     _betainc_vjp,
-    in_(0, 1, 2),
+    saves_inputs(0, 1, 2),
     table=(TableEntry("betainc", jsp.special.betainc, _betainc_samples),),
     errors=_betainc_errors,
 )
@@ -231,7 +231,7 @@ def _zeta_vjp(r, g):
 defrule(
     "zeta",
     _zeta_vjp,
-    in_(0, 1),
+    saves_inputs(0, 1),
     table=(
         TableEntry(
             "zeta",
@@ -246,7 +246,7 @@ def _random_gamma_vjp(r, g):
     """``d sample / d a`` by implicit differentiation of the gamma CDF
     (``lax.random_gamma_grad``), in log space when the samples are logs."""
     a, sample = r.ins[1], r.outs[0]
-    if r.p["log_space"]:
+    if r.params["log_space"]:
         x = jnp.exp(sample)
         x = jnp.where(x == 0, jnp.finfo(x.dtype).tiny, x)
         dx = lax.random_gamma_grad(a, x) / x

@@ -16,7 +16,7 @@ from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
 from ..ops._declare import distinct, normal, unary_samples
 from ..ops.linalg import computed_in_trace, off_mesh
-from .rules import defrule, in_
+from .rules import defrule, saves_inputs
 from .rules_elementwise import unbroadcast
 
 # -- reductions ------------------------------------------------------------------
@@ -30,7 +30,7 @@ def _expand(g, aval, axes, sharding=None):
 
 
 def _reduce_sum_vjp(r, g):
-    return (_expand(g, r.in_avals[0], tuple(r.p["axes"]), r.in_sharding(0)).astype(r.in_avals[0].dtype),)
+    return (_expand(g, r.in_avals[0], tuple(r.params["axes"]), r.in_sharding(0)).astype(r.in_avals[0].dtype),)
 
 
 defrule(
@@ -51,7 +51,7 @@ def _chooser_vjp(r, g):
     """max/min reductions: the gradient is shared equally by every position that
     attains the extreme value."""
     aval = r.in_avals[0]
-    axes = tuple(r.p["axes"])
+    axes = tuple(r.params["axes"])
     x = r.ins[0]
     sh = r.in_sharding(0)
     y = _expand(r.outs[0], aval, axes, sh)
@@ -80,7 +80,7 @@ defrule(
 def _reduce_prod_vjp(r, g):
     """Product of all the other elements, without dividing (zeros are exact)."""
     aval = r.in_avals[0]
-    axes = tuple(sorted(r.p["axes"]))
+    axes = tuple(sorted(r.params["axes"]))
     x = r.ins[0]
     keep = [d for d in range(x.ndim) if d not in axes]
     perm = keep + list(axes)
@@ -98,7 +98,7 @@ def _reduce_prod_vjp(r, g):
 defrule(
     "reduce_prod",
     _reduce_prod_vjp,
-    in_(0),
+    saves_inputs(0),
     table=(
         TableEntry("reduce_prod", lambda x: jnp.prod(x, axis=1), unary_samples([(3, 4), (2, 3, 5)])),
         TableEntry(
@@ -166,7 +166,7 @@ def _weight_gradient_2d(g, x, ay, dims, y_sharding):
 
 
 def _dot_general_vjp(r, g):
-    (lc, rc), (lb, rb) = r.p["dimension_numbers"]
+    (lc, rc), (lb, rb) = r.params["dimension_numbers"]
     x, y = r.ins
     ax, ay = r.in_avals
     gx = _dot_lhs_grad(g, y, ax, ((lc, rc), (lb, rb)), x_sharding=r.in_sharding(0)) if r.needs[0] else None
@@ -221,7 +221,7 @@ defrule(
 
 def _broadcast_in_dim_vjp(r, g):
     aval = r.in_avals[0]
-    bdims = tuple(r.p["broadcast_dimensions"])
+    bdims = tuple(r.params["broadcast_dimensions"])
     out_shape = tuple(r.out_avals[0].shape)
     new = [d for d in range(len(out_shape)) if d not in bdims]
     stretched = [bdims[i] for i, s in enumerate(aval.shape) if s == 1 and out_shape[bdims[i]] != 1]
@@ -248,7 +248,7 @@ defrule(
 def _reshape_vjp(r, g):
     shape = tuple(r.in_avals[0].shape)
     sh = r.in_sharding(0)
-    dims = r.p.get("dimensions")
+    dims = r.params.get("dimensions")
     if dims is not None:  # the operand is transposed by ``dimensions`` first
         spec = None if sh is None else tuple(sh.spec) + (None,) * (len(shape) - len(sh.spec))
         moved = None if sh is None else shd.with_spec(sh, [spec[d] for d in dims])
@@ -294,7 +294,7 @@ defrule("expand_dims", _squeeze_vjp)
 
 
 def _transpose_vjp(r, g):
-    perm = tuple(r.p["permutation"])
+    perm = tuple(r.params["permutation"])
     return (lax.transpose(g, tuple(np.argsort(perm))),)
 
 
@@ -302,7 +302,7 @@ defrule("transpose", _transpose_vjp)
 
 
 def _rev_vjp(r, g):
-    return (lax.rev(g, tuple(r.p["dimensions"])),)
+    return (lax.rev(g, tuple(r.params["dimensions"])),)
 
 
 defrule(
@@ -313,7 +313,7 @@ defrule(
 
 
 def _concatenate_vjp(r, g):
-    dim = r.p["dimension"]
+    dim = r.params["dimension"]
     out = []
     start = 0
     for aval, need in zip(r.in_avals, r.needs):
@@ -340,7 +340,7 @@ defrule(
 
 
 def _split_vjp(r, g):
-    return (lax.concatenate(list(g), r.p["axis"]),)
+    return (lax.concatenate(list(g), r.params["axis"]),)
 
 
 defrule(
@@ -352,7 +352,7 @@ defrule(
 
 
 def _pad_vjp(r, g):
-    cfg = r.p["padding_config"]
+    cfg = r.params["padding_config"]
     # zero-pad where the padding was negative, then take every (interior+1)-th
     undo = [(max(-lo, 0), max(-hi, 0), 0) for lo, hi, _ in cfg]
     g1 = lax.pad(g, jnp.zeros((), g.dtype), undo)
@@ -384,8 +384,8 @@ defrule(
 
 def _slice_vjp(r, g):
     shape = r.in_avals[0].shape
-    start = r.p["start_indices"]
-    strides = r.p["strides"] or (1,) * len(shape)
+    start = r.params["start_indices"]
+    strides = r.params["strides"] or (1,) * len(shape)
     cfg = []
     for d, (s, st) in enumerate(zip(start, strides)):
         n = g.shape[d]
@@ -419,7 +419,7 @@ def _clamped_starts(idx, operand_shape, window_shape):
 
 def _dynamic_slice_vjp(r, g):
     aval = r.in_avals[0]
-    idx = _clamped_starts(r.ins[1:], aval.shape, r.p["slice_sizes"])
+    idx = _clamped_starts(r.ins[1:], aval.shape, r.params["slice_sizes"])
     z = shd.zeros(aval.shape, g.dtype, r.in_sharding(0))
     return (lax.dynamic_update_slice(z, g, idx),) + (None,) * len(idx)
 
@@ -489,7 +489,7 @@ defrule(
 
 
 def _stack_vjp(r, g):
-    axis = r.p["axis"]
+    axis = r.params["axis"]
     return tuple(
         lax.index_in_dim(g, k, axis=axis, keepdims=False).astype(a.dtype) if n else None
         for k, (a, n) in enumerate(zip(r.in_avals, r.needs))
@@ -519,7 +519,7 @@ def _reshard_vjp(r, g):
 
 def _sharding_constraint_vjp(r, g):
     """``with_sharding_constraint``: the same constraint on the gradient."""
-    return (r._step.prim.bind(g, **dict(r.p)),)
+    return (r._step.prim.bind(g, **dict(r.params)),)
 
 
 @functools.cache
@@ -557,7 +557,7 @@ def _tile_vjp(r, g):
     """``tile``'s output is the operand repeated ``reps[d]`` times along each
     axis ``d``: the gradient sums the copies (a reshape to (rep, size) pairs)."""
     shape = tuple(r.in_avals[0].shape)
-    reps = tuple(r.p["reps"])
+    reps = tuple(r.params["reps"])
     pairs = tuple(k for pair in zip(reps, shape) for k in pair)
     return (jnp.sum(g.reshape(pairs), axis=tuple(range(0, 2 * len(shape), 2))),)
 

@@ -126,9 +126,7 @@ def _write(self: Tensor, new: Array, tape: Tape | None, rec: Record | None, othe
     self._storage.write(self.layout, new)
     self.grad_id = next_grad_id()
     self._leaf = False
-    tape.append(
-        rec, ids, (self.grad_id,), avals, (Aval(self.shape, self.dtype),), provenance=provenance_of(rec, known)
-    )
+    tape.append(rec, ids, (self.grad_id,), avals, (Aval(self.shape, self.dtype),), provenance=provenance_of(rec, known))
     return self
 
 

@@ -33,7 +33,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import rumus_fx as rf
-from rumus_fx.lift.interpreter import INLINE_CALLS, Program
+from rumus_fx.lift.program import INLINE_CALLS, Program
 from rumus_fx.lift.rules import NON_DIFFERENTIABLE, RULES
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"

@@ -122,9 +122,7 @@ def test_finite_differences(info, k):
 
 # Tensor views are materialised before rf.lift traces (the rules see arrays), so the
 # default run checks the vmap subset; every entry with -m slow
-NONCONTIGUOUS = [
-    pytest.param(info, 0, id=info.name, marks=() if info.vmap else pytest.mark.slow) for info in ENTRIES
-]
+NONCONTIGUOUS = [pytest.param(info, 0, id=info.name, marks=() if info.vmap else pytest.mark.slow) for info in ENTRIES]
 
 
 @pytest.mark.parametrize("info,k", NONCONTIGUOUS)

@@ -8,7 +8,13 @@ import importlib
 import jax
 import pytest
 
-MODULES = ["rumus_fx.nn", "rumus_fx.nn.init", "rumus_fx.nn.layers", "rumus_fx.nn.transformer", "rumus_fx.nn.serialization"]
+MODULES = [
+    "rumus_fx.nn",
+    "rumus_fx.nn.init",
+    "rumus_fx.nn.layers",
+    "rumus_fx.nn.transformer",
+    "rumus_fx.nn.serialization",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

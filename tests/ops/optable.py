@@ -50,7 +50,9 @@ class OpInfo:
     def of(cls, d: OpDecl) -> OpInfo:
         kw: dict[str, Any] = {} if d.output is None else {"output": d.output}
         kw["marks"] = tuple(d.extra.get("marks", ()))
-        return cls(d.name, d.op, d.ref, d.samples, d.record_names, rtol32=d.rtol32, atol32=d.atol32, fd_tol=d.fd_tol, **kw)
+        return cls(
+            d.name, d.op, d.ref, d.samples, d.record_names, rtol32=d.rtol32, atol32=d.atol32, fd_tol=d.fd_tol, **kw
+        )
 
 
 def table() -> list[OpInfo]:

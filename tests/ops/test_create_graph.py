@@ -38,7 +38,16 @@ def _subsets(info):
 
 # each argument alone runs by default for the ops whose records read one
 # operand's data for another's gradient; for the rest it is -m slow
-ALONE_DEFAULT = {"mul", "div", "matmul", "bmm", "layer_norm", "batch_norm_2d_train", "conv2d", "scaled_dot_product_attention"}
+ALONE_DEFAULT = {
+    "mul",
+    "div",
+    "matmul",
+    "bmm",
+    "layer_norm",
+    "batch_norm_2d_train",
+    "conv2d",
+    "scaled_dot_product_attention",
+}
 CASES = [
     pytest.param(
         info,

@@ -1,0 +1,357 @@
+"""A lifted function's program: its jaxpr flattened into steps, each with its
+primitive's rule, run forward (values and residuals) and backward (the rows'
+rules in reverse, through the rule runner). Note [Lifting] in
+``lift/interpreter.py`` tells how a call becomes one."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from .. import sharding as shd
+from ..autograd.record import Aval
+from ..autograd.runner import apply_rule, conform
+from ..errors import AutogradError
+from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
+
+_Tracer = jax.core.Tracer
+
+# the (program, step) whose rule is building nested programs (a scan's body, ...)
+_ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
+
+# call primitives inlined into the program (their body is run with rf's rules)
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
+
+
+class _Const:
+    """A literal or a closed-over constant of the jaxpr."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """One primitive application: reads slots (or constants), writes slots."""
+
+    prim: Any
+    params: Params
+    ins: tuple[Any, ...]  # int slot or _Const
+    outs: tuple[int, ...]
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+    in_shardings: tuple[Any, ...] = ()  # explicit shardings (None: not explicitly sharded)
+    out_shardings: tuple[Any, ...] = ()
+    rule: Rule | None = None
+    needs: tuple[bool, ...] = ()
+    saved_in: tuple[int, ...] = ()
+    saved_out: tuple[int, ...] = ()
+    sub: Any = None  # control flow: nested programs
+    where: str = ""  # the library call and the user's line that emitted it (for errors)
+    program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
+
+
+def _aval(v: Any) -> Aval:
+    a = v.aval
+    dtype = a.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys keep their jax dtype
+        dtype = np.dtype(dtype)
+    return Aval(tuple(a.shape), dtype)
+
+
+def _sharding(v: Any) -> Any:
+    """A jaxpr variable's sharding when it is over Explicit mesh axes (the
+    program was traced with its inputs' sharded types), else None."""
+    if isinstance(v, jcore.Literal):
+        return None
+    return shd.explicit(getattr(v.aval, "sharding", None))
+
+
+class Program:
+    """A jaxpr flattened into steps, with which slots are tracked."""
+
+    def __init__(self, closed: jcore.ClosedJaxpr, tracked_in: Sequence[bool], name: str = "lifted"):
+        self.name = name
+        self.steps: list[Step] = []
+        self.nslots = 0
+        jaxpr = closed.jaxpr
+        self.in_slots = [self._new() for _ in jaxpr.invars]
+        self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
+        self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
+        self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
+        self.enclosing = _ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
+        env: dict[Any, Any] = {}
+        for v, s in zip(jaxpr.invars, self.in_slots):
+            env[v] = s
+        for v, c in zip(jaxpr.constvars, closed.consts):
+            env[v] = _Const(c)
+        self._flatten(jaxpr, env)
+        self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
+        self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
+        self.out_shardings = tuple(_sharding(v) for v in jaxpr.outvars)
+        self._mark(tracked_in)
+        self._jit_forward: Callable | None = None
+
+    # -- building -------------------------------------------------------------
+    def _new(self) -> int:
+        self.nslots += 1
+        return self.nslots - 1
+
+    @staticmethod
+    def _read(env: dict, v: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return _Const(v.val)
+        return env[v]
+
+    def _flatten(self, jaxpr: jcore.Jaxpr, env: dict, within: str = "") -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = [self._read(env, v) for v in eqn.invars]
+            if name in INLINE_CALLS:
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                if isinstance(inner, jcore.ClosedJaxpr):
+                    inner_jaxpr, consts = inner.jaxpr, inner.consts
+                else:
+                    inner_jaxpr, consts = inner, ()
+                sub_env: dict[Any, Any] = {}
+                for v, c in zip(inner_jaxpr.constvars, consts):
+                    sub_env[v] = _Const(c)
+                for v, x in zip(inner_jaxpr.invars, ins):
+                    sub_env[v] = x
+                call = eqn.params.get("name") or getattr(eqn.params.get("call_jaxpr"), "__name__", None) or name
+                self._flatten(inner_jaxpr, sub_env, _where(eqn, f"inside {name} {call!r}") or within)
+                for v, w in zip(eqn.outvars, inner_jaxpr.outvars):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = self._read(sub_env, w)
+                continue
+            outs = []
+            for v in eqn.outvars:
+                s = self._new()
+                outs.append(s)
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = s
+            self.steps.append(
+                Step(
+                    eqn.primitive,
+                    Params(eqn.params),
+                    tuple(ins),
+                    tuple(outs),
+                    tuple(_aval(v) for v in eqn.invars),
+                    tuple(_aval(v) for v in eqn.outvars),
+                    tuple(_sharding(v) for v in eqn.invars),
+                    tuple(_sharding(v) for v in eqn.outvars),
+                    where=_where(eqn, within=within),
+                    program=self,
+                )
+            )
+        self.var_refs.update(env)
+
+    def _mark(self, tracked_in: Sequence[bool]) -> None:
+        tracked = self.tracked = [False] * self.nslots
+        for s, t in zip(self.in_slots, tracked_in):
+            tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
+        for step in self.steps:
+            needs = tuple(isinstance(x, int) and tracked[x] for x in step.ins)
+            if not any(needs):
+                continue
+            name = step.prim.name
+            if name in NON_DIFFERENTIABLE or not any(is_float(a) for a in step.out_avals):
+                continue
+            rule = rule_for(step.prim)
+            if rule is None:
+                where = f", emitted {step.where}" if step.where else ""
+                raise AutogradError(
+                    f"rf.lift: no backward rule for the primitive '{name}' (in {self.name}{where}); "
+                    "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
+                    "Write the computation with primitives rf.lift supports, wrap it in "
+                    "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
+                )
+            if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
+                raise AutogradError(
+                    f"rf.lift: the backward rule of the primitive '{name}' (in {self.name}) is not "
+                    "defined for complex values, and a complex value that depends on a tracked Tensor "
+                    "reaches it; compute it on the real and imaginary parts (jnp.real, jnp.imag)."
+                )
+            step.rule = rule
+            step.needs = needs
+            prepare = getattr(rule.vjp, "prepare", None)
+            if prepare is not None:  # control flow: nested programs for the bodies
+                token = _ENCLOSING.set((self, step))
+                try:
+                    step.sub = prepare(step)
+                finally:
+                    _ENCLOSING.reset(token)
+            si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
+            step.saved_in = tuple(si)
+            step.saved_out = tuple(range(len(step.outs))) if so is None else tuple(so)  # None: every output
+            for k, s in enumerate(step.outs):
+                tracked[s] = is_float(step.out_avals[k])
+        self.tracked = tracked
+        self.tracked_steps = [i for i, st in enumerate(self.steps) if st.rule is not None]
+        self.out_tracked = [isinstance(r, int) and tracked[r] for r in self.out_refs]
+        # residual layout: each saved slot once
+        res: dict[int, int] = {}
+        for i in self.tracked_steps:
+            st = self.steps[i]
+            for k in st.saved_in:
+                if isinstance(st.ins[k], int):
+                    res.setdefault(st.ins[k], len(res))
+            for k in st.saved_out:
+                res.setdefault(st.outs[k], len(res))
+        self.residual_slots = list(res)
+        self.residual_index = res
+
+    # -- running ----------------------------------------------------------------
+    def run(self, inputs: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
+        """Evaluate the program: (outputs, residuals)."""
+        env: list[Any] = [None] * self.nslots
+        for s, x in zip(self.in_slots, inputs):
+            env[s] = x
+        extras: list[Any] = []
+        for step in self.steps:
+            vals = [x.value if isinstance(x, _Const) else env[x] for x in step.ins]
+            if step.rule is not None and step.rule.forward is not None:
+                outs, extra = step.rule.forward(step, vals)
+                extras.append(extra)
+            else:
+                # (a call primitive binds its jaxpr as a function, as jax's eval_jaxpr does)
+                outs = step.prim.bind(*vals, **step.prim.get_bind_params(step.params))
+                if not step.prim.multiple_results:
+                    outs = (outs,)
+            for s, o in zip(step.outs, outs):
+                env[s] = o
+        outputs = [r.value if isinstance(r, _Const) else env[r] for r in self.out_refs]
+        residuals = tuple(env[s] for s in self.residual_slots)
+        return outputs, (residuals, tuple(extras))
+
+    def forward(self, inputs: Sequence[Any]) -> tuple[list[Any], Any]:
+        if any(isinstance(x, _Tracer) for x in inputs):
+            return self.run(inputs)
+        if self._jit_forward is None:
+            self._jit_forward = jax.jit(self.run)
+        return self._jit_forward(list(inputs))
+
+    def records(self, residuals: Any) -> list[PrimitiveRecord]:
+        """The per-primitive records, in forward order, built from residuals."""
+        values, extras = residuals
+        out = []
+        e = 0
+        for i in self.tracked_steps:
+            st = self.steps[i]
+            extra = ()
+            if st.rule.forward is not None:
+                extra = extras[e]
+                e += 1
+            ins = tuple(self._saved(values, st.ins[k]) if k in st.saved_in else None for k in range(len(st.ins)))
+            outs = tuple(self._saved(values, st.outs[k]) if k in st.saved_out else None for k in range(len(st.outs)))
+            rec = st.rule.record(
+                st.params, st.in_avals, st.out_avals, st.needs, ins, outs, extra, st.in_shardings, st.out_shardings
+            )
+            object.__setattr__(rec, "_step", st)
+            out.append(rec)
+        return out
+
+    def _saved(self, values: Sequence[Any], ref: Any) -> Any:
+        if isinstance(ref, _Const):
+            return ref.value
+        return values[self.residual_index[ref]]
+
+    def backward(self, residuals: Any, out_grads: Sequence[Any], rows_checked: bool = False) -> list[Any]:
+        """Gradients of the inputs (None where none) from the outputs' gradients.
+        Each row's rule runs through the rule runner (Note [One rule runner] in
+        rumus_fx/autograd/runner.py); ``rows_checked``: anomaly mode checks each
+        row (a lifted call's own program, not the bodies of its control flow)."""
+        grads: dict[int, Any] = {}
+        for k, (r, g, sh) in enumerate(zip(self.out_refs, out_grads, self.out_shardings)):
+            if g is not None and isinstance(r, int) and self.tracked[r]:
+                g = conform(f"{self.name} output", k, g, sh)
+                grads[r] = g if r not in grads else grads[r] + g
+        recs = self.records(residuals)
+        for row in range(len(recs) - 1, -1, -1):
+            rec = recs[row]
+            st = rec._step
+            gs = [grads.pop(s, None) for s in st.outs]
+            if all(g is None for g in gs):
+                continue
+            if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
+                g_out = tuple(gs)
+            elif st.rule.multiple_results or st.prim.multiple_results:
+                g_out = tuple(
+                    shd.zeros(a.shape, a.dtype, sh) if g is None else g
+                    for g, a, sh in zip(gs, st.out_avals, st.out_shardings)
+                )
+            else:
+                g_out = gs[0]
+            in_grads = apply_rule(
+                rec,
+                g_out,
+                st.needs,
+                st.in_avals,
+                st.in_shardings,
+                name=f"{rec.name} in rf.lift({self.name})",
+                row=row if rows_checked else None,
+                describe=functools.partial(_describe, rec),
+            )
+            for x, g in zip(st.ins, in_grads):
+                if g is not None:
+                    grads[x] = g if x not in grads else grads[x] + g
+        return [grads.get(s) for s in self.in_slots]
+
+
+def _is_internal(path: str) -> bool:
+    return any(f"{os.sep}{d}{os.sep}" in path for d in ("jax", "jaxlib", "rumus_fx", "contextlib"))
+
+
+def _where(eqn: Any, call: str = "", within: str = "") -> str:
+    """Where an equation came from, for error messages: the library call that
+    emitted it (the innermost frame outside jax and rumus_fx: a function of
+    equinox, diffrax, ... or of the user), the user's outermost line, and the
+    equation's name stack (``vmap(...)``, ``jit(...)``, module names)."""
+    try:
+        frames = [f for f in eqn.source_info.traceback.frames if not _is_internal(f.file_name)]
+        stack = str(eqn.source_info.name_stack)
+    except Exception:  # pragma: no cover - source info is best effort
+        return within
+    if not frames:
+        return within
+    parts = [call] if call else []
+    if frames:
+        inner, outer = frames[0], frames[-1]
+        parts.append(f"by {_fn(inner)} at {_short(inner.file_name)}:{inner.line_num}")
+        if outer is not inner:
+            parts.append(f"called from {_fn(outer)} at {_short(outer.file_name)}:{outer.line_num}")
+    if stack:
+        parts.append(f"name stack {stack}")
+    return ", ".join(parts)
+
+
+def _fn(frame: Any) -> str:
+    """A frame's function: ``f.<locals>.g`` -> ``g``, ``Model.__call__`` kept."""
+    return frame.function_name.split("<locals>.")[-1]
+
+
+def _short(path: str) -> str:
+    """``.../site-packages/diffrax/_integrate.py`` -> ``diffrax/_integrate.py``."""
+    for marker in ("site-packages", "dist-packages"):
+        if marker in path:
+            return path.split(marker + os.sep, 1)[1]
+    return os.path.basename(path)
+
+
+def _describe(rec: PrimitiveRecord) -> str:
+    """A primitive record, its primitive and operands, for a sharding error."""
+    shown = ", ".join(
+        f"{np.dtype(a.dtype).name}{list(a.shape)}" + (f" sharded {s.spec}" if s is not None else "")
+        for a, s in zip(rec.in_avals, rec.in_shardings)
+    )
+    return f"{rec.name} (rf.lift's rule for '{rec._step.prim.name}', operands {shown})"
