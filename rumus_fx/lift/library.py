@@ -68,7 +68,8 @@ def defrule(
     not saved) — and ``g`` the gradient of the output (a tuple of one per output
     for a primitive with ``multiple_results``; an output that got no gradient
     gets zeros). It returns a sequence with one gradient (or ``None``) per
-    input, each of its input's shape. The rule may be run under ``jax.jit`` and,
+    input, each of its input's shape and dtype (a gradient of another shape or
+    dtype raises ``AutogradError`` naming the rule; it is never cast). The rule may be run under ``jax.jit`` and,
     for a gradient of a gradient, recorded on a tape: write it as a pure
     function of ``r`` and ``g``. Real floating operands only: a complex value
     that carries a gradient into the primitive is refused when the program is

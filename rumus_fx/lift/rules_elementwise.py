@@ -17,6 +17,7 @@ from jax import lax
 
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
+from ..ops import _formulas as formulas
 from ..ops._declare import binary_samples, distinct, far_from_zero, normal, positive, unary_samples, unit, wellcond
 from .rules import add_table, defrule, saves_inputs, saves_outputs
 
@@ -71,14 +72,14 @@ def _plus_one_and_a_half(rng, *shape):
 
 
 # -- unary ---------------------------------------------------------------------
-_unary("neg", lambda r, g: -g, ((), ()), program=lambda x: -x, vmap=True)
-_unary("exp", lambda r, g: g * _output(r), saves_outputs(0), program=jnp.exp, vmap=True)
+_unary("neg", lambda r, g: formulas.neg(g), ((), ()), program=lambda x: -x, vmap=True)
+_unary("exp", lambda r, g: formulas.exp(g, _output(r)), saves_outputs(0), program=jnp.exp, vmap=True)
 _unary("exp2", lambda r, g: g * _output(r) * jnp.asarray(math.log(2.0), g.dtype), saves_outputs(0), program=jnp.exp2)
-_unary("log", lambda r, g: g / _input(r), saves_inputs(0), program=jnp.log, gen=positive)
+_unary("log", lambda r, g: formulas.log(g, _input(r)), saves_inputs(0), program=jnp.log, gen=positive)
 _unary("log1p", lambda r, g: g / (_input(r) + 1), saves_inputs(0), program=jnp.log1p, gen=positive)
 _unary("expm1", lambda r, g: g * (_output(r) + 1), saves_outputs(0), program=jnp.expm1)
-_unary("tanh", lambda r, g: g * (1 - _output(r) * _output(r)), saves_outputs(0), program=jnp.tanh, vmap=True)
-_unary("logistic", lambda r, g: g * _output(r) * (1 - _output(r)), saves_outputs(0), program=jax.nn.sigmoid)
+_unary("tanh", lambda r, g: formulas.tanh(g, _output(r)), saves_outputs(0), program=jnp.tanh, vmap=True)
+_unary("logistic", lambda r, g: formulas.sigmoid(g, _output(r)), saves_outputs(0), program=jax.nn.sigmoid)
 _unary("sin", lambda r, g: g * lax.cos(_input(r)), saves_inputs(0), program=jnp.sin, vmap=True)
 _unary("cos", lambda r, g: -g * lax.sin(_input(r)), saves_inputs(0), program=jnp.cos)
 _unary("tan", lambda r, g: g * (1 + _output(r) * _output(r)), saves_outputs(0), program=jnp.tan, gen=unit)

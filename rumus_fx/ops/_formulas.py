@@ -5,8 +5,7 @@ declaration says (Note [Unary op family] in ``_unary.py``).
 
 The primitive rules of ``rf.lift`` for the same functions
 (``lift/rules_elementwise.py``: ``exp``, ``log``, ``tanh``, ``logistic``,
-``neg``) write the same formulas inline; they can call these instead
-(``formula(g, _input(r))`` or ``formula(g, _output(r))``)."""
+``neg``) call these too, so each derivative is written once."""
 
 from __future__ import annotations
 
