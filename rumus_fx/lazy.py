@@ -80,7 +80,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .eager import compiled, scalar_operand
+from .eager import compiled, scalar_operand, scalar_operands
 
 _Tracer = jax.core.Tracer
 _SingleDevice = jax.sharding.SingleDeviceSharding
@@ -404,7 +404,7 @@ def _run(nodes: list[Lazy]) -> None:
             seen[key] = 1
         program = None
     if program is not None:
-        arrays = program(external, [scalar_operand(s) for s in scalars])
+        arrays = program(external, scalar_operands(scalars))
         for i, a in zip(outputs, arrays):
             nodes[i].array = a
         for m in nodes:

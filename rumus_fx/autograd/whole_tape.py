@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from ..eager import PY_SCALARS, scalar_operand
+from .record import _KEYS as record_keys
 from .record import from_structure, structure_key
 
 if TYPE_CHECKING:  # typing only: tape.py builds on the engine, which uses this module
@@ -115,21 +116,33 @@ def _signature(
     leaves_of: list[list[Any]] = []
     tracer = jax.core.Tracer
     number = local.setdefault  # an id's local number: the next one at its first appearance
+    keys = record_keys  # record class -> its structure_key code (Note [Per-class record code])
     for e in entries:
         if e.input_shardings:
             return None
-        found = structure_key(e.op)
+        op = e.op
+        key_of = keys.get(type(op))
+        found = structure_key(op) if key_of is None else key_of(op)
         if found is None:
             return None
         key, children = found
         leaves_of.append(children)
-        ins = []
-        for i in e.inputs:
-            ins.append(None if i is None else number(i, len(local)))
-        outs = []
-        for o in e.outputs:
-            outs.append(number(o, len(local)))
-        parts.append((key, tuple(ins), tuple(outs), e.input_avals))
+        inputs = e.inputs
+        if len(inputs) == 1:  # the usual records: one or two inputs, one output
+            i = inputs[0]
+            ins: tuple = (None if i is None else number(i, len(local)),)
+        elif len(inputs) == 2:
+            i, j = inputs
+            i = None if i is None else number(i, len(local))
+            ins = (i, None if j is None else number(j, len(local)))
+        else:
+            ins = tuple([None if i is None else number(i, len(local)) for i in inputs])
+        outputs = e.outputs
+        if len(outputs) == 1:
+            outs: tuple = (number(outputs[0], len(local)),)
+        else:
+            outs = tuple([number(o, len(local)) for o in outputs])
+        parts.append((key, ins, outs, e.input_avals))
     seed_ids = [number(s, len(local)) for s in seeds]
     for v in seeds.values():
         if isinstance(v, tracer):
