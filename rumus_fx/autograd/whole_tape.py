@@ -45,6 +45,7 @@ inline anyway). Nothing here calls JAX's autodiff.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -96,14 +97,84 @@ class _Seen:
 
 class _Compiled(_Seen):
     """A signature seen three times or more: the walk as one jitted program
-    (``timed``: its timed calls, taking turns with the rules' until the choice)."""
+    per sharing pattern of its arguments (``fns``; Note [Shared arguments of
+    the compiled walk]; ``timed``: its timed calls, taking turns with the
+    rules' until the choice)."""
 
-    __slots__ = ("fn", "timed")
+    __slots__ = ("fns", "make", "timed")
 
-    def __init__(self, seen: _Seen, fn: Callable):
+    def __init__(self, seen: _Seen, make: Callable[[tuple[int, ...]], Callable]):
         super().__init__(seen.live, seen.foreign, seen.seconds)
-        self.fn = fn
+        self.make = make  # sharing pattern -> its jitted walk
+        self.fns: dict[tuple[int, ...], Callable] = {}
         self.timed: list[float] = []
+
+    def fn(self, leaves_of: list[list[Any]], seed_values: list[Any]) -> dict[int, jax.Array]:
+        """The compiled walk on these records' children and seeds."""
+        pattern, unique, rest = _share(leaves_of)
+        fns = self.fns
+        fn = fns.get(pattern)
+        if fn is None:
+            if len(fns) >= MAX_PATTERNS:  # a pattern that keeps changing: every array its own argument
+                pattern, unique, rest = _share(leaves_of, False)
+                fn = fns.get(pattern)
+            if fn is None:
+                fn = fns[pattern] = self.make(pattern)
+        return fn(unique, rest, seed_values)
+
+
+# Note [Shared arguments of the compiled walk]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each argument of a compiled call costs its dispatch about a microsecond, and
+# records often save the same array: relu saves its input, the output tanh
+# saved before it; every ``t * 1.01`` of a loop saves the one cached device
+# array of ``1.01`` (``_arguments``). So the walk takes each distinct array
+# once: the *pattern* says, for every child of every record in order, which
+# distinct array it is (by identity) or which of the other children (None,
+# tuples, python scalars) it is. A pattern is fixed for a training loop's
+# steps (the same records save the same values), so each signature compiles
+# one program per pattern seen, at most ``MAX_PATTERNS``; beyond, every array
+# is its own argument (one more pattern, the same for any sharing). The
+# program reads the same arrays as before, so its values are unchanged.
+MAX_PATTERNS = 4
+_ARRAY_TYPES: set[type] = set()  # concrete jax array types met among the children
+_NOT_ARRAY_TYPES: set[type] = {type(None), tuple, int, float, bool, complex}
+
+
+def _share(leaves_of: list[list[Any]], share: bool = True) -> tuple[tuple[int, ...], list[Any], list[Any]]:
+    """(pattern, distinct arrays, other children) of the records' children:
+    the pattern gives, per child in order, ``k >= 0`` for the ``k``-th distinct
+    array and ``-1 - k`` for the ``k``-th other child."""
+    pattern: list[int] = []
+    unique: list[Any] = []
+    rest: list[Any] = []
+    index: dict[int, int] = {}
+    arrays, others = _ARRAY_TYPES, _NOT_ARRAY_TYPES
+    for children in leaves_of:
+        for c in children:
+            t = type(c)
+            if t in arrays or (t not in others and _is_array(c)):
+                k = index.get(id(c)) if share else None
+                if k is None:
+                    k = len(unique)
+                    unique.append(c)
+                    if share:
+                        index[id(c)] = k
+                pattern.append(k)
+            else:
+                pattern.append(-1 - len(rest))
+                rest.append(c)
+    return tuple(pattern), unique, rest
+
+
+def _is_array(c: Any) -> bool:
+    """Whether a child is a concrete jax array (its type is remembered)."""
+    t = type(c)
+    if isinstance(c, jax.Array) and not isinstance(c, jax.core.Tracer):
+        _ARRAY_TYPES.add(t)
+        return True
+    _NOT_ARRAY_TYPES.add(t)  # pragma: no cover - numpy arrays and other pytrees are children as they are
+    return False
 
 
 def _signature(
@@ -278,11 +349,24 @@ def _compile(sig: Any, seen: _Seen, walk: Walk, entry_type: type, options: Any =
     parts, seed_ids, keep_ids = sig[1]
     keep = None if keep_ids is None else set(keep_ids)
 
-    def program(leaves_of: list[list[Any]], seed_values: list[jax.Array]) -> dict[int, jax.Array]:
-        traced = [
-            entry_type(from_structure(key, children), ins, outs, avals)
-            for children, (key, ins, outs, avals) in zip(leaves_of, parts)
-        ]
+    counts = [len(key[2]) for key, _, _, _ in parts]  # children per record (their kinds)
+
+    def program(
+        pattern: tuple[int, ...], unique: list[Any], rest: list[Any], seed_values: list[jax.Array]
+    ) -> dict[int, jax.Array]:
+        it = iter(pattern)
+        traced = []
+        for n, (key, ins, outs, avals) in zip(counts, parts):
+            children = []
+            for _ in range(n):
+                k = next(it)
+                children.append(unique[k] if k >= 0 else rest[-1 - k])
+            traced.append(entry_type(from_structure(key, children), ins, outs, avals))
         return walk(traced, dict(zip(seed_ids, seed_values)), keep, None)
 
-    return _Compiled(seen, jax.jit(program, compiler_options=None if options is None else dict(options)))
+    opts = None if options is None else dict(options)
+
+    def make(pattern: tuple[int, ...]) -> Callable:
+        return jax.jit(functools.partial(program, pattern), compiler_options=opts)
+
+    return _Compiled(seen, make)
