@@ -128,10 +128,11 @@ class _Compiled(_Seen):
 # Each argument of a compiled call costs its dispatch about a microsecond, and
 # records often save the same array: relu saves its input, the output tanh
 # saved before it; every ``t * 1.01`` of a loop saves the one cached device
-# array of ``1.01`` (``_arguments``). So the walk takes each distinct array
-# once: the *pattern* says, for every child of every record in order, which
-# distinct array it is (by identity) or which of the other children (None,
-# tuples, python scalars) it is. A pattern is fixed for a training loop's
+# array of ``1.01`` (``_share`` converts each saved python scalar once, as
+# ``eager.scalar_operand``: jit would convert it afresh on every call). So the
+# walk takes each distinct array once: the *pattern* says, for every child of
+# every record in order, which distinct array it is (by identity) or which of
+# the other children (None, tuples, zeros and nans) it is. A pattern is fixed for a training loop's
 # steps (the same records save the same values), so each signature compiles
 # one program per pattern seen, at most ``MAX_PATTERNS``; beyond, every array
 # is its own argument (one more pattern, the same for any sharing). The
@@ -142,17 +143,29 @@ _NOT_ARRAY_TYPES: set[type] = {type(None), tuple, int, float, bool, complex}
 
 
 def _share(leaves_of: list[list[Any]], share: bool = True) -> tuple[tuple[int, ...], list[Any], list[Any]]:
-    """(pattern, distinct arrays, other children) of the records' children:
-    the pattern gives, per child in order, ``k >= 0`` for the ``k``-th distinct
-    array and ``-1 - k`` for the ``k``-th other child."""
+    """(pattern, distinct arrays, other children) of the records' children,
+    a saved python scalar read as its cached device array (``scalar_operand``:
+    the same weakly typed aval, so the same program): the pattern gives, per
+    child in order, ``k >= 0`` for the ``k``-th distinct array and ``-1 - k``
+    for the ``k``-th other child."""
     pattern: list[int] = []
     unique: list[Any] = []
     rest: list[Any] = []
     index: dict[int, int] = {}
     arrays, others = _ARRAY_TYPES, _NOT_ARRAY_TYPES
+    converted: dict[tuple[type, Any], Any] = {}  # python scalar -> its operand, in this call
     for children in leaves_of:
         for c in children:
             t = type(c)
+            if t in PY_SCALARS:
+                if c and c == c:
+                    a = converted.get((t, c))
+                    if a is None:
+                        a = converted[(t, c)] = scalar_operand(c)
+                    c = a
+                else:
+                    c = scalar_operand(c)  # a zero or a nan: passed through
+                t = type(c)
             if t in arrays or (t not in others and _is_array(c)):
                 k = index.get(id(c)) if share else None
                 if k is None:
@@ -275,13 +288,13 @@ def run(
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):  # third sighting: compile the walk (not timed)
         hit = _CACHE[sig] = _compile(sig, hit, walk, type(entries[0]), _options(entries))
-        out = hit.fn(_arguments(leaves_of), list(seeds.values()))
+        out = hit.fn(leaves_of, list(seeds.values()))
     elif len(hit.timed) < TIMED:
-        out = _timed(lambda: hit.fn(_arguments(leaves_of), list(seeds.values())), leaves_of, seeds, hit.timed)
+        out = _timed(lambda: hit.fn(leaves_of, list(seeds.values())), leaves_of, seeds, hit.timed)
         if len(hit.timed) == TIMED:
             hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)
     else:
-        out = hit.fn(_arguments(leaves_of), list(seeds.values()))
+        out = hit.fn(leaves_of, list(seeds.values()))
     back = {v: k for k, v in local.items()}
     if foreign is not None:
         for lid in hit.foreign:
@@ -300,18 +313,6 @@ def _timed(
     grads = jax.block_until_ready(run_walk())
     seconds.append(time.perf_counter() - t0)
     return grads
-
-
-def _arguments(leaves_of: list[list[Any]]) -> list[list[Any]]:
-    """The records' children as the compiled walk's arguments: a saved python
-    scalar (the ``1.01`` of ``t * 1.01``) as its cached device array
-    (``eager.scalar_operand``: the same weakly typed aval, so the same program),
-    which jit would otherwise convert afresh on every call."""
-    for children in leaves_of:
-        for k, c in enumerate(children):
-            if type(c) in PY_SCALARS:
-                children[k] = scalar_operand(c)
-    return leaves_of
 
 
 def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int, jax.Array]:
