@@ -86,13 +86,14 @@ class _Seen:
     foreign, and how long the rule-by-rule walk took (seconds); ``rules``: the
     compiled walk lost, walk rule by rule from now on."""
 
-    __slots__ = ("foreign", "live", "rules", "seconds")
+    __slots__ = ("foreign", "key", "live", "rules", "seconds")
 
-    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...], seconds: list[float]):
+    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...], seconds: list[float], key: Any = None):
         self.live = live
         self.foreign = foreign
         self.seconds = seconds
         self.rules = False
+        self.key = key  # the signature as the cache holds it (found again by identity, not compared)
 
 
 class _Compiled(_Seen):
@@ -104,7 +105,7 @@ class _Compiled(_Seen):
     __slots__ = ("fns", "make", "timed")
 
     def __init__(self, seen: _Seen, make: Callable[[tuple[int, ...]], Callable]):
-        super().__init__(seen.live, seen.foreign, seen.seconds)
+        super().__init__(seen.live, seen.foreign, seen.seconds, seen.key)
         self.make = make  # sharing pattern -> its jitted walk
         self.fns: dict[tuple[int, ...], Callable] = {}
         self.timed: list[float] = []
@@ -272,7 +273,7 @@ def run(
     hit = _CACHE.get(sig)
     if hit is None:
         return _first_sighting(sig, entries, seeds, keep, foreign, walk, local)
-    _CACHE.move_to_end(sig)
+    _CACHE.move_to_end(sig if hit.key is None else hit.key)
     if hit.rules:
         return walk(entries, seeds, keep, foreign)
 
@@ -326,7 +327,7 @@ def _first_sighting(sig, entries, seeds, keep, foreign, walk, local) -> dict[int
             foreign(gid)
 
     grads = walk(entries, seeds, keep, note_foreign, live=live)
-    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign), [])
+    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign), [], sig)
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return grads
