@@ -262,3 +262,28 @@ def test_sharing_patterns_are_bounded(monkeypatch):
             np.testing.assert_allclose(g, w, rtol=1e-6)
     compiled = [s for s in whole_tape._CACHE.values() if isinstance(s, whole_tape._Compiled)]
     assert compiled and all(len(s.fns) <= whole_tape.MAX_PATTERNS + 1 for s in compiled)
+
+
+def test_trace_tokens_of_threads_under_their_own_traces():
+    import threading
+
+    outer = storage.current_trace_state()
+    found = {}
+
+    def work(name):
+        def f(x):
+            found[name] = [storage.current_trace_state() for _ in range(50)]
+            return x
+
+        jax.jit(f)(1.0)
+        found[name + " after"] = storage.current_trace_state()
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in ("a", "b"):
+        assert all(tok == found[name][0] for tok in found[name])
+        assert found[name][0] != outer and found[name + " after"] == outer
+    assert found["a"][0] != found["b"][0]
