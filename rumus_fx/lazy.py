@@ -17,7 +17,8 @@ every pending node is computed, in creation order, as
 - one dispatch per node of the op's own compiled program (exactly what the op
   did before), the first time a run of nodes of this structure is seen, or
 - one compiled program for the whole run, once the same structure (ops,
-  which node feeds which, which results are still referenced) is seen again.
+  which node feeds which, which results are still referenced, which nodes
+  share a scalar: Note [Scalars of a run]) is seen again.
   It returns only the nodes something still references (``sys.getrefcount``,
   minus the references the run itself holds): XLA fuses the rest away. A node
   judged unreferenced that is read after all is recomputed from its operand.

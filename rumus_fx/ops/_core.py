@@ -142,9 +142,22 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
 #   ``backward(create_graph=True)`` reads it); ``f(t)`` and ``t <op> python
 #   scalar`` (``t`` tracked, not explicitly sharded) take a path without the
 #   general loop (``record_general``, which records the same entry: see
-#   tests/test_tape.py); entries and version snapshots fill their
-#   ``__dict__`` directly (``Tape.append`` through ``tape.new_entry``, the one
-#   way an entry is made; ``VersionSnapshot.of``).
+#   tests/test_tape.py); entries, version snapshots and the records of
+#   ``t <op> python scalar`` and of the deferred ops fill their ``__dict__``
+#   directly (``Tape.append`` through ``tape.new_entry``, the one way an entry
+#   is made; ``VersionSnapshot.of``; ``new_record``), and a scalar operand's
+#   ``BroadcastInfo`` is shared (``same_shape_info``);
+# * a deferred op (Note [Deferred elementwise ops] in rumus_fx/lazy.py) is
+#   recorded by ``record_deferred``, which gives the output's storage its
+#   input's aval (an elementwise op keeps shape and dtype) and appends the
+#   entry itself; a storage's trace token is shared by the storages made under
+#   one trace (``storage._current_trace``).
+#
+# Backward, per record: the version checks and the whole-tape signature's
+# structure key run as code emitted for the record class (Note [Per-class
+# record code] in autograd/record.py), and the compiled walk takes each
+# distinct saved array once (Note [Shared arguments of the compiled walk] in
+# autograd/whole_tape.py).
 #
 # What stays per op: the grad id, the version snapshots of what the record
 # reads, the avals and the explicit-sharding check of every tracked input.
