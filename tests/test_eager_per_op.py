@@ -287,3 +287,20 @@ def test_trace_tokens_of_threads_under_their_own_traces():
         assert all(tok == found[name][0] for tok in found[name])
         assert found[name][0] != outer and found[name + " after"] == outer
     assert found["a"][0] != found["b"][0]
+
+
+def test_saved_zero_scalars_keep_one_unshared_pattern(monkeypatch):
+    """Saved python zeros (never cached) do not make a signature compile a
+    program per zero position: past MAX_PATTERNS, one unshared program serves."""
+    monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", float("inf"))
+    whole_tape.clear_cache()
+    w = jnp.linspace(-1.0, 1.0, 4)
+    vg = rf.value_and_grad(lambda w, a, b, c: rf.sum(rf.tanh(w * a) * b + w * c))
+    want = jax.grad(lambda w, a, b, c: jnp.sum(jnp.tanh(w * a) * b + w * c))
+    steps = [(1.5, 2.0, 0.5)] * 8 + [(0.0, 2.0, 0.5), (1.5, -0.0, 0.5), (1.5, 2.0, 0.0), (0.0, 0.0, 0.0)] * 3
+    steps += [(2.0, 2.0, 2.0), (3.0, 3.0, 1.0), (1.0, 3.0, 3.0), (7.0, 8.0, 9.0)] * 2
+    for a, b, c in steps:
+        _, g = vg(w, a, b, c)
+        np.testing.assert_allclose(g, want(w, a, b, c), rtol=1e-6, atol=1e-7)
+    (state,) = [s for s in whole_tape._CACHE.values() if isinstance(s, whole_tape._Compiled)]
+    assert len(state.fns) <= whole_tape.MAX_PATTERNS + 1

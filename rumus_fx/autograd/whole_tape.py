@@ -133,11 +133,14 @@ class _Compiled(_Seen):
 # ``eager.scalar_operand``: jit would convert it afresh on every call). So the
 # walk takes each distinct array once: the *pattern* says, for every child of
 # every record in order, which distinct array it is (by identity) or which of
-# the other children (None, tuples, zeros and nans) it is. A pattern is fixed for a training loop's
-# steps (the same records save the same values), so each signature compiles
-# one program per pattern seen, at most ``MAX_PATTERNS``; beyond, every array
-# is its own argument (one more pattern, the same for any sharing). The
-# program reads the same arrays as before, so its values are unchanged.
+# the other children (None, tuples) it is; a saved zero or nan, which
+# ``scalar_operand`` never caches, is an array of its own made for the call.
+# A pattern is fixed for a training loop's steps (the same records save the
+# same values), so each signature compiles one program per pattern seen, at
+# most ``MAX_PATTERNS``; beyond, every array is its own argument (one more
+# pattern, the same for any sharing and any scalars). The program reads the
+# same values as before (a python scalar and its weakly typed array trace
+# alike), so its results are unchanged.
 MAX_PATTERNS = 4
 _ARRAY_TYPES: set[type] = set()  # concrete jax array types met among the children
 _NOT_ARRAY_TYPES: set[type] = {type(None), tuple, int, float, bool, complex}
@@ -164,8 +167,8 @@ def _share(leaves_of: list[list[Any]], share: bool = True) -> tuple[tuple[int, .
                     if a is None:
                         a = converted[(t, c)] = scalar_operand(c)
                     c = a
-                else:
-                    c = scalar_operand(c)  # a zero or a nan: passed through
+                else:  # a zero or a nan (never cached): an array of its own, so the pattern does not change
+                    c = _fresh_operand(c)
                 t = type(c)
             if t in arrays or (t not in others and _is_array(c)):
                 k = index.get(id(c)) if share else None
@@ -179,6 +182,17 @@ def _share(leaves_of: list[list[Any]], share: bool = True) -> tuple[tuple[int, .
                 pattern.append(-1 - len(rest))
                 rest.append(c)
     return tuple(pattern), unique, rest
+
+
+def _fresh_operand(v: Any) -> Any:
+    """A zero or a nan saved as a python scalar, as the weakly typed array jit
+    would make of it (``jnp.asarray``, made afresh: ``scalar_operand`` caches
+    neither, ``0.0 == -0.0`` and ``nan != nan``); ``v`` itself if it does not
+    convert."""
+    try:
+        return jax.numpy.asarray(v)
+    except (OverflowError, TypeError, ValueError):  # pragma: no cover - zeros and nans convert
+        return v
 
 
 def _is_array(c: Any) -> bool:
