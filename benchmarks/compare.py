@@ -1,6 +1,6 @@
 """rumus_fx vs jax.grad on the benchmark models, measured interleaved in one process.
 
-Usage: ``python -m benchmarks.models [--models mlp,cnn,gpt] [--repeats N]``
+Usage: ``python -m benchmarks.models [--models mlp,cnn,gpt] [--repeats N] [--chain-only]``
 
 For each model it first asserts that both implementations give the same loss and
 gradients, then reports ratios rf / jax.grad (below 1.00 means rumus_fx is
@@ -258,7 +258,9 @@ def format_table(rows: list[dict[str, Any]], no_torch: str = "n/a (torch not ins
         torch_col = (
             no_torch
             if r["torch_ratio"] is None
-            else (f"{r['torch_ratio']:.2f} ({r.get('eager_rf_block_ms', r['eager_rf_ms']):.1f} / {r['torch_ms']:.1f} ms)")
+            else (
+                f"{r['torch_ratio']:.2f} ({r.get('eager_rf_block_ms', r['eager_rf_ms']):.1f} / {r['torch_ms']:.1f} ms)"
+            )
         )
         lines.append(
             f"| {r['model']} | {r['jit_ratio']:.2f} ({r['jit_rf_ms']:.2f} / {r['jit_jax_ms']:.2f} ms) "
@@ -324,6 +326,8 @@ def main(
     parser.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated subset of mlp,cnn,gpt")
     parser.add_argument("--repeats", type=int, default=30, help="timed runs of each jit step")
     parser.add_argument("--eager-repeats", type=int, default=5, help="timed runs of each eager step")
+    if chain:
+        parser.add_argument("--chain-only", action="store_true", help="only the 200-op chain's line")
     args = parser.parse_args(argv)
     with_torch = torch_available()
     versions = ""
@@ -335,6 +339,9 @@ def main(
         f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()}, "
         f"{jax.device_count()} device(s)); rumus_fx {rf.__version__}; kernels: {rf.kernels.backend()}{versions}"
     )
+    if chain and args.chain_only:
+        print(format_chain(chain_per_op(with_torch=with_torch)))
+        return
     gflops = matmul_gflops()
     print(f"matmul rate (2048^3 float32, XLA): {gflops:.0f} GFLOP/s", flush=True)
     rows = []

@@ -191,4 +191,26 @@ def scalar_operand(v: int | float) -> Any:
     return arr
 
 
+# (x64, default device, abstract mesh, the scalars, their types) -> their
+# ``scalar_operand``s, for runs of deferred ops (``scalar_operands``)
+_SCALAR_LISTS: dict[tuple[Any, ...], list[Any]] = {}
+_SCALAR_LISTS_MAX = 64
+
+
+def scalar_operands(values: list[Any]) -> list[Any]:
+    """``[scalar_operand(v) for v in values]`` (python ints and floats), one
+    cached list per (context, values, their types) when no value is a zero or
+    a nan: a deferred run passes the same scalars at every step (rumus_fx/lazy.py).
+    Keys never hold a zero or a nan, so ``-0.0`` never meets a cached ``0.0``
+    (they compare equal) and a nan never matches."""
+    config = jax.config
+    key = (config.jax_enable_x64, config.jax_default_device, _abstract_mesh(), tuple(values), tuple(map(type, values)))
+    out = _SCALAR_LISTS.get(key)
+    if out is None:
+        out = [scalar_operand(v) for v in values]
+        if len(_SCALAR_LISTS) < _SCALAR_LISTS_MAX and all(v and v == v for v in values):
+            _SCALAR_LISTS[key] = out
+    return list(out)
+
+
 _abstract_mesh = jax.sharding.get_abstract_mesh

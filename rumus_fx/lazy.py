@@ -17,7 +17,8 @@ every pending node is computed, in creation order, as
 - one dispatch per node of the op's own compiled program (exactly what the op
   did before), the first time a run of nodes of this structure is seen, or
 - one compiled program for the whole run, once the same structure (ops,
-  which node feeds which, which results are still referenced) is seen again.
+  which node feeds which, which results are still referenced, which nodes
+  share a scalar: Note [Scalars of a run]) is seen again.
   It returns only the nodes something still references (``sys.getrefcount``,
   minus the references the run itself holds): XLA fuses the rest away. A node
   judged unreferenced that is read after all is recomputed from its operand.
@@ -80,7 +81,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .eager import compiled, scalar_operand
+from .eager import compiled, scalar_operand, scalar_operands
 
 _Tracer = jax.core.Tracer
 _SingleDevice = jax.sharding.SingleDeviceSharding
@@ -373,7 +374,9 @@ def _run(nodes: list[Lazy]) -> None:
         return
     structure = []
     external: list[Any] = []
-    scalars: list[Any] = []
+    scalars: list[Any] = []  # the run's distinct scalars (Note [Scalars of a run])
+    slots: list[int] = []  # per binary node, its scalar's index in ``scalars``
+    slot_of: dict[tuple[type, Any], int] = {}
     token = object()  # this run: a node's ``pos`` counts only with it (threads)
     i = 0
     for n in nodes:
@@ -386,25 +389,35 @@ def _run(nodes: list[Lazy]) -> None:
             external.append(concrete(s))
             ref = -len(external)
         if n.kind.binary:
-            scalars.append(n.scalar)
+            v = n.scalar
+            if v and v == v:  # a zero or a nan gets a slot of its own (0.0 == -0.0, nan != nan)
+                k = (type(v), v)
+                slot = slot_of.get(k)
+                if slot is None:
+                    slot = slot_of[k] = len(scalars)
+                    scalars.append(v)
+            else:
+                slot = len(scalars)
+                scalars.append(v)
+            slots.append(slot)
         structure.append((n.kind, ref))
     del s, n
     outputs = _outputs(nodes)
-    key = (tuple(structure), outputs)
+    key = (tuple(structure), outputs, tuple(slots))
     program = _PROGRAMS.get(key)
     if program is None:
         seen = nodes[0].queue.seen  # sightings count per thread: its runs are those it would make alone
         if key in seen or len(seen) < _MAX_PROGRAMS:
             count = seen[key] = seen.get(key, 0) + 1
             if count >= _COMPILE_AT and len(_PROGRAMS) < _MAX_PROGRAMS:
-                program = _PROGRAMS[key] = jax.jit(functools.partial(_replay, key[0], outputs))
+                program = _PROGRAMS[key] = jax.jit(functools.partial(_replay, key[0], outputs, key[2]))
     elif key not in nodes[0].queue.seen:  # compiled by another thread: used from this thread's own second sighting
         seen = nodes[0].queue.seen
         if len(seen) < _MAX_PROGRAMS:
             seen[key] = 1
         program = None
     if program is not None:
-        arrays = program(external, [scalar_operand(s) for s in scalars])
+        arrays = program(external, scalar_operands(scalars))
         for i, a in zip(outputs, arrays):
             nodes[i].array = a
         for m in nodes:
@@ -418,10 +431,23 @@ def _run(nodes: list[Lazy]) -> None:
         m.src = m.scalar = None
 
 
-def _replay(structure: tuple, outputs: tuple[int, ...], external: list[Any], scalars: list[Any]) -> list[Any]:
+# Note [Scalars of a run]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Each argument of a compiled call costs its dispatch about a microsecond, so a
+# run passes each distinct python scalar once (``t * 1.01`` fifty times in a
+# run: one argument): equal scalars of one type share a slot, and the slots,
+# part of the run's structure, say which node reads which. A zero or a nan
+# always gets a slot of its own (``0.0 == -0.0``, ``nan != nan``). Each node
+# still reads the same weakly typed argument (``eager.scalar_operand``) as
+# its own program does, so the values are unchanged.
+
+
+def _replay(
+    structure: tuple, outputs: tuple[int, ...], slots: tuple[int, ...], external: list[Any], scalars: list[Any]
+) -> list[Any]:
     values: list[Any] = []
-    it = iter(scalars)
+    it = iter(slots)
     for kind, ref in structure:
         x = values[ref] if ref >= 0 else external[-1 - ref]
-        values.append(kind.fun(x, next(it)) if kind.binary else kind.fun(x))
+        values.append(kind.fun(x, scalars[next(it)]) if kind.binary else kind.fun(x))
     return [values[i] for i in outputs]

@@ -168,3 +168,13 @@ def test_conv_grid_gemm_step_compares_the_plan_with_gemm_off():
     assert P.conv_plan(4, 3, 1, cols=P.cols_size(2, 4, 6, 6, 3, 1, 1))[0] == "gemm"
     t_plan, t_off = gemm_step_ratio(2, 4, 4, 6, 1, rounds=1)
     assert t_plan > 0 and t_off > 0 and P.GEMM_MAX_C == before
+
+
+def test_chain_only_prints_the_chain_line_alone(monkeypatch, capsys):
+    from benchmarks import compare
+
+    monkeypatch.setattr(compare, "chain_per_op", lambda with_torch=None: {"n": 9, "rf_fwd": 1.0, "rf_fwd_bwd": 2.0})
+    monkeypatch.setattr(compare, "matmul_gflops", lambda: pytest.fail("the models are not measured"))
+    compare.main(["--chain-only"])
+    out = capsys.readouterr().out
+    assert "9-op chain, µs per op: rf forward 1.0, forward+backward 2.0" in out

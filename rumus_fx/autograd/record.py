@@ -259,6 +259,14 @@ class Record:
         """``VersionMismatch`` when a storage this record reads was written
         since (each snapshot in field order, as ``snapshots()``)."""
         cls = type(self)
+        fn = _CHECKS.get(cls)
+        if fn is None:
+            fn = _CHECKS[cls] = _compile_check(cls)
+        fn(self)
+
+    def _check_versions_generic(self) -> None:
+        """``check_versions`` field by field (what ``_compile_check`` emits)."""
+        cls = type(self)
         if cls.__dict__.get("_snapshot_fields") is None:
             cls._classify_fields()
         for name in cls._snapshot_fields:
@@ -364,7 +372,113 @@ _TRACED = object()
 _LEAF_TYPES: set[type] = set()
 
 
+# Note [Per-class record code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``check_versions`` and ``structure_key`` run once per record of every eager
+# backward (the version checks before the rules, the whole-tape signature), so
+# each record class gets both as straight-line code of its own, emitted from
+# its fields on first use (``_compile_check``, ``_compile_key``): one attribute
+# read per field in field order and the same tests, in the same order, as the
+# generic loops (``Record._check_versions_generic``, ``_structure_key_generic``)
+# run, so their results and errors are those of the loops (tests/test_record_codegen.py).
+# A class's code is kept by the class itself (a subclass gets its own).
+_CHECKS: dict[type, Any] = {}
+_KEYS: dict[type, Any] = {}
+
+
+def _valid_names(cls: type) -> bool:
+    return all(f.name.isidentifier() and not f.name.startswith("__") for f in dataclasses.fields(cls))
+
+
+def _compile_check(cls: type) -> Any:
+    """``cls``'s ``check_versions`` as straight-line code (Note [Per-class record code])."""
+    if cls.__dict__.get("_snapshot_fields") is None:
+        cls._classify_fields()
+    if not _valid_names(cls):  # pragma: no cover - dataclass fields are identifiers
+        return Record._check_versions_generic
+    lines = ["def check(self):"]
+    for name in cls._snapshot_fields:
+        lines += [
+            f"    v = self.{name}",
+            "    if type(v) is VS:",
+            "        if v.weak_storage._cell.value != v.recorded_version:",
+            "            v.check(self.name)",
+            "    elif v is None:",
+            "        pass",
+            "    elif isinstance(v, VS):",
+            "        v.check(self.name)",
+            "    elif isinstance(v, tuple):",
+            "        for x in v:",
+            "            if isinstance(x, VS):",
+            "                x.check(self.name)",
+        ]
+    lines.append("    return None")
+    scope: dict[str, Any] = {"VS": VersionSnapshot}
+    exec("\n".join(lines), scope)
+    return scope["check"]
+
+
+def _compile_key(cls: type) -> Any:
+    """``structure_key`` for records of exactly ``cls``, as straight-line code
+    (Note [Per-class record code])."""
+    plan = cls.__dict__.get("_flatten_plan_cache") or _flatten_plan(cls)
+    if not _valid_names(cls):  # pragma: no cover - dataclass fields are identifiers
+        return _structure_key_generic
+    lines = ["def key(rec):", "    children = []", "    kinds = []"]
+    child = [
+        "        children.append(v)",
+        "        if type(v) in LEAF_TYPES:",
+        "            kinds.append(LEAF)",
+        "        else:",
+        "            k = child_key(v)",
+        "            if k is TRACED or (type(k) is tuple and traced_in(k)):",
+        "                return None",
+        "            kinds.append(k)",
+    ]
+    aux = []
+    for i, (name, kind) in enumerate(plan):
+        if kind is SNAPSHOT:
+            aux.append("None")
+            continue
+        lines.append(f"    v = rec.{name}")
+        if kind is SAVED:
+            lines.append("    if True:")
+            lines += child
+            aux.append("CHILD")
+        else:
+            lines.append("    if type(v) in NEVER or not holds_array(v):")
+            lines.append(f"        a{i} = v")
+            lines.append("    else:")
+            lines.append(f"        a{i} = CHILD")
+            lines += child
+            aux.append(f"a{i}")
+    lines.append(f"    return (CLS, ({', '.join(aux)}{',' if len(aux) == 1 else ''}), tuple(kinds)), children")
+    scope: dict[str, Any] = {
+        "CLS": cls,
+        "CHILD": _CHILD,
+        "LEAF": _LEAF,
+        "LEAF_TYPES": _LEAF_TYPES,
+        "NEVER": _NEVER_ARRAY,
+        "TRACED": _TRACED,
+        "child_key": _child_key,
+        "holds_array": _holds_array,
+        "traced_in": _traced_in,
+    }
+    exec("\n".join(lines), scope)
+    return scope["key"]
+
+
 def structure_key(rec: Record) -> tuple[Any, list[Any]] | None:
+    """``(key, children)`` of a record (``_structure_key_generic``), by the
+    record class's own code (Note [Per-class record code])."""
+    cls = type(rec)
+    fn = _KEYS.get(cls)
+    if fn is None:
+        fn = _KEYS[cls] = _compile_key(cls)
+    return fn(rec)
+
+
+def _structure_key_generic(rec: Record) -> tuple[Any, list[Any]] | None:
     """``(key, children)`` of a record: ``children`` its pytree children
     (``_flatten_record``) and ``key`` as much as its treedef says -- the record
     type, the static aux data and the structure of each child -- so that equal

@@ -45,6 +45,7 @@ inline anyway). Nothing here calls JAX's autodiff.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from ..eager import PY_SCALARS, scalar_operand
+from .record import _KEYS as record_keys
 from .record import from_structure, structure_key
 from .walk import walk
 
@@ -83,25 +85,123 @@ class _Seen:
     foreign, and how long the rule-by-rule walk took (seconds); ``rules``: the
     compiled walk lost, walk rule by rule from now on."""
 
-    __slots__ = ("foreign", "live", "rules", "seconds")
+    __slots__ = ("foreign", "key", "live", "rules", "seconds")
 
-    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...], seconds: list[float]):
+    def __init__(self, live: tuple[int, ...], foreign: tuple[int, ...], seconds: list[float], key: Any = None):
         self.live = live
         self.foreign = foreign
         self.seconds = seconds
         self.rules = False
+        self.key = key  # the signature as the cache holds it (found again by identity, not compared)
 
 
 class _Compiled(_Seen):
     """A signature seen three times or more: the walk as one jitted program
-    (``timed``: its timed calls, taking turns with the rules' until the choice)."""
+    per sharing pattern of its arguments (``fns``; Note [Shared arguments of
+    the compiled walk]; ``timed``: its timed calls, taking turns with the
+    rules' until the choice)."""
 
-    __slots__ = ("fn", "timed")
+    __slots__ = ("fns", "make", "timed")
 
-    def __init__(self, seen: _Seen, fn: Callable):
-        super().__init__(seen.live, seen.foreign, seen.seconds)
-        self.fn = fn
+    def __init__(self, seen: _Seen, make: Callable[[tuple[int, ...]], Callable]):
+        super().__init__(seen.live, seen.foreign, seen.seconds, seen.key)
+        self.make = make  # sharing pattern -> its jitted walk
+        self.fns: dict[tuple[int, ...], Callable] = {}
         self.timed: list[float] = []
+
+    def fn(self, leaves_of: list[list[Any]], seed_values: list[Any]) -> dict[int, jax.Array]:
+        """The compiled walk on these records' children and seeds."""
+        pattern, unique, rest = _share(leaves_of)
+        fns = self.fns
+        fn = fns.get(pattern)
+        if fn is None:
+            if len(fns) >= MAX_PATTERNS:  # a pattern that keeps changing: every array its own argument
+                pattern, unique, rest = _share(leaves_of, False)
+                fn = fns.get(pattern)
+            if fn is None:
+                fn = fns[pattern] = self.make(pattern)
+        return fn(unique, rest, seed_values)
+
+
+# Note [Shared arguments of the compiled walk]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each argument of a compiled call costs its dispatch about a microsecond, and
+# records often save the same array: relu saves its input, the output tanh
+# saved before it; every ``t * 1.01`` of a loop saves the one cached device
+# array of ``1.01`` (``_share`` converts each saved python scalar once, as
+# ``eager.scalar_operand``: jit would convert it afresh on every call). So the
+# walk takes each distinct array once: the *pattern* says, for every child of
+# every record in order, which distinct array it is (by identity) or which of
+# the other children (None, tuples) it is; a saved zero or nan, which
+# ``scalar_operand`` never caches, is an array of its own made for the call.
+# A pattern is fixed for a training loop's steps (the same records save the
+# same values), so each signature compiles one program per pattern seen, at
+# most ``MAX_PATTERNS``; beyond, every array is its own argument (one more
+# pattern, the same for any sharing and any scalars). The program reads the
+# same values as before (a python scalar and its weakly typed array trace
+# alike), so its results are unchanged.
+MAX_PATTERNS = 4
+_ARRAY_TYPES: set[type] = set()  # concrete jax array types met among the children
+_NOT_ARRAY_TYPES: set[type] = {type(None), tuple, int, float, bool, complex}
+
+
+def _share(leaves_of: list[list[Any]], share: bool = True) -> tuple[tuple[int, ...], list[Any], list[Any]]:
+    """(pattern, distinct arrays, other children) of the records' children,
+    a saved python scalar read as its cached device array (``scalar_operand``:
+    the same weakly typed aval, so the same program): the pattern gives, per
+    child in order, ``k >= 0`` for the ``k``-th distinct array and ``-1 - k``
+    for the ``k``-th other child."""
+    pattern: list[int] = []
+    unique: list[Any] = []
+    rest: list[Any] = []
+    index: dict[int, int] = {}
+    arrays, others = _ARRAY_TYPES, _NOT_ARRAY_TYPES
+    converted: dict[tuple[type, Any], Any] = {}  # python scalar -> its operand, in this call
+    for children in leaves_of:
+        for c in children:
+            t = type(c)
+            if t in PY_SCALARS:
+                if c and c == c:
+                    a = converted.get((t, c))
+                    if a is None:
+                        a = converted[(t, c)] = scalar_operand(c)
+                    c = a
+                else:  # a zero or a nan (never cached): an array of its own, so the pattern does not change
+                    c = _fresh_operand(c)
+                t = type(c)
+            if t in arrays or (t not in others and _is_array(c)):
+                k = index.get(id(c)) if share else None
+                if k is None:
+                    k = len(unique)
+                    unique.append(c)
+                    if share:
+                        index[id(c)] = k
+                pattern.append(k)
+            else:
+                pattern.append(-1 - len(rest))
+                rest.append(c)
+    return tuple(pattern), unique, rest
+
+
+def _fresh_operand(v: Any) -> Any:
+    """A zero or a nan saved as a python scalar, as the weakly typed array jit
+    would make of it (``jnp.asarray``, made afresh: ``scalar_operand`` caches
+    neither, ``0.0 == -0.0`` and ``nan != nan``); ``v`` itself if it does not
+    convert."""
+    try:
+        return jax.numpy.asarray(v)
+    except (OverflowError, TypeError, ValueError):  # pragma: no cover - zeros and nans convert
+        return v
+
+
+def _is_array(c: Any) -> bool:
+    """Whether a child is a concrete jax array (its type is remembered)."""
+    t = type(c)
+    if isinstance(c, jax.Array) and not isinstance(c, jax.core.Tracer):
+        _ARRAY_TYPES.add(t)
+        return True
+    _NOT_ARRAY_TYPES.add(t)  # pragma: no cover - numpy arrays and other pytrees are children as they are
+    return False
 
 
 def _signature(
@@ -114,21 +214,33 @@ def _signature(
     leaves_of: list[list[Any]] = []
     tracer = jax.core.Tracer
     number = local.setdefault  # an id's local number: the next one at its first appearance
+    keys = record_keys  # record class -> its structure_key code (Note [Per-class record code])
     for e in entries:
         if e.input_shardings:
             return None
-        found = structure_key(e.op)
+        op = e.op
+        key_of = keys.get(type(op))
+        found = structure_key(op) if key_of is None else key_of(op)
         if found is None:
             return None
         key, children = found
         leaves_of.append(children)
-        ins = []
-        for i in e.inputs:
-            ins.append(None if i is None else number(i, len(local)))
-        outs = []
-        for o in e.outputs:
-            outs.append(number(o, len(local)))
-        parts.append((key, tuple(ins), tuple(outs), e.input_avals))
+        inputs = e.inputs
+        if len(inputs) == 1:  # the usual records: one or two inputs, one output
+            i = inputs[0]
+            ins: tuple = (None if i is None else number(i, len(local)),)
+        elif len(inputs) == 2:
+            i, j = inputs
+            i = None if i is None else number(i, len(local))
+            ins = (i, None if j is None else number(j, len(local)))
+        else:
+            ins = tuple([None if i is None else number(i, len(local)) for i in inputs])
+        outputs = e.outputs
+        if len(outputs) == 1:
+            outs: tuple = (number(outputs[0], len(local)),)
+        else:
+            outs = tuple([number(o, len(local)) for o in outputs])
+        parts.append((key, ins, outs, e.input_avals))
     seed_ids = [number(s, len(local)) for s in seeds]
     for v in seeds.values():
         if isinstance(v, tracer):
@@ -173,7 +285,7 @@ def run(
     hit = _CACHE.get(sig)
     if hit is None:
         return _first_sighting(sig, entries, seeds, keep, foreign, local)
-    _CACHE.move_to_end(sig)
+    _CACHE.move_to_end(sig if hit.key is None else hit.key)
     if hit.rules:
         return walk(entries, seeds, keep, foreign)
 
@@ -189,13 +301,13 @@ def run(
         entries[i].op.check_versions()
     if not isinstance(hit, _Compiled):  # third sighting: compile the walk (not timed)
         hit = _CACHE[sig] = _compile(sig, hit, type(entries[0]), _options(entries))
-        out = hit.fn(_arguments(leaves_of), list(seeds.values()))
+        out = hit.fn(leaves_of, list(seeds.values()))
     elif len(hit.timed) < TIMED:
-        out = _timed(lambda: hit.fn(_arguments(leaves_of), list(seeds.values())), leaves_of, seeds, hit.timed)
+        out = _timed(lambda: hit.fn(leaves_of, list(seeds.values())), leaves_of, seeds, hit.timed)
         if len(hit.timed) == TIMED:
             hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)
     else:
-        out = hit.fn(_arguments(leaves_of), list(seeds.values()))
+        out = hit.fn(leaves_of, list(seeds.values()))
     back = {v: k for k, v in local.items()}
     if foreign is not None:
         for lid in hit.foreign:
@@ -216,18 +328,6 @@ def _timed(
     return grads
 
 
-def _arguments(leaves_of: list[list[Any]]) -> list[list[Any]]:
-    """The records' children as the compiled walk's arguments: a saved python
-    scalar (the ``1.01`` of ``t * 1.01``) as its cached device array
-    (``eager.scalar_operand``: the same weakly typed aval, so the same program),
-    which jit would otherwise convert afresh on every call."""
-    for children in leaves_of:
-        for k, c in enumerate(children):
-            if type(c) in PY_SCALARS:
-                children[k] = scalar_operand(c)
-    return leaves_of
-
-
 def _first_sighting(sig, entries, seeds, keep, foreign, local) -> dict[int, jax.Array]:
     """Walk rule by rule, noting the live entries and the foreign ids."""
     live: list[int] = []
@@ -239,7 +339,7 @@ def _first_sighting(sig, entries, seeds, keep, foreign, local) -> dict[int, jax.
             foreign(gid)
 
     grads = walk(entries, seeds, keep, note_foreign, live=live)
-    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign), [])
+    _CACHE[sig] = _Seen(tuple(live), tuple(went_foreign), [], sig)
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return grads
@@ -263,11 +363,24 @@ def _compile(sig: Any, seen: _Seen, entry_type: type, options: Any = None) -> _C
     parts, seed_ids, keep_ids = sig[1]
     keep = None if keep_ids is None else set(keep_ids)
 
-    def program(leaves_of: list[list[Any]], seed_values: list[jax.Array]) -> dict[int, jax.Array]:
-        traced = [
-            entry_type(from_structure(key, children), ins, outs, avals)
-            for children, (key, ins, outs, avals) in zip(leaves_of, parts)
-        ]
+    counts = [len(key[2]) for key, _, _, _ in parts]  # children per record (their kinds)
+
+    def program(
+        pattern: tuple[int, ...], unique: list[Any], rest: list[Any], seed_values: list[jax.Array]
+    ) -> dict[int, jax.Array]:
+        it = iter(pattern)
+        traced = []
+        for n, (key, ins, outs, avals) in zip(counts, parts):
+            children = []
+            for _ in range(n):
+                k = next(it)
+                children.append(unique[k] if k >= 0 else rest[-1 - k])
+            traced.append(entry_type(from_structure(key, children), ins, outs, avals))
         return walk(traced, dict(zip(seed_ids, seed_values)), keep, None)
 
-    return _Compiled(seen, jax.jit(program, compiler_options=None if options is None else dict(options)))
+    opts = None if options is None else dict(options)
+
+    def make(pattern: tuple[int, ...]) -> Callable:
+        return jax.jit(functools.partial(program, pattern), compiler_options=opts)
+
+    return _Compiled(seen, make)

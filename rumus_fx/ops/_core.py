@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -13,7 +14,7 @@ import numpy as np
 from .. import lazy
 from .. import tensor as _tensor_module
 from ..autograd.record import Aval, Provenance, VersionSnapshot, metadata_type
-from ..autograd.tape import Tape, current_tape
+from ..autograd.tape import Tape, current_tape, new_entry
 from ..eager import PY_SCALARS
 from ..eager import eager_jit as eager_jit
 from ..eager import reshape as eager_reshape
@@ -141,13 +142,64 @@ def normalize_axis(op: str, axis: int, ndim: int) -> int:
 #   ``backward(create_graph=True)`` reads it); ``f(t)`` and ``t <op> python
 #   scalar`` (``t`` tracked, not explicitly sharded) take a path without the
 #   general loop (``record_general``, which records the same entry: see
-#   tests/test_tape.py); entries and version snapshots fill their
-#   ``__dict__`` directly (``Tape.append`` through ``tape.new_entry``, the one
-#   way an entry is made; ``VersionSnapshot.of``).
+#   tests/test_tape.py); entries, version snapshots and the records of
+#   ``t <op> python scalar`` and of the deferred ops fill their ``__dict__``
+#   directly (``Tape.append`` through ``tape.new_entry``, the one way an entry
+#   is made; ``VersionSnapshot.of``; ``new_record``), and a scalar operand's
+#   ``BroadcastInfo`` is shared (``same_shape_info``);
+# * a deferred op (Note [Deferred elementwise ops] in rumus_fx/lazy.py) is
+#   recorded by ``record_deferred``, which gives the output's storage its
+#   input's aval (an elementwise op keeps shape and dtype) and appends the
+#   entry itself; a storage's trace token is shared by the storages made under
+#   one trace (``storage._current_trace``).
+#
+# Backward, per record: the version checks and the whole-tape signature's
+# structure key run as code emitted for the record class (Note [Per-class
+# record code] in autograd/record.py), and the compiled walk takes each
+# distinct saved array once (Note [Shared arguments of the compiled walk] in
+# autograd/whole_tape.py).
 #
 # What stays per op: the grad id, the version snapshots of what the record
 # reads, the avals and the explicit-sharding check of every tracked input.
 # What each part costs: benchmarks/RESULTS.md, "Thresholds in the code".
+
+
+_new_object = object.__new__
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # record class -> its dataclass fields' names, in order
+
+
+def new_record(cls: type, *values: Any) -> Any:
+    """``cls(*values)`` for a frozen record dataclass (every field given, in
+    order; the records take no ``__post_init__``), filling its ``__dict__``
+    directly rather than through one ``object.__setattr__`` per field (Note
+    [Eager fast path])."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        if "__post_init__" in dir(cls):  # pragma: no cover - no record defines one
+            return cls(*values)
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    if len(values) != len(names):
+        raise TypeError(f"{cls.__name__} takes {len(names)} fields, got {len(values)}")
+    rec = _new_object(cls)
+    rec.__dict__.update(zip(names, values))
+    return rec
+
+
+_SAME_SHAPE_INFO: dict[tuple[Any, Any], Any] = {}  # (shape, dtype) -> BroadcastInfo(shape, dtype, ())
+_SAME_SHAPE_INFO_MAX = 1024
+
+
+def same_shape_info(shape: tuple[int, ...], dtype: Any) -> BroadcastInfo:
+    """``BroadcastInfo(shape, dtype, ())``, what ``broadcast_info`` gives an
+    operand of the output's own shape (``t * 2.0``), one per (shape, dtype):
+    it is immutable metadata, so records may share it."""
+    key = (shape, dtype)
+    info = _SAME_SHAPE_INFO.get(key)
+    if info is None:
+        info = _tuple_new(BroadcastInfo, (shape, dtype, ()))
+        if len(_SAME_SHAPE_INFO) < _SAME_SHAPE_INFO_MAX:
+            _SAME_SHAPE_INFO[key] = info
+    return info
 
 
 def tape_for(*xs: Any) -> Tape | None:
@@ -215,14 +267,19 @@ def deferred_scalar(b: Any) -> bool:
 
 def record_deferred(tape: Tape, op: Any, x: Tensor, scalar: Any, out: Tensor, provenance: Any) -> Tensor:
     """``record(tape, op, (x,) or (x, scalar), out)`` for a deferred op
-    (``x`` tracked, on one device), without reading a value:
-    ``provenance`` is given (a tuple, or ``Provenance`` pairs)."""
+    (``x`` tracked, contiguous, on one device), without reading a value:
+    ``provenance`` is given (a tuple, or ``Provenance`` pairs). The output
+    has ``x``'s shape and dtype, so its storage is given ``x``'s aval."""
     gid = x._gid
+    aval = x._storage._aval
+    if aval is None:
+        aval = tensor_aval(x)
+    out._storage._aval = aval
     if scalar is None:
-        ids, avals = (gid,), (tensor_aval(x),)
+        ids, avals = (gid,), (aval,)
     else:
-        ids, avals = (gid, None), (tensor_aval(x), None)
-    tape.append(op, ids, (out._gid,), avals, (tensor_aval(out),), (), provenance)
+        ids, avals = (gid, None), (aval, None)
+    tape._entries.append(new_entry(op, ids, (out._gid,), avals, (aval,), (), provenance, ()))  # ``tape.append``
     return out
 
 
@@ -233,20 +290,20 @@ def deferred_unary(x: Tensor, src: Any, kind: lazy.Kind, rec_cls: type, saves: s
     snapshot) or nothing (None): the record holds the pending value until the
     flush puts the array in its place."""
     out = lazy.defer(kind, src)
-    tape = tape_for(x)
+    tape = current_tape() if x._gid is not None else None  # ``tape_for(x)``
     if tape is None:
         return Tensor._wrap(out)
-    res = new_output(out, tape)
+    res = Tensor._wrap(out, next_grad_id())
     if saves == "output":
-        rec = rec_cls(out, snapshot(res))
+        rec = new_record(rec_cls, out, VersionSnapshot.of(res._gid, res._storage))
         lazy.saves(rec, "output", out)
         provenance: Any = (("output", None, res._gid),)
     elif saves == "input":
-        rec = rec_cls(src, snapshot(x))
+        rec = new_record(rec_cls, src, VersionSnapshot.of(x._gid, x._storage))
         lazy.saves(rec, "input", src)
         provenance = (("input", None, x._gid),)
     else:
-        rec, provenance = rec_cls(), ()
+        rec, provenance = new_record(rec_cls), ()
     return record_deferred(tape, rec, x, None, res, provenance)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import lazy
-from ..autograd.record import Aval, Provenance, Record, VersionSnapshot
+from ..autograd.record import Aval, Record, VersionSnapshot
 from ..eager import PY_SCALARS, compiled
 from ..errors import ShapeError
 from ..recording import current_tape
@@ -30,9 +30,11 @@ from ._core import (
     deferred_scalar,
     eager_jit,
     new_output,
+    new_record,
     reads,
     record,
     record_deferred,
+    same_shape_info,
     scalar_operand,
     shape_of,
     sum_to,
@@ -253,14 +255,17 @@ def _scalar_rhs_record(kind: str, a: Tensor, b: int | float, av: Any) -> Record:
     shape = tuple(av.shape)
     if not shape:
         return binary_record(kind, a, b, av, b, shape)
-    info = broadcast_info(av, shape)
+    info = same_shape_info(shape, av.dtype)  # broadcast_info(av, shape), shared
     if kind == "add":
-        return BroadcastAddBackward(info, None)
+        return new_record(BroadcastAddBackward, info, None)
     if kind == "sub":
-        return BroadcastSubBackward(info, None)
+        return new_record(BroadcastSubBackward, info, None)
     if kind == "mul":
-        return BroadcastMulBackward(None, None, b, None, info, None)
-    return DivBackward(None, None, b, None, info, None)
+        return new_record(BroadcastMulBackward, None, None, b, None, info, None)
+    return new_record(DivBackward, None, None, b, None, info, None)
+
+
+_SCALAR_RHS_PROVENANCE = {"add": (), "sub": (), "mul": (("rhs", None, None),), "div": (("rhs", None, None),)}
 
 
 def _saved(x: Any, xv: Any, needed: bool, private: Any) -> tuple[Any, Any]:
@@ -283,8 +288,9 @@ def _binary(kind: str, a: Any, b: Any) -> Tensor:
                 return Tensor._wrap(out)
             res = Tensor._wrap(out, next_grad_id())
             rec = _scalar_rhs_record(kind, a, b, src)
-            pairs = (id(out), res._gid, id(src), a._gid, id(b), None)
-            return record_deferred(tape, rec, a, b, res, Provenance(rec, pairs))
+            # what ``Provenance(rec, pairs)`` computes of the (output, a, b)
+            # pairs: the record saves only ``b`` (mul, div), an untracked value
+            return record_deferred(tape, rec, a, b, res, _SCALAR_RHS_PROVENANCE[kind])
         av = a.value
         if isinstance(av, jax.core.Tracer):
             out = _FORWARD[kind](av, b)  # traced inline (Note [Eager compilation])
