@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -95,10 +96,38 @@ class Tape:
            [1.5, 1.5]], dtype=float32)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, memory_budget: int | float | None = None) -> None:
         self._entries: list[TapeEntry] = []
         self._tokens: list[contextvars.Token] = []
         self._consumed = False
+        self._budget: int | float | None = None
+        self._budget_runs = 0
+        if memory_budget is not None:
+            from ..lift.budget import check_budget  # the lift package builds on this one
+
+            self._budget = check_budget(memory_budget)
+
+    @property
+    def memory_budget(self) -> int | float | None:
+        """The budget for saved activations given to ``Tape(memory_budget=...)``
+        (bytes, or a fraction of the unbudgeted saved bytes), or None."""
+        return self._budget
+
+    def run(self, fun: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fun(*args, **kwargs)`` recorded on this tape (which must be the
+        recording one: inside ``with tape:``). On a tape made with
+        ``memory_budget=`` the activations ``fun`` saves for backward are
+        planned to that budget: segments of ``fun`` are rematerialised as
+        ``rf.checkpoint`` does (Note [Memory budget] in rumus_fx/lift/budget.py).
+        Ops recorded directly inside ``with tape:`` are not planned."""
+        if current_tape() is not self:
+            raise AutogradError("tape.run must be called inside `with tape:` (this tape is not the recording one)")
+        if self._budget is None:
+            return fun(*args, **kwargs)
+        from ..lift.budget import run_budgeted
+
+        self._budget_runs += 1
+        return run_budgeted(fun, args, kwargs, self._budget, getattr(fun, "__name__", "fun"))
 
     # -- recording -----------------------------------------------------------
     def __enter__(self) -> Tape:
@@ -189,6 +218,14 @@ class Tape:
         can be differentiated again, and the tape is retained (as PyTorch's
         ``retain_graph`` defaults to ``create_graph``).
         """
+        if self._budget is not None and not self._budget_runs:
+            warnings.warn(
+                f"backward of a Tape(memory_budget={self._budget}) on which nothing ran through tape.run: "
+                "the budget applies to functions run with tape.run(fun, *args), not to ops recorded "
+                "directly, so it had no effect here",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._consumed:
             raise AutogradError(
                 "backward called on a consumed tape: its records were released by the "

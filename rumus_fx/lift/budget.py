@@ -63,6 +63,9 @@ from ..kernels.dispatch import use as kernel_mode
 from ..tensor import Tensor, next_grad_id
 from .interpreter import LiftedBackward, Program, _Const, is_array_leaf, weak_values
 
+MAX_HEAVY = 1  # matmuls (convolutions, loops) one segment may recompute
+TRANSIENT = 2  # a segment's recomputed activations and their cotangents, alive during its backward
+
 __all__ = ["MemoryBudgetWarning", "MemoryPlan", "check_budget", "memory_plan", "run_budgeted"]
 
 
@@ -199,6 +202,7 @@ class _Planner:
         if start < n:
             atoms.append((start, n))
         self.atoms = atoms
+        self.heavy_atom = [steps[lo].prim.name in _HEAVY for lo, _ in atoms]
         self._range_cache: dict[tuple[int, int], tuple[frozenset[int], frozenset[int], float]] = {}
 
     def _range(self, a: int, b: int) -> tuple[frozenset[int], frozenset[int], float]:
@@ -245,12 +249,14 @@ class _Planner:
                 if s not in kept:
                     kept.add(s)
                     total += sb[s]
-            transient_peak = max(transient_peak, total + sum(sb[s] for s in own if s not in kept))
+            transient_peak = max(transient_peak, total + TRANSIENT * sum(sb[s] for s in own if s not in kept))
             cost += c
             i = self.atoms[seg[1] - 1][1]
         return max(total, transient_peak), cost
 
-    def _moves(self, segs: list[tuple[int, int]], width: int) -> list[list[tuple[int, int]]]:
+    def _moves(
+        self, segs: list[tuple[int, int]], width: int, max_heavy: int | None = None
+    ) -> list[list[tuple[int, int]]]:
         """Plans one move from ``segs``: a new segment of ``width`` free atoms,
         a segment grown by ``width`` free atoms on one side, and (width 1)
         two neighbouring segments merged with the gap between them."""
@@ -274,17 +280,23 @@ class _Planner:
                 moves.append(sorted([*rest, (a, b + width)]))
             if width == 1 and j + 1 < len(segs):
                 moves.append(sorted([*segs[:j], (a, segs[j + 1][1]), *segs[j + 2 :]]))
+        if max_heavy is not None:
+            moves = [mv for mv in moves if all(self._heavy(a, b) <= max_heavy for a, b in mv)]
         return moves
+
+    def _heavy(self, a: int, b: int) -> int:
+        return sum(1 for k in range(a, b) if self.heavy_atom[k])
 
     def plan(self, budget: int) -> tuple[list[tuple[int, int]], int, float]:
         """Greedy: the move that frees the most bytes per FLOP recomputed, the
         narrowest that frees any, until the estimate fits ``budget``."""
         segs: list[tuple[int, int]] = []
         cur, cur_cost = self.estimate(segs)
+        max_heavy = 0
         while cur > budget:
             best = None
             for width in range(1, len(self.atoms) + 1):
-                for mv in self._moves(segs, width):
+                for mv in self._moves(segs, width, max_heavy):
                     est, c = self.estimate(mv)
                     freed = cur - est
                     if freed <= 0:
@@ -295,7 +307,10 @@ class _Planner:
                 if best is not None:
                     break
             if best is None:
-                break
+                if max_heavy >= MAX_HEAVY:
+                    break
+                max_heavy += 1  # recompute one more matmul per segment only when cheaper work is not enough
+                continue
             _, segs, cur, cur_cost = best
         return segs, cur, cur_cost
 

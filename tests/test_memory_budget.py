@@ -1,0 +1,184 @@
+"""``memory_budget=`` of rf.grad / rf.value_and_grad / rf.Tape: segments are
+rematerialised so the saved activations fit the budget, the gradients stay
+those of jax.grad (and of the unbudgeted rf.grad), and the compiled program's
+temporary memory falls as the budget falls."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rumus_fx as rf
+from rumus_fx.lift.budget import MemoryBudgetWarning, memory_plan
+
+BUDGETS = (1.0, 0.5, 0.25)
+DEPTH, WIDTH, BATCH = 6, 16, 8
+
+
+def _params(dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(0), DEPTH + 1)
+    ws = [(jax.random.normal(k, (WIDTH, WIDTH)) * 0.3).astype(dtype) for k in keys[:DEPTH]]
+    x = jax.random.normal(keys[DEPTH], (BATCH, WIDTH)).astype(dtype)
+    return ws, x
+
+
+def mlp_rf(ws, x):
+    h = x
+    for w in ws:
+        z = h @ w
+        h = rf.tanh(z) * 0.5 + rf.sigmoid(z) * rf.exp(z * -0.5)
+    return rf.mean(h * h)
+
+
+def mlp_jax(ws, x):
+    h = x
+    for w in ws:
+        z = h @ w
+        h = jnp.tanh(z) * 0.5 + jax.nn.sigmoid(z) * jnp.exp(z * -0.5)
+    return jnp.mean(h * h)
+
+
+def _close(a, b, rtol=2e-5, atol=1e-6):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+def _quiet(fn, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_gradients_equal_unbudgeted_and_jax_grad(budget, argnums):
+    ws, x = _params()
+    expected = jax.grad(mlp_jax, argnums)(ws, x)
+    plain = rf.grad(mlp_rf, argnums)(ws, x)
+    got = _quiet(rf.grad(mlp_rf, argnums, memory_budget=budget), ws, x)
+    _close(got, expected)
+    _close(got, plain)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_under_jit_gradients_equal(budget):
+    ws, x = _params()
+    got = _quiet(jax.jit(rf.grad(mlp_rf, (0, 1), memory_budget=budget)), ws, x)
+    _close(got, jax.grad(mlp_jax, (0, 1))(ws, x))
+
+
+def test_float64_finite_differences(x64):
+    ws, x = _params(jnp.float64)
+    g = _quiet(rf.grad(mlp_rf, 1, memory_budget=0.25), ws, x)
+    assert g.dtype == jnp.float64
+    d = jax.random.normal(jax.random.key(3), x.shape, jnp.float64)
+    eps = 1e-6
+    fd = (mlp_jax(ws, x + eps * d) - mlp_jax(ws, x - eps * d)) / (2 * eps)
+    np.testing.assert_allclose(float(jnp.vdot(g, d)), float(fd), rtol=1e-7)
+
+
+def _temp(budget):
+    ws, x = _params()
+    f = jax.jit(rf.grad(mlp_rf, (0, 1), memory_budget=budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        return f.lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_compiled_temp_memory_falls_with_the_budget():
+    temps = [_temp(b) for b in BUDGETS]
+    assert temps[0] == _temp(None)  # 100 %: the unbudgeted program
+    assert all(b <= a for a, b in zip(temps, temps[1:])), temps
+    assert temps[-1] < temps[0], temps
+
+
+def test_plan_fits_the_budget_and_recomputes_cheap_work_first():
+    ws, x = _params()
+    plan = memory_plan(mlp_rf, 0.5, argnums=(0, 1))(ws, x)
+    assert plan.met and plan.planned_bytes <= plan.budget_bytes < plan.base_bytes
+    assert plan.segments
+    # half the activations are freed by recomputing the elementwise work alone:
+    # no matmul (2 * BATCH * WIDTH**2 FLOPs each) is recomputed
+    assert plan.recompute_flops < 2 * BATCH * WIDTH * WIDTH
+    full = memory_plan(mlp_rf, 1.0, argnums=(0, 1))(ws, x)
+    assert not full.segments and full.planned_bytes == full.base_bytes
+    assert "segments" in str(plan)
+
+
+def test_bytes_budget_and_fraction_agree():
+    ws, x = _params()
+    base = memory_plan(mlp_rf, 1.0)(ws, x).base_bytes
+    by_bytes = memory_plan(mlp_rf, base // 2)(ws, x)
+    by_fraction = memory_plan(mlp_rf, 0.5)(ws, x)
+    assert by_bytes.segments == by_fraction.segments
+    _close(rf.grad(mlp_rf, memory_budget=base // 2)(ws, x), jax.grad(mlp_jax)(ws, x))
+
+
+def test_unmet_budget_warns_with_what_it_achieves():
+    ws, x = _params()
+    with pytest.warns(MemoryBudgetWarning, match="cannot be met.*keeps about"):
+        g = rf.grad(mlp_rf, memory_budget=1)(ws, x)
+    _close(g, jax.grad(mlp_jax)(ws, x))
+
+
+def test_has_aux_and_value():
+    ws, x = _params()
+
+    def f(ws, x):
+        loss = mlp_rf(ws, x)
+        return loss, {"twice": loss * 2.0, "n": 3}
+
+    (v, aux), g = rf.value_and_grad(f, (0, 1), has_aux=True, memory_budget=0.5)(ws, x)
+    np.testing.assert_allclose(float(v), float(mlp_jax(ws, x)), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["twice"]), 2 * float(v), rtol=1e-6)
+    assert aux["n"] == 3
+    _close(g, jax.grad(mlp_jax, (0, 1))(ws, x))
+    g2, aux2 = rf.grad(f, has_aux=True, memory_budget=0.5)(ws, x)
+    _close(g2, jax.grad(mlp_jax)(ws, x))
+    assert aux2["n"] == 3
+
+
+def test_tape_api():
+    ws, x = _params()
+    with rf.Tape(memory_budget=0.5) as tape:
+        ts = [rf.tensor(w, requires_grad=True) for w in ws]
+        xt = rf.tensor(x, requires_grad=True)
+        loss = tape.run(mlp_rf, ts, xt)
+    assert tape.memory_budget == 0.5
+    assert "RematBackward" in str(tape)
+    grads = tape.backward(loss)
+    expected = jax.grad(mlp_jax, (0, 1))(ws, x)
+    _close([grads[t] for t in ts], expected[0])
+    _close(grads[xt], expected[1])
+
+
+def test_tape_without_run_warns_that_the_budget_did_nothing():
+    with rf.Tape(memory_budget=0.5) as tape:
+        w = rf.tensor(jnp.ones(3), requires_grad=True)
+        loss = rf.sum(rf.sin(w))
+    with pytest.warns(RuntimeWarning, match="tape.run"):
+        tape.backward(loss)
+
+
+def test_tape_run_outside_the_tape_raises():
+    tape = rf.Tape(memory_budget=0.5)
+    with pytest.raises(rf.AutogradError, match="inside"):
+        tape.run(mlp_rf, *_params())
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 0.0, -0.5, 1.5, float("nan")])
+def test_bad_budget_values_raise_value_error(bad):
+    with pytest.raises(ValueError, match="memory_budget"):
+        rf.grad(mlp_rf, memory_budget=bad)
+    with pytest.raises(ValueError, match="memory_budget"):
+        rf.Tape(memory_budget=bad)
+
+
+@pytest.mark.parametrize("bad", ["50%", True, [0.5]])
+def test_bad_budget_types_raise_type_error(bad):
+    with pytest.raises(TypeError, match="memory_budget"):
+        rf.value_and_grad(mlp_rf, memory_budget=bad)
+    with pytest.raises(TypeError, match="memory_budget"):
+        rf.Tape(memory_budget=bad)
