@@ -363,7 +363,9 @@ def _trace(fun: Callable, leaves: list, treedef: Any, mask: list[bool]) -> tuple
         return [_value(x) for x, m in zip(out_leaves, omask) if m]
 
     avals = [
-        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=bool(getattr(getattr(v, "aval", None), "weak_type", False)))
+        jax.ShapeDtypeStruct(
+            np.shape(v), v.dtype, weak_type=bool(getattr(getattr(v, "aval", None), "weak_type", False))
+        )
         for v in (_value(x) for x in arrays)
     ]
     with suspend_recording(), kernel_mode("reference"):
