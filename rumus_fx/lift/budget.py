@@ -411,10 +411,14 @@ def memory_plan(fun: Callable, memory_budget: int | float, argnums: int | Sequen
 
     >>> import jax.numpy as jnp, rumus_fx as rf
     >>> from rumus_fx.lift.budget import memory_plan
-    >>> f = lambda w: rf.sum(rf.tanh(rf.tanh(rf.tanh(w * 2.0) * 3.0) * 4.0))
-    >>> p = memory_plan(f, 0.5)(jnp.ones((8, 8)))
-    >>> p.planned_bytes <= p.budget_bytes < p.base_bytes
-    True
+    >>> def mlp(ws, x):
+    ...     for w in ws:
+    ...         z = x @ w
+    ...         x = rf.tanh(z) * rf.sigmoid(z)
+    ...     return rf.mean(x * x)
+    >>> p = memory_plan(mlp, 0.75)([jnp.eye(16)] * 4, jnp.ones((8, 16)))
+    >>> p.met, p.planned_bytes <= p.budget_bytes < p.base_bytes, len(p.segments) > 0
+    (True, True, True)
     """
     budget = check_budget(memory_budget)
     if budget is None:
