@@ -26,6 +26,22 @@ from ..tensor import Tensor, is_leaf_id
 from .engine import GradientStore, check_history, gradients
 from .record import Record
 
+# ``memory_budget``: (check, run) registered by rumus_fx/lift/budget.py, which builds
+# on this package (Note [Memory budget] there); ``import rumus_fx`` always sets it
+BUDGET: tuple[Any, Any] | None = None
+
+
+def set_budget(check: Any, run: Any) -> None:
+    """Register the memory budget's validation and its budgeted run."""
+    global BUDGET
+    BUDGET = (check, run)
+
+
+def budget_hooks() -> tuple[Any, Any]:
+    if BUDGET is None:  # pragma: no cover - rumus_fx/__init__ imports rumus_fx.lift
+        raise AutogradError("memory_budget needs rumus_fx.lift: import rumus_fx")
+    return BUDGET
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapeEntry:
@@ -103,9 +119,7 @@ class Tape:
         self._budget: int | float | None = None
         self._budget_runs = 0
         if memory_budget is not None:
-            from ..lift.budget import check_budget  # the lift package builds on this one
-
-            self._budget = check_budget(memory_budget)
+            self._budget = budget_hooks()[0](memory_budget)
 
     @property
     def memory_budget(self) -> int | float | None:
@@ -124,10 +138,8 @@ class Tape:
             raise AutogradError("tape.run must be called inside `with tape:` (this tape is not the recording one)")
         if self._budget is None:
             return fun(*args, **kwargs)
-        from ..lift.budget import run_budgeted
-
         self._budget_runs += 1
-        return run_budgeted(fun, args, kwargs, self._budget, getattr(fun, "__name__", "fun"))
+        return budget_hooks()[1](fun, args, kwargs, self._budget, getattr(fun, "__name__", "fun"))
 
     # -- recording -----------------------------------------------------------
     def __enter__(self) -> Tape:
@@ -152,7 +164,9 @@ class Tape:
         of each input, or ()) lets the engine check that the record's gradients
         keep their inputs' explicit shardings; ``provenance``/``replay``: see
         ``TapeEntry``."""
-        self._entries.append(new_entry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay))
+        self._entries.append(
+            new_entry(op, inputs, outputs, input_avals, output_avals, input_shardings, provenance, replay)
+        )
 
     # -- inspection ----------------------------------------------------------
     @property

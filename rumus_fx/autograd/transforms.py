@@ -26,7 +26,7 @@ from ..eager import ones_like_value
 from ..errors import AutogradError
 from ..tensor import Tensor, is_leaf_id, next_leaf_id
 from .engine import CROSS_TAPE_MESSAGE, gradients
-from .tape import Tape, current_tape, recording
+from .tape import Tape, budget_hooks, current_tape, recording
 
 
 def _is_tensor(x: Any) -> bool:
@@ -206,9 +206,7 @@ def value_and_grad(
 
 
 def _budget(memory_budget: Any) -> int | float | None:
-    from ..lift.budget import check_budget  # the lift package builds on this one
-
-    return check_budget(memory_budget)
+    return None if memory_budget is None else budget_hooks()[0](memory_budget)
 
 
 def _call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -246,10 +244,8 @@ def _value_and_grad(
         with recording(tape):
             if budget is None:
                 out = _call(fun, new_args, kwargs)
-            else:
-                from ..lift.budget import run_budgeted
-
-                out = run_budgeted(fun, tuple(new_args), kwargs, budget, getattr(fun, "__name__", "fun"))
+            else:  # Note [Memory budget] in rumus_fx/lift/budget.py
+                out = budget_hooks()[1](fun, tuple(new_args), kwargs, budget, getattr(fun, "__name__", "fun"))
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(
@@ -369,7 +365,9 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
             seeds.append((gid, ct.astype(arr.dtype)))
         wrt = [(t, like) for tensors, _, likes in tracked for t, like in zip(tensors, likes)]
         it = iter(gradients(entries, seeds, wrt, _foreign_check(first)))
-        return tuple(jax.tree_util.tree_unflatten(treedef, [next(it) for _ in tensors]) for tensors, treedef, _ in tracked)
+        return tuple(
+            jax.tree_util.tree_unflatten(treedef, [next(it) for _ in tensors]) for tensors, treedef, _ in tracked
+        )
 
     out_tree_arrays = jax.tree_util.tree_unflatten(out_tree, out_arrays)
     if has_aux:

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..autograd.record import VersionSnapshot
-from ..autograd.tape import current_tape, suspend_recording
+from ..autograd.tape import current_tape, set_budget, suspend_recording
 from ..kernels.dispatch import use as kernel_mode
 from ..tensor import Tensor, next_grad_id
 from .interpreter import LiftedBackward, Program, _Const, is_array_leaf, weak_values
@@ -536,3 +536,6 @@ def run_budgeted(fun: Callable, args: tuple, kwargs: dict, memory_budget: int | 
     out_tree, out_statics, omask = out_info
     it_o, it_s = iter(out_tensors), iter(out_statics)
     return jax.tree_util.tree_unflatten(out_tree, [next(it_o) if m else next(it_s) for m in omask])
+
+
+set_budget(check_budget, run_budgeted)  # memory_budget= of rf.grad / value_and_grad / Tape
