@@ -56,15 +56,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from ..autograd.record import VersionSnapshot
-from ..autograd.tape import current_tape, set_budget, suspend_recording
+from ..autograd.engine import walk
+from ..autograd.record import Record, VersionSnapshot
+from ..autograd.tape import Tape, current_tape, new_entry, recording, set_budget, suspend_recording
 from ..kernels.dispatch import use as kernel_mode
 from ..tensor import Tensor, next_grad_id
 from .interpreter import LiftedBackward, Program, _Const, is_array_leaf, weak_values
 
 MAX_HEAVY = 1  # matmuls (convolutions, loops) one segment may recompute
 TRANSIENT = 2  # a segment's recomputed activations and their cotangents, alive during its backward
+HEAVY_IN_SLICES = True  # a segment of records may recompute the matmul its records read
 
 __all__ = ["MemoryBudgetWarning", "MemoryPlan", "check_budget", "memory_plan", "run_budgeted"]
 
@@ -148,10 +151,12 @@ class MemoryPlan:
     forward_flops: float
     met: bool
     steps: int
+    on: str = "primitives"  # "records": planned on rf's own records (Note [Memory budget on records])
 
     def __str__(self) -> str:
         return (
-            f"memory plan: {len(self.segments)} segments over {self.steps} steps rematerialised; saved bytes "
+            f"memory plan on {self.on}: {len(self.segments)} segments over {self.steps} {self.on} rematerialised; "
+            f"saved bytes "
             f"{self.planned_bytes} of {self.base_bytes} without a budget (budget {self.budget_bytes}, "
             f"{'met' if self.met else 'NOT met'}); recompute {self.recompute_flops:.3g} of "
             f"{self.forward_flops:.3g} forward FLOPs"
@@ -280,6 +285,15 @@ class _Planner:
                 moves.append(sorted([*rest, (a, b + width)]))
             if width == 1 and j + 1 < len(segs):
                 moves.append(sorted([*segs[:j], (a, segs[j + 1][1]), *segs[j + 2 :]]))
+        if width == 1 and (max_heavy is None or max_heavy >= 1):
+            # a block: a heavy atom and the cheap atoms up to the next one (a layer of
+            # an MLP), replacing the segments inside it
+            heavy = [k for k in range(m) if self.heavy_atom[k]] + [m]
+            for h, h2 in zip(heavy, heavy[1:]):
+                if h < m:
+                    keep = [(a, b) for a, b in segs if b <= h or a >= h2]
+                    if all(b <= h or a >= h2 or (h <= a and b <= h2) for a, b in segs):
+                        moves.append(sorted([*keep, (h, h2)]))
         if max_heavy is not None:
             moves = [mv for mv in moves if all(self._heavy(a, b) <= max_heavy for a, b in mv)]
         return moves
@@ -386,22 +400,53 @@ def _extra_bytes(program: Program, avals: Sequence[Any]) -> list[int]:
     return extra
 
 
-def _analyse(fun: Callable, args: tuple, kwargs: dict, budget: int | float, label: str) -> tuple:
-    leaves, treedef, mask, arrays = _split(args, kwargs)
-    closed, out_info = _trace(fun, leaves, treedef, mask)
-    tracked_in = tuple(isinstance(x, Tensor) and x.grad_id is not None for x in arrays)
-    program = Program(closed, tracked_in, label)
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.in_avals]
-    planner = _Planner(program, _extra_bytes(program, avals))
+def _plan_with(planner: _Planner, budget: int | float, on: str) -> MemoryPlan:
     base, _ = planner.estimate([])
     target = int(budget * base) if isinstance(budget, float) else int(budget)
-    forward_flops = sum(planner.cost)
+    forward_flops = sum(getattr(planner, "step_cost", planner.cost))  # every step of the forward
     if base <= target:
-        plan = MemoryPlan(base, target, base, [], 0.0, forward_flops, True, planner.n)
-        return plan, planner, closed, out_info, arrays, tracked_in
+        return MemoryPlan(base, target, base, [], 0.0, forward_flops, True, planner.n, on)
     segs, est, cost = planner.plan(target)
-    plan = MemoryPlan(base, target, est, planner.step_ranges(segs), cost, forward_flops, est <= target, planner.n)
-    return plan, planner, closed, out_info, arrays, tracked_in
+    return MemoryPlan(base, target, est, planner.step_ranges(segs), cost, forward_flops, est <= target, planner.n, on)
+
+
+def _lifted_share(planner: RecordPlanner) -> float:
+    """The share of the saved bytes held by lifted calls (``LiftedBackward``:
+    ``rf.lift``, ``rf.checkpoint``), which planning on records cannot split."""
+    total = sum(planner.slot_bytes[s] for s in set().union(*planner.saves)) if planner.saves else 0
+    lifted = set()
+    for e, saves in zip(planner.entries, planner.saves):
+        if e.name in ("LiftedBackward", "RematBackward", "CheckpointBackward"):
+            lifted |= saves
+    return sum(planner.slot_bytes[s] for s in lifted) / max(total, 1)
+
+
+def _analyse(fun: Callable, args: tuple, kwargs: dict, budget: int | float, label: str) -> tuple[MemoryPlan, Callable]:
+    """The plan for ``fun`` on these arguments and a function that records it on
+    a tape: on rf's records (Note [Memory budget on records]) unless lifted
+    calls hold most of the saved bytes, then on primitives (Note [Memory budget])."""
+    leaves, treedef, mask, arrays = _split(args, kwargs)
+    values = [_value(x) for x in arrays]
+    program, entries, out, nout = trace_records(fun, leaves, treedef, mask, label)
+    rplanner = RecordPlanner(program, entries)
+    if _lifted_share(rplanner) <= 0.5:
+        plan = _plan_with(rplanner, budget, "records")
+
+        def run_records(tape: Any) -> Any:
+            return run_on_records(tape, program, entries, out, nout, rplanner, plan.segments, values)
+
+        return plan, run_records
+    closed, out_info = _trace(fun, leaves, treedef, mask)
+    tracked_in = tuple(isinstance(x, Tensor) and x.grad_id is not None for x in arrays)
+    pprogram = Program(closed, tracked_in, label)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pprogram.in_avals]
+    planner = _Planner(pprogram, _extra_bytes(pprogram, avals))
+    plan = _plan_with(planner, budget, "primitives")
+
+    def run_primitives(tape: Any) -> Any:
+        return _run_primitives(tape, pprogram, plan, out_info, arrays, tracked_in, label)
+
+    return plan, run_primitives
 
 
 def memory_plan(fun: Callable, memory_budget: int | float, argnums: int | Sequence[int] = 0) -> Callable:
@@ -498,7 +543,7 @@ def run_budgeted(fun: Callable, args: tuple, kwargs: dict, memory_budget: int | 
     tape = current_tape()
     if tape is None:
         return fun(*args, **kwargs)
-    plan, planner, closed, out_info, arrays, tracked_in = _analyse(fun, args, kwargs, memory_budget, name)
+    plan, run = _analyse(fun, args, kwargs, memory_budget, name)
     if not plan.met:
         warnings.warn(
             f"memory_budget of {name}: the budget of {plan.budget_bytes} bytes cannot be met; the best plan found "
@@ -510,7 +555,14 @@ def run_budgeted(fun: Callable, args: tuple, kwargs: dict, memory_budget: int | 
         )
     if not plan.segments:
         return fun(*args, **kwargs)  # nothing to recompute: exactly the unbudgeted recording
-    program = planner.program
+    return run(tape)
+
+
+def _run_primitives(
+    tape: Any, program: Program, plan: MemoryPlan, out_info: list, arrays: list, tracked_in: tuple, name: str
+) -> Any:
+    """The program replayed with ``plan``'s step ranges in ``jax.checkpoint``,
+    recorded as one lifted entry."""
     values = [_value(x) for x in arrays]
     replay = _replay(program, plan.segments)
     rclosed = jax.make_jaxpr(replay)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.in_avals])
@@ -535,6 +587,363 @@ def run_budgeted(fun: Callable, args: tuple, kwargs: dict, memory_budget: int | 
         )
     out_tree, out_statics, omask = out_info
     it_o, it_s = iter(out_tensors), iter(out_statics)
+    return jax.tree_util.tree_unflatten(out_tree, [next(it_o) if m else next(it_s) for m in omask])
+
+
+# ---------------------------------------------------------------------------
+# Note [Memory budget on records]
+# ---------------------------------------------------------------------------
+# The memory budget over rf's own records (Note [Memory budget on records]).
+#
+# Note [Memory budget on records]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A function written with rf ops records rf's own records (``LayerNormBackward``,
+# ``ScaledDotProductAttentionBackward``, ...), which keep less than the primitives
+# they are made of. Planning such a function primitive by primitive (Note [Memory
+# budget] in lift/budget.py) would trade those records for the primitives' and can
+# end above the unbudgeted memory. So it is planned on its records instead:
+#
+# 1. ``fun`` runs once on a tape inside ``jax.make_jaxpr`` (abstract): each entry's
+#    record is flattened (``jax.tree_util``; records are pytrees) and its saved
+#    arrays are returned as outputs of the traced function, so every saved array is
+#    a variable of the jaxpr, and the jaxpr holds the forward that computes it.
+# 2. The atoms of the plan are the entries (a matmul's, an attention's record alone
+#    is a heavy atom). A segment of entries is rematerialised from a *slice* of the
+#    forward: the steps that compute the arrays its records save, back to arrays
+#    kept anyway (saved by an entry outside the segment) or to the function's
+#    inputs; those are the segment's inputs.
+# 3. The forward runs as the jaxpr (plain JAX); each entry outside a segment is
+#    appended to the tape with its record rebuilt from the computed arrays; each
+#    segment is appended as one ``RecordSegmentBackward`` that keeps the slice's
+#    inputs and whose backward re-runs the slice (after a barrier over its inputs and
+#    the incoming cotangents), rebuilds the segment's records and walks them.
+#
+# The gradients are those of the unbudgeted recording: the same records and rules.
+
+# record names (substrings) whose entry is an atom of its own: expensive to recompute
+_HEAVY_RECORDS = (
+    "Matmul", "Linear", "Conv", "Attention", "Dot", "Einsum", "Bmm", "Lifted", "Scan", "Remat", "Checkpoint",
+    "Cond", "Switch", "Fft", "Solve", "Cholesky", "Svd", "Eig", "Qr", "Lu",
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One traced entry: how to rebuild its record and where it sits on the tape."""
+
+    treedef: Any
+    refs: list[Any]  # per record leaf: a slot / _Const of the program, or ("static", value)
+    inputs: tuple
+    outputs: tuple
+    input_avals: tuple
+    output_avals: tuple
+    name: str
+    input_refs: tuple[int, ...] = ()  # positions in ``refs`` of saved values of the op's inputs
+
+
+def trace_records(fun: Callable, leaves: list, treedef: Any, mask: list[bool], label: str) -> tuple:
+    """``fun`` recorded on a tape inside ``jax.make_jaxpr``: (program, entries,
+    output info, number of function outputs)."""
+    arrays = [x for x, m in zip(leaves, mask) if m]
+    statics = [x for x, m in zip(leaves, mask) if not m]
+    ids = [x.grad_id if isinstance(x, Tensor) else None for x in arrays]
+    was_tensor = [isinstance(x, Tensor) for x in arrays]
+    info: dict[str, Any] = {}
+
+    def flat(*vals: Any) -> list:
+        it_v, it_s = iter(vals), iter(statics)
+        it_k = iter(zip(ids, was_tensor))
+        rebuilt = []
+        for m in mask:
+            if not m:
+                rebuilt.append(next(it_s))
+                continue
+            v = next(it_v)
+            gid, is_t = next(it_k)
+            if gid is not None:  # a tracked leaf keeps its id: the entries name it
+                t = Tensor._wrap(v, gid)
+                t._leaf = True
+                rebuilt.append(t)
+            else:
+                rebuilt.append(Tensor._wrap(v, None) if is_t else v)
+        a, k = jax.tree_util.tree_unflatten(treedef, rebuilt)
+        tape = Tape()
+        with recording(tape), kernel_mode("reference"):
+            out = fun(*a, **k)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, Tensor))
+        omask = [is_array_leaf(x) for x in out_leaves]
+        out_ids = [x.grad_id if isinstance(x, Tensor) else None for x, m in zip(out_leaves, omask) if m]
+        info["out"] = (out_tree, [x for x, m in zip(out_leaves, omask) if not m], omask, out_ids)
+        outs = [_value(x) for x, m in zip(out_leaves, omask) if m]
+        saved: list[Any] = []
+        entries = []
+        for e in tape.entries:
+            rec_leaves, rec_tree = jax.tree_util.tree_flatten(e.op)
+            of_inputs = _input_values(e)
+            input_refs = tuple(j for j, leaf in enumerate(rec_leaves) if id(leaf) in of_inputs)
+            refs: list[Any] = []
+            for leaf in rec_leaves:
+                if isinstance(leaf, (jax.Array, jax.core.Tracer)):
+                    refs.append(len(saved))
+                    saved.append(leaf)
+                else:
+                    refs.append(("static", leaf))
+            entries.append(
+                _Entry(rec_tree, refs, e.inputs, e.outputs, e.input_avals, e.output_avals, e.op.name, input_refs)
+            )
+        info["entries"] = entries
+        info["nout"] = len(outs)
+        return outs + saved
+
+    avals = [
+        jax.ShapeDtypeStruct(v.shape, v.dtype, weak_type=bool(getattr(getattr(v, "aval", None), "weak_type", False)))
+        for v in (_value(x) for x in arrays)
+    ]
+    closed = jax.make_jaxpr(flat)(*avals)
+    program = Program(closed, [False] * len(arrays), label)
+    nout = info["nout"]
+    for e in info["entries"]:  # leaf positions -> the program's slots
+        e.refs = [r if isinstance(r, tuple) else program.out_refs[nout + r] for r in e.refs]
+    return program, info["entries"], info["out"], nout
+
+
+def _input_values(e: Any) -> set[int]:
+    """``id``s of the arrays entry ``e``'s record saves that are values of the
+    op's inputs (from its provenance, Note [Create graph] in lift/higher.py)."""
+    out: set[int] = set()
+    try:
+        for field, index, gid in e.provenance:
+            if gid in e.outputs and gid is not None:
+                continue
+            v = getattr(e.op, field)
+            out.add(id(v[index] if index is not None else v))
+    except (AttributeError, IndexError, TypeError):  # no provenance: the plan is only coarser
+        return out
+    return out
+
+
+class RecordPlanner(_Planner):
+    """The greedy of ``_Planner`` over entries (Note [Memory budget on records])."""
+
+    def __init__(self, program: Program, entries: list[_Entry]):
+        self.program = program
+        self.entries = entries
+        steps = program.steps
+        self.n = len(entries)
+        self.slot_bytes: dict[int, int] = {s: 0 for s in program.in_slots}
+        self.defined_at: dict[int, int] = dict.fromkeys(program.in_slots, -1)
+        for i, st in enumerate(steps):
+            for s, a in zip(st.outs, st.out_avals):
+                self.slot_bytes[s] = _nbytes(a)
+                self.defined_at[s] = i
+        self.step_cost = [_cost(st) for st in steps]
+        self.saves = [frozenset(r for r in e.refs if isinstance(r, int)) for e in entries]
+        self.savers: dict[int, set[int]] = {}
+        for k, s in enumerate(self.saves):
+            for slot in s:
+                self.savers.setdefault(slot, set()).add(k)
+        self.atoms = [(k, k + 1) for k in range(self.n)]
+        self.heavy_atom = [any(h in e.name for h in _HEAVY_RECORDS) for e in entries]
+        # where the forward of entry k begins, at the latest: after every step that
+        # computes what an earlier entry saves (a segment's slice stops there)
+        self.start = []
+        last = -1
+        for e, saves in zip(entries, self.saves):
+            inputs = [e.refs[j] for j in e.input_refs if isinstance(e.refs[j], int)]
+            self.start.append(max([last, *(self.defined_at[x] for x in inputs)]) + 1)
+            last = max([last, *(self.defined_at[x] for x in saves)])
+        self._range_cache: dict = {}
+        self.cost = [self._slice(k, k + 1)[2] for k in range(self.n)]  # forward FLOPs of each entry
+
+    def _slice(self, a: int, b: int) -> tuple[frozenset[int], list[int], float, frozenset[int]]:
+        """Entries ``[a, b)`` as a segment: (its input slots, the steps that
+        recompute what its records save, their cost, the slots recomputed)."""
+        hit = self._range_cache.get((a, b))
+        if hit is not None:
+            return hit
+        inside = set(range(a, b))
+        # a matmul (convolution, loop) is recomputed only by a segment holding a heavy
+        # record; otherwise its result is kept as an input of the segment
+        heavy_ok = HEAVY_IN_SLICES or any(self.heavy_atom[k] for k in range(a, b))
+
+        start = self.start[a]
+
+        def kept_outside(slot: int) -> bool:
+            i = self.defined_at[slot]
+            if i < start or (not heavy_ok and self.program.steps[i].prim.name in _HEAVY):
+                return True
+            return any(k not in inside for k in self.savers.get(slot, ()))
+
+        steps = self.program.steps
+        frontier: set[int] = set()
+        chosen: set[int] = set()
+        recomputed: set[int] = set()
+        todo = [s for k in range(a, b) for s in self.saves[k]]
+        seen: set[int] = set()
+        while todo:
+            s = todo.pop()
+            if s in seen:
+                continue
+            seen.add(s)
+            if kept_outside(s):
+                frontier.add(s)
+                continue
+            i = self.defined_at[s]
+            recomputed.add(s)
+            if i in chosen:
+                continue
+            chosen.add(i)
+            todo.extend(x for x in steps[i].ins if isinstance(x, int))
+        order = sorted(chosen)
+        hit = (frozenset(frontier), order, sum(self.step_cost[i] for i in order), frozenset(recomputed))
+        self._range_cache[(a, b)] = hit
+        return hit
+
+    def estimate(self, segs: Sequence[tuple[int, int]]) -> tuple[int, float]:
+        """As ``_Planner.estimate``, over entries: a segment keeps its slice's
+        inputs, and its records' saved arrays are alive while it runs backward."""
+        starts = {a: b for a, b in segs}
+        sb = self.slot_bytes
+        kept: set[int] = set()
+        total = 0
+        peak = 0
+        cost = 0.0
+        k = 0
+        while k < self.n:
+            b = starts.get(k)
+            if b is None:
+                for s in self.saves[k]:
+                    if s not in kept:
+                        kept.add(s)
+                        total += sb[s]
+                k += 1
+                continue
+            ins, _, c, _ = self._slice(k, b)
+            for s in ins:
+                if s not in kept:
+                    kept.add(s)
+                    total += sb[s]
+            own = {s for j in range(k, b) for s in self.saves[j]}
+            peak = max(peak, total + TRANSIENT * sum(sb[s] for s in own if s not in kept))
+            cost += c
+            k = b
+        return max(total, peak), cost
+
+    def step_ranges(self, segs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        return list(segs)
+
+
+class _Segment:
+    """A rematerialised run of entries: its slice of the forward and its records
+    (static: hashed by identity)."""
+
+    def __init__(self, program: Program, entries: list[_Entry], slots: list[int], order: list[int]):
+        self.program = program
+        self.entries = entries
+        self.slots = slots  # the slice's input slots, in the record's order
+        self.order = order  # the steps recomputed, in program order
+        produced = {o for e in entries for o in e.outputs}
+        ins: list[int] = []
+        avals: dict[int, Any] = {}
+        for e in entries:
+            for gid, av in zip(e.inputs, e.input_avals or (None,) * len(e.inputs)):
+                if gid is not None and gid not in produced and gid not in ins:
+                    ins.append(gid)
+                    avals[gid] = av
+            for gid, av in zip(e.outputs, e.output_avals or (None,) * len(e.outputs)):
+                avals[gid] = av
+        self.in_ids = tuple(ins)
+        self.out_ids = tuple(o for e in entries for o in e.outputs)
+        self.avals = avals
+
+
+def _bind(step: Any, env: dict[int, Any]) -> None:
+    vals = [x.value if isinstance(x, _Const) else env[x] for x in step.ins]
+    outs = step.prim.bind(*vals, **step.prim.get_bind_params(step.params))
+    if not step.prim.multiple_results:
+        outs = (outs,)
+    for s, o in zip(step.outs, outs):
+        env[s] = o
+
+
+def _record(e: _Entry, env: dict[int, Any]) -> Record:
+    leaves = []
+    for r in e.refs:
+        if isinstance(r, tuple):
+            leaves.append(r[1])
+        elif isinstance(r, _Const):
+            leaves.append(r.value)
+        else:
+            leaves.append(env[r])
+    return jax.tree_util.tree_unflatten(e.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecordSegmentBackward(Record):
+    """A run of rf records rematerialised to fit a memory budget: keeps only
+    its slice's inputs; backward re-runs the slice and walks the records."""
+
+    multi_output = True
+    inputs: tuple[jax.Array, ...]
+    segment: _Segment
+
+    def backward(self, g, needs):
+        seg = self.segment
+        live = [x for x in g if x is not None]
+        # Note [Memory budget]: neither reuse the forward's values nor run ahead of the walk
+        ins, live = lax.optimization_barrier((list(self.inputs), live))
+        it = iter(live)
+        g = [None if x is None else next(it) for x in g]
+        env = dict(zip(seg.slots, ins))
+        for i in seg.order:
+            _bind(seg.program.steps[i], env)
+        entries = [
+            new_entry(_record(e, env), e.inputs, e.outputs, e.input_avals, e.output_avals, (), (), ())
+            for e in seg.entries
+        ]
+        seeds = {o: x for o, x in zip(seg.out_ids, g) if x is not None}
+        grads = walk(entries, seeds, keep=set(seg.in_ids), foreign=lambda gid: None)
+        return tuple(grads.get(i) if n else None for i, n in zip(seg.in_ids, needs))
+
+    @property
+    def label(self) -> str:
+        names = ", ".join(e.name for e in self.segment.entries)
+        return f"RecordSegmentBackward({names})"
+
+
+def run_on_records(
+    tape: Any, program: Program, entries: list[_Entry], out: tuple, nout: int, planner: RecordPlanner,
+    segs: Sequence[tuple[int, int]], values: Sequence[Any],
+) -> Any:  # fmt: skip
+    """The forward with ``segs`` (entry ranges) rematerialised, recorded on ``tape``."""
+    env: dict[int, Any] = dict(zip(program.in_slots, values))
+    for st in program.steps:
+        _bind(st, env)
+    starts = {a: b for a, b in segs}
+    k = 0
+    while k < len(entries):
+        b = starts.get(k)
+        if b is None:
+            e = entries[k]
+            tape.append(_record(e, env), e.inputs, e.outputs, e.input_avals, e.output_avals)
+            k += 1
+            continue
+        frontier, order, _, _ = planner._slice(k, b)
+        slots = sorted(frontier)
+        seg = _Segment(program, entries[k:b], slots, order)
+        rec = RecordSegmentBackward(tuple(env[s] for s in slots), seg)
+        tape.append(
+            rec,
+            seg.in_ids,
+            seg.out_ids,
+            tuple(seg.avals[i] for i in seg.in_ids),
+            tuple(seg.avals[o] for o in seg.out_ids),
+        )
+        k = b
+    out_tree, out_statics, omask, out_ids = out
+    results = [r.value if isinstance(r, _Const) else env[r] for r in program.out_refs[:nout]]
+    tensors = [Tensor._wrap(v, gid) for v, gid in zip(results, out_ids)]
+    it_o, it_s = iter(tensors), iter(out_statics)
     return jax.tree_util.tree_unflatten(out_tree, [next(it_o) if m else next(it_s) for m in omask])
 
 
