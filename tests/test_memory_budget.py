@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rumus_fx as rf
+from rumus_fx.lift import budget
 from rumus_fx.lift.budget import MemoryBudgetWarning, memory_plan
 
 BUDGETS = (1.0, 0.5, 0.25)
@@ -164,7 +165,7 @@ def test_tape_api():
         xt = rf.tensor(x, requires_grad=True)
         loss = tape.run(mlp_rf, ts, xt)
     assert tape.memory_budget == 0.5
-    assert "SegmentBackward" in str(tape)
+    assert "RematBackward" in str(tape)
     grads = tape.backward(loss)
     expected = jax.grad(mlp_jax, (0, 1))(ws, x)
     _close([grads[t] for t in ts], expected[0])
@@ -199,3 +200,39 @@ def test_bad_budget_types_raise_type_error(bad):
         rf.value_and_grad(mlp_rf, memory_budget=bad)
     with pytest.raises(TypeError, match="memory_budget"):
         rf.Tape(memory_budget=bad)
+
+
+def test_tape_run_input_written_in_place_before_backward_raises():
+    """tape.run keeps version snapshots of its inputs: an in-place write between
+    the call and backward is caught, never a silently wrong gradient."""
+    ws, x = _params()
+    with rf.Tape(memory_budget=0.5) as tape:
+        ts = [rf.tensor(w, requires_grad=True) for w in ws]
+        xt = rf.tensor(x)
+        loss = tape.run(mlp_rf, ts, xt)
+    xt.add_(1.0)
+    with pytest.raises(rf.VersionMismatch):
+        tape.backward(loss)
+
+
+def test_segment_records_rebuilt_from_the_recomputed_forward():
+    """A function written with rf ops is planned on its own records: the tape of
+    a budgeted value_and_grad holds segments of rf records, not primitives."""
+    ws, x = _params()
+    seen = []
+    real = budget.run_on_records
+
+    def spy(tape, *a, **k):
+        out = real(tape, *a, **k)
+        seen.extend(e.op for e in tape._entries)
+        return out
+
+    budget.run_on_records = spy
+    try:
+        rf.grad(mlp_rf, memory_budget=0.5)(ws, x)
+    finally:
+        budget.run_on_records = real
+    names = {type(r).__name__ for r in seen}
+    assert "RecordSegmentBackward" in names and "MatmulBackward" in names
+    seg = next(r for r in seen if type(r).__name__ == "RecordSegmentBackward")
+    assert "TanhBackward" in seg.label

@@ -139,7 +139,7 @@ class Tape:
         if self._budget is None:
             return fun(*args, **kwargs)
         self._budget_runs += 1
-        return budget_hooks()[1](fun, args, kwargs, self._budget, getattr(fun, "__name__", "fun"))
+        return budget_hooks()[1](fun, args, kwargs, self._budget, getattr(fun, "__name__", "fun"), records=False)
 
     # -- recording -----------------------------------------------------------
     def __enter__(self) -> Tape:

@@ -48,6 +48,7 @@ traces ``fun`` once more to plan (use ``jax.jit`` for speed).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -289,7 +290,7 @@ class _Planner:
             # a block: a heavy atom and the cheap atoms up to the next one (a layer of
             # an MLP), replacing the segments inside it
             heavy = [k for k in range(m) if self.heavy_atom[k]] + [m]
-            for h, h2 in zip(heavy, heavy[1:]):
+            for h, h2 in itertools.pairwise(heavy):
                 if h < m:
                     keep = [(a, b) for a, b in segs if b <= h or a >= h2]
                     if all(b <= h or a >= h2 or (h <= a and b <= h2) for a, b in segs):
@@ -421,15 +422,18 @@ def _lifted_share(planner: RecordPlanner) -> float:
     return sum(planner.slot_bytes[s] for s in lifted) / max(total, 1)
 
 
-def _analyse(fun: Callable, args: tuple, kwargs: dict, budget: int | float, label: str) -> tuple[MemoryPlan, Callable]:
+def _analyse(
+    fun: Callable, args: tuple, kwargs: dict, budget: int | float, label: str, records: bool = True
+) -> tuple[MemoryPlan, Callable]:
     """The plan for ``fun`` on these arguments and a function that records it on
     a tape: on rf's records (Note [Memory budget on records]) unless lifted
-    calls hold most of the saved bytes, then on primitives (Note [Memory budget])."""
+    calls hold most of the saved bytes or ``records`` is False, then on
+    primitives (Note [Memory budget])."""
     leaves, treedef, mask, arrays = _split(args, kwargs)
     values = [_value(x) for x in arrays]
     program, entries, out, nout = trace_records(fun, leaves, treedef, mask, label)
     rplanner = RecordPlanner(program, entries)
-    if _lifted_share(rplanner) <= 0.5:
+    if records and _lifted_share(rplanner) <= 0.5:
         plan = _plan_with(rplanner, budget, "records")
 
         def run_records(tape: Any) -> Any:
@@ -535,15 +539,23 @@ def _replay(program: Program, ranges: Sequence[tuple[int, int]]) -> Callable:
     return replay
 
 
-def run_budgeted(fun: Callable, args: tuple, kwargs: dict, memory_budget: int | float, name: str = "fun") -> Any:
+def run_budgeted(
+    fun: Callable, args: tuple, kwargs: dict, memory_budget: int | float, name: str = "fun", records: bool = True
+) -> Any:
     """``fun(*args, **kwargs)`` recorded on the current tape with its saved
     activations planned to ``memory_budget`` (Note [Memory budget]); returns
     ``fun``'s output (array leaves as Tensors, tracked where they depend on a
-    tracked input)."""
+    tracked input).
+
+    ``records=False`` plans primitive by primitive even for rf ops: the records
+    rebuilt by the plan on records carry no version snapshots, which is sound
+    for the transforms (their inputs are fresh leaves, differentiated at once)
+    but not for ``tape.run``, whose inputs the caller may write in place before
+    ``backward`` (the lifted entry snapshots them, as ``rf.lift`` does)."""
     tape = current_tape()
     if tape is None:
         return fun(*args, **kwargs)
-    plan, run = _analyse(fun, args, kwargs, memory_budget, name)
+    plan, run = _analyse(fun, args, kwargs, memory_budget, name, records)
     if not plan.met:
         warnings.warn(
             f"memory_budget of {name}: the budget of {plan.budget_bytes} bytes cannot be met; the best plan found "
@@ -574,7 +586,7 @@ def _run_primitives(
         versions = [
             VersionSnapshot.of(t.grad_id, t._storage)
             for s, t in zip(budgeted.in_slots, in_tensors)
-            if t is not None and t.grad_id is not None and s in budgeted.residual_index
+            if t is not None and s in budgeted.residual_index  # tracked or not: its value is saved
         ]
         rec = LiftedBackward(budgeted, residuals[0], residuals[1], tuple(versions))
         tape.append(
