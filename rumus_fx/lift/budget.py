@@ -4,43 +4,51 @@
 Note [Memory budget]
 ~~~~~~~~~~~~~~~~~~~~
 The tape knows what every record saves for backward; ``jax.grad`` does not. Given
-a budget for those saved activations, a function is run in three steps:
+a budget for those saved activations, a function is planned and run in two ways:
 
-1. **Measure.** ``fun`` is traced once to a jaxpr (``jax.make_jaxpr``, abstract: no
-   array is computed) and flattened into rf's lifted program (Note [Lifting] in
-   lift/interpreter.py). Each step's rule says which of its inputs and outputs
-   its record keeps (``rule.saves``); ``jax.eval_shape`` of the program gives the
-   extra residuals some rules compute (a scan's stacked carries). So every step's
-   saved bytes are known before anything runs, and so is its forward cost (FLOPs
-   of ``dot_general``/``conv``; the output size of everything else).
-2. **Plan.** The steps are grouped into atoms: each matmul, convolution or
-   control-flow step alone, and each maximal run of the cheap steps between them
-   (elementwise, reductions, reshapes). A plan is a set of disjoint contiguous
-   runs of atoms, *segments*, each rematerialised as ``rf.checkpoint`` does: its
-   record keeps only the segment's inputs and its backward re-runs the segment's
-   forward. The estimated peak of saved bytes of a plan is the bytes kept by the
-   steps outside segments and by the segments' inputs (each buffer once), plus
-   the largest segment's own residuals (alive while that segment's backward
-   runs). Starting from no segment, a greedy loop takes, among the moves "make
-   one atom a segment", "grow a segment by the next atom on either side" and
-   "merge two neighbouring segments", the one that frees the most bytes per
-   FLOP recomputed, until the estimate fits the budget. Cheap elementwise runs
-   (a layer norm's, a GELU's, a softmax's intermediates) are therefore
-   recomputed first and matmuls only when the budget asks for it, as PyTorch's
-   activation-memory budget does.
-3. **Run.** When the plan has no segment (the budget is at least the unbudgeted
-   bytes) ``fun`` runs on the tape exactly as without a budget. Otherwise the
-   program is replayed with each segment wrapped in ``jax.checkpoint`` and
-   recorded as one lifted entry (one ``RematBackward`` per segment). The
-   gradients are the unbudgeted ones (the same primitive rules; recomputation
-   repeats the same operations).
+* **On rf's own records** (a function written with rf ops; Note [Memory budget on
+  records] below): ``fun`` runs once on a tape inside ``jax.make_jaxpr`` and the
+  arrays each record saves become variables of the traced forward. The atoms are
+  the entries (a matmul's or an attention's record is a heavy atom); a segment of
+  entries is recorded as one ``RecordSegmentBackward`` that keeps only the inputs
+  of the *slice* of the forward computing what its records save, and rebuilds and
+  walks those records at backward time.
+* **Primitive by primitive** (a function whose saved bytes are mostly held by
+  lifted calls, ``rf.lift``/``rf.checkpoint``, which records cannot split; and
+  ``tape.run``): ``fun`` is traced to a jaxpr and flattened into rf's lifted
+  program (Note [Lifting] in lift/interpreter.py); each step's rule says which of
+  its inputs and outputs its record keeps (``rule.saves``), ``jax.eval_shape``
+  gives the extra residuals some rules compute (a scan's stacked carries). The
+  atoms are each matmul, convolution or control-flow step alone and each maximal
+  run of the cheap steps between them. The program is replayed with each segment
+  in ``jax.checkpoint`` and recorded as one lifted entry (one ``RematBackward``
+  per segment).
+
+Either way a plan is a set of disjoint runs of atoms, *segments*, rematerialised
+as ``rf.checkpoint`` does. Its estimated peak of saved bytes walks the forward
+(each kept buffer once: what the records outside segments save, and each
+segment's inputs) and the backward (a buffer is freed once the earliest record
+keeping it is done; while a segment's backward runs, its recomputed activations
+and their cotangents, ``TRANSIENT`` times its bytes, are alive). Starting from no
+segment, a greedy loop takes, among the moves "make one run of atoms a segment",
+"grow a segment on either side", "merge two neighbouring segments" and "make a
+block (a heavy atom and the cheap atoms up to the next one) a segment", the one
+that frees the most bytes per FLOP recomputed (FLOPs of ``dot_general``/``conv``;
+the output size of everything else), with at most ``MAX_HEAVY`` heavy atoms per
+segment: cheap elementwise work (a layer norm's, a GELU's, a softmax's
+intermediates) is recomputed before matmuls, as PyTorch's activation-memory
+budget does. When the plan has no segment (the budget is at least the
+unbudgeted bytes) ``fun`` runs on the tape exactly as without a budget. The
+gradients are the unbudgeted ones (the same records and rules; recomputation
+repeats the same operations).
 
 The budget is bytes (an ``int``) or a fraction (a ``float`` in (0, 1]) of the
-*base*: the bytes the records of ``fun``'s primitives would keep without a budget
-(``memory_plan(...).base_bytes``). A budget below what the plan can reach (every
-input a segment needs is kept, and one segment's residuals are alive at a time)
-is not silently ignored: the best plan found runs and a ``MemoryBudgetWarning``
-says the budget, the base and the estimate achieved.
+*base*: the bytes saved without a budget, the function's own inputs not counted
+(they are alive anyway; ``memory_plan(...).base_bytes``). A budget below what the
+plan can reach is not silently ignored: the best plan found runs and a
+``MemoryBudgetWarning`` says the budget, the base and the estimate achieved. The
+estimate is of saved activations, not of XLA's whole temporary memory (which also
+holds cotangents and fusion buffers).
 Under ``jax.jit`` all of this happens once, at trace time; eagerly each call
 traces ``fun`` once more to plan (use ``jax.jit`` for speed).
 """
