@@ -236,3 +236,25 @@ def test_segment_records_rebuilt_from_the_recomputed_forward():
     assert "RecordSegmentBackward" in names and "MatmulBackward" in names
     seg = next(r for r in seen if type(r).__name__ == "RecordSegmentBackward")
     assert "TanhBackward" in seg.label
+
+
+@pytest.mark.slow  # about 20 s on 2 shared cores (three programs compiled)
+def test_gpt_written_with_rf_ops_planned_on_its_records():
+    """Layer norm, attention, embedding and cross-entropy records rebuilt from
+    the recomputed forward give jax.grad's gradients, and the compiled program
+    needs less temporary memory than without a budget."""
+    from benchmarks.models import tiny_gpt
+
+    m = tiny_gpt(batch=2, seq=16, d=32, heads=2, blocks=3)
+    plan = memory_plan(m.loss_rf, 0.5)(m.params, m.batch)
+    assert plan.on == "records" and plan.segments
+    f = jax.jit(rf.grad(m.loss_rf, memory_budget=0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        got = f(m.params, m.batch)
+        temp = f.lower(m.params, m.batch).compile().memory_analysis().temp_size_in_bytes
+    with jax.numpy_rank_promotion("allow"):
+        expected = jax.grad(m.loss_jax)(m.params, m.batch)
+    _close(got, expected, rtol=1e-4, atol=1e-6)
+    plain = jax.jit(rf.grad(m.loss_rf)).lower(m.params, m.batch).compile().memory_analysis().temp_size_in_bytes
+    assert temp < plain, (temp, plain)
