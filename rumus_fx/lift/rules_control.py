@@ -295,12 +295,9 @@ def _remat_forward(step, vals):
 
 def _remat_vjp(r, g):
     prog = r._step.sub
-    # one barrier over the inputs and the incoming cotangents: XLA can neither reuse
-    # the forward's values nor hoist the recomputation ahead of the backward pass
-    # reaching this segment (several segments' activations alive at once)
-    ins, g = lax.optimization_barrier((list(r.ins), list(g)))
+    ins = lax.optimization_barrier(list(r.ins))  # keep XLA from reusing the forward
     _, res = prog.run(ins)
-    grads = prog.backward(res, g)
+    grads = prog.backward(res, list(g))
     return tuple(gr if n else None for gr, n in zip(grads, r.needs))
 
 
