@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,6 +25,22 @@ from ..storage import nbytes_of
 from ..tensor import Tensor, is_leaf_id
 from .engine import GradientStore, check_history, gradients
 from .record import Record
+
+# ``memory_budget``: (check, run) registered by rumus_fx/lift/budget.py, which builds
+# on this package (Note [Memory budget] there); ``import rumus_fx`` always sets it
+BUDGET: tuple[Any, Any] | None = None
+
+
+def set_budget(check: Any, run: Any) -> None:
+    """Register the memory budget's validation and its budgeted run."""
+    global BUDGET
+    BUDGET = (check, run)
+
+
+def budget_hooks() -> tuple[Any, Any]:
+    if BUDGET is None:  # pragma: no cover - rumus_fx/__init__ imports rumus_fx.lift
+        raise AutogradError("memory_budget needs rumus_fx.lift: import rumus_fx")
+    return BUDGET
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,10 +112,34 @@ class Tape:
            [1.5, 1.5]], dtype=float32)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, memory_budget: int | float | None = None) -> None:
         self._entries: list[TapeEntry] = []
         self._tokens: list[contextvars.Token] = []
         self._consumed = False
+        self._budget: int | float | None = None
+        self._budget_runs = 0
+        if memory_budget is not None:
+            self._budget = budget_hooks()[0](memory_budget)
+
+    @property
+    def memory_budget(self) -> int | float | None:
+        """The budget for saved activations given to ``Tape(memory_budget=...)``
+        (bytes, or a fraction of the unbudgeted saved bytes), or None."""
+        return self._budget
+
+    def run(self, fun: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fun(*args, **kwargs)`` recorded on this tape (which must be the
+        recording one: inside ``with tape:``). On a tape made with
+        ``memory_budget=`` the activations ``fun`` saves for backward are
+        planned to that budget: segments of ``fun`` are rematerialised as
+        ``rf.checkpoint`` does (Note [Memory budget] in rumus_fx/lift/budget.py).
+        Ops recorded directly inside ``with tape:`` are not planned."""
+        if current_tape() is not self:
+            raise AutogradError("tape.run must be called inside `with tape:` (this tape is not the recording one)")
+        if self._budget is None:
+            return fun(*args, **kwargs)
+        self._budget_runs += 1
+        return budget_hooks()[1](fun, args, kwargs, self._budget, getattr(fun, "__name__", "fun"), records=False)
 
     # -- recording -----------------------------------------------------------
     def __enter__(self) -> Tape:
@@ -191,6 +232,14 @@ class Tape:
         can be differentiated again, and the tape is retained (as PyTorch's
         ``retain_graph`` defaults to ``create_graph``).
         """
+        if self._budget is not None and not self._budget_runs:
+            warnings.warn(
+                f"backward of a Tape(memory_budget={self._budget}) on which nothing ran through tape.run: "
+                "the budget applies to functions run with tape.run(fun, *args), not to ops recorded "
+                "directly, so it had no effect here",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._consumed:
             raise AutogradError(
                 "backward called on a consumed tape: its records were released by the "

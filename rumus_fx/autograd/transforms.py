@@ -26,7 +26,7 @@ from ..eager import ones_like_value
 from ..errors import AutogradError
 from ..tensor import Tensor, is_leaf_id, next_leaf_id
 from .engine import CROSS_TAPE_MESSAGE, gradients
-from .tape import Tape, current_tape, recording
+from .tape import Tape, budget_hooks, current_tape, recording
 
 
 def _is_tensor(x: Any) -> bool:
@@ -176,12 +176,25 @@ def _scalar_output(out: Any, name: str) -> tuple[jax.Array, Tensor | None]:
     return value, tracked
 
 
-def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+def value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    memory_budget: int | float | None = None,
+) -> Callable:
     """Like ``jax.value_and_grad``, computed by recording ``fun`` on a tape.
 
     Returns ``g(*args, **kwargs) -> (value, grads)`` (``((value, aux), grads)``
     with ``has_aux=True``). ``grads`` has the pytree structure, shapes and dtypes
     of the differentiated arguments; unused leaves get zeros.
+
+    ``memory_budget``: bytes (``int``) or a fraction in (0, 1] (``float``) of the
+    bytes ``fun``'s records would save for backward; segments of ``fun`` are
+    then rematerialised (as ``rf.checkpoint`` does) so that the saved
+    activations fit, recomputing cheap elementwise work first (Note [Memory
+    budget] in rumus_fx/lift/budget.py). The gradients are unchanged; a budget
+    that cannot be met warns (``MemoryBudgetWarning``) with what is achieved.
 
     >>> import jax.numpy as jnp, rumus_fx as rf
     >>> f = lambda w, x: rf.sum(rf.relu(x @ w))
@@ -189,7 +202,11 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     >>> gw.shape
     (3, 2)
     """
-    return _value_and_grad(fun, argnums, has_aux, "value_and_grad")
+    return _value_and_grad(fun, argnums, has_aux, "value_and_grad", memory_budget)
+
+
+def _budget(memory_budget: Any) -> int | float | None:
+    return None if memory_budget is None else budget_hooks()[0](memory_budget)
 
 
 def _call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -204,7 +221,11 @@ def _call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         raise err from e
 
 
-def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, name: str) -> Callable:
+def _value_and_grad(
+    fun: Callable, argnums: int | Sequence[int], has_aux: bool, name: str, memory_budget: Any = None
+) -> Callable:
+    budget = _budget(memory_budget)
+
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if current_tape() is not None:  # Note [Higher order]
@@ -221,7 +242,10 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
             new_args[i], tensors, treedef = _track(args[i], "grad")
             tracked.append((tensors, treedef))
         with recording(tape):
-            out = _call(fun, new_args, kwargs)
+            if budget is None:
+                out = _call(fun, new_args, kwargs)
+            else:  # Note [Memory budget] in rumus_fx/lift/budget.py
+                out = budget_hooks()[1](fun, tuple(new_args), kwargs, budget, getattr(fun, "__name__", "fun"))
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(
@@ -245,18 +269,25 @@ def _value_and_grad(fun: Callable, argnums: int | Sequence[int], has_aux: bool, 
     return wrapped
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+def grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    memory_budget: int | float | None = None,
+) -> Callable:
     """Like ``jax.grad``, computed by recording ``fun`` on a tape.
 
     ``fun`` receives each leaf of the differentiated arguments as a tracked
     ``rf.Tensor`` and must return a scalar (``rf.Tensor`` or array of size 1).
     Works eagerly and under ``jax.jit``, ``jax.vmap`` and ``jax.jvp``.
+    ``memory_budget``: as in ``rf.value_and_grad``.
 
     >>> import jax.numpy as jnp, rumus_fx as rf
     >>> rf.grad(lambda x: rf.sum(x * x))(jnp.arange(3.0))
     Array([0., 2., 4.], dtype=float32)
     """
-    vg = _value_and_grad(fun, argnums, has_aux, "grad")
+    vg = _value_and_grad(fun, argnums, has_aux, "grad", memory_budget)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -3,6 +3,7 @@ per-primitive rules (one module per family; importing them declares the rules)."
 
 from ..autograd import engine as _engine
 from ..autograd import transforms as _transforms
+from . import budget as budget
 from . import higher as _higher
 from . import rules_complex as rules_complex
 from . import rules_control as rules_control

@@ -1,0 +1,260 @@
+"""``memory_budget=`` of rf.grad / rf.value_and_grad / rf.Tape: segments are
+rematerialised so the saved activations fit the budget, the gradients stay
+those of jax.grad (and of the unbudgeted rf.grad), and the compiled program's
+temporary memory falls as the budget falls."""
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rumus_fx as rf
+from rumus_fx.lift import budget
+from rumus_fx.lift.budget import MemoryBudgetWarning, memory_plan
+
+BUDGETS = (1.0, 0.5, 0.25)
+DEPTH, WIDTH, BATCH = 6, 16, 8
+
+
+def _params(dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(0), DEPTH + 1)
+    ws = [(jax.random.normal(k, (WIDTH, WIDTH)) * 0.3).astype(dtype) for k in keys[:DEPTH]]
+    x = jax.random.normal(keys[DEPTH], (BATCH, WIDTH)).astype(dtype)
+    return ws, x
+
+
+def mlp_rf(ws, x):
+    h = x
+    for w in ws:
+        z = h @ w
+        h = rf.tanh(z) * 0.5 + rf.sigmoid(z) * rf.exp(z * -0.5)
+    return rf.mean(h * h)
+
+
+def mlp_jax(ws, x):
+    h = x
+    for w in ws:
+        z = h @ w
+        h = jnp.tanh(z) * 0.5 + jax.nn.sigmoid(z) * jnp.exp(z * -0.5)
+    return jnp.mean(h * h)
+
+
+def _close(a, b, rtol=2e-5, atol=1e-6):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+def _quiet(fn, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_gradients_equal_unbudgeted_and_jax_grad(budget, argnums):
+    ws, x = _params()
+    expected = jax.grad(mlp_jax, argnums)(ws, x)
+    plain = rf.grad(mlp_rf, argnums)(ws, x)
+    got = _quiet(rf.grad(mlp_rf, argnums, memory_budget=budget), ws, x)
+    _close(got, expected)
+    _close(got, plain)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_under_jit_gradients_equal(budget):
+    ws, x = _params()
+    got = _quiet(jax.jit(rf.grad(mlp_rf, (0, 1), memory_budget=budget)), ws, x)
+    _close(got, jax.grad(mlp_jax, (0, 1))(ws, x))
+
+
+def test_float64_finite_differences(x64):
+    ws, x = _params(jnp.float64)
+    g = _quiet(rf.grad(mlp_rf, 1, memory_budget=0.25), ws, x)
+    assert g.dtype == jnp.float64
+    d = jax.random.normal(jax.random.key(3), x.shape, jnp.float64)
+    eps = 1e-6
+    fd = (mlp_jax(ws, x + eps * d) - mlp_jax(ws, x - eps * d)) / (2 * eps)
+    np.testing.assert_allclose(float(jnp.vdot(g, d)), float(fd), rtol=1e-6)
+
+
+def _temp(budget):
+    ws, x = _params()
+    f = jax.jit(rf.grad(mlp_rf, (0, 1), memory_budget=budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        return f.lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_compiled_temp_memory_falls_with_the_budget():
+    temps = [_temp(b) for b in BUDGETS]
+    assert temps[0] == _temp(None)  # 100 %: the unbudgeted program
+    assert all(b <= a for a, b in itertools.pairwise(temps)), temps
+    assert temps[-1] < temps[0], temps
+
+
+def test_plan_fits_the_budget():
+    ws, x = _params()
+    plan = memory_plan(mlp_rf, 0.5, argnums=(0, 1))(ws, x)
+    assert plan.on == "records"  # written with rf ops: planned on rf's own records
+    assert plan.met and plan.planned_bytes <= plan.budget_bytes < plan.base_bytes
+    assert plan.segments and 0 < plan.recompute_flops < plan.forward_flops
+    full = memory_plan(mlp_rf, 1.0, argnums=(0, 1))(ws, x)
+    assert not full.segments and full.planned_bytes == full.base_bytes
+    assert "segments" in str(plan)
+
+
+def test_lifted_function_recomputes_cheap_work_first():
+    ws, x = _params()
+    lifted = rf.lift(mlp_jax)
+    plan = memory_plan(lifted, 0.75, argnums=(0, 1))(ws, x)
+    assert plan.on == "primitives"  # one lifted call: planned primitive by primitive
+    assert plan.met and plan.segments
+    # a quarter of the activations is freed by recomputing elementwise work
+    # alone: no matmul (2 * BATCH * WIDTH**2 FLOPs each) is recomputed
+    assert plan.recompute_flops < 2 * BATCH * WIDTH * WIDTH
+    got = rf.grad(lifted, (0, 1), memory_budget=0.75)(ws, x)
+    _close(got, jax.grad(mlp_jax, (0, 1))(ws, x))
+    temps = [
+        jax.jit(rf.grad(lifted, (0, 1), memory_budget=b)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+        for b in (None, 0.75)
+    ]
+    assert temps[1] < temps[0], temps
+
+
+def test_bytes_budget_and_fraction_agree():
+    ws, x = _params()
+    base = memory_plan(mlp_rf, 1.0)(ws, x).base_bytes
+    by_bytes = memory_plan(mlp_rf, base // 2)(ws, x)
+    by_fraction = memory_plan(mlp_rf, 0.5)(ws, x)
+    assert by_bytes.segments == by_fraction.segments
+    _close(rf.grad(mlp_rf, memory_budget=base // 2)(ws, x), jax.grad(mlp_jax)(ws, x))
+
+
+def test_unmet_budget_warns_with_what_it_achieves():
+    ws, x = _params()
+    with pytest.warns(MemoryBudgetWarning, match="cannot be met.*keeps about"):
+        g = rf.grad(mlp_rf, memory_budget=1)(ws, x)
+    _close(g, jax.grad(mlp_jax)(ws, x))
+
+
+def test_has_aux_and_value():
+    ws, x = _params()
+
+    def f(ws, x):
+        loss = mlp_rf(ws, x)
+        return loss, {"twice": loss * 2.0, "n": 3}
+
+    (v, aux), g = rf.value_and_grad(f, (0, 1), has_aux=True, memory_budget=0.5)(ws, x)
+    np.testing.assert_allclose(float(v), float(mlp_jax(ws, x)), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["twice"]), 2 * float(v), rtol=1e-6)
+    assert aux["n"] == 3
+    _close(g, jax.grad(mlp_jax, (0, 1))(ws, x))
+    g2, aux2 = rf.grad(f, has_aux=True, memory_budget=0.5)(ws, x)
+    _close(g2, jax.grad(mlp_jax)(ws, x))
+    assert aux2["n"] == 3
+
+
+def test_tape_api():
+    ws, x = _params()
+    with rf.Tape(memory_budget=0.5) as tape:
+        ts = [rf.tensor(w, requires_grad=True) for w in ws]
+        xt = rf.tensor(x, requires_grad=True)
+        loss = tape.run(mlp_rf, ts, xt)
+    assert tape.memory_budget == 0.5
+    assert "RematBackward" in str(tape)
+    grads = tape.backward(loss)
+    expected = jax.grad(mlp_jax, (0, 1))(ws, x)
+    _close([grads[t] for t in ts], expected[0])
+    _close(grads[xt], expected[1])
+
+
+def test_tape_without_run_warns_that_the_budget_did_nothing():
+    with rf.Tape(memory_budget=0.5) as tape:
+        w = rf.tensor(jnp.ones(3), requires_grad=True)
+        loss = rf.sum(rf.tanh(w))
+    with pytest.warns(RuntimeWarning, match="tape.run"):
+        tape.backward(loss)
+
+
+def test_tape_run_outside_the_tape_raises():
+    tape = rf.Tape(memory_budget=0.5)
+    with pytest.raises(rf.AutogradError, match="inside"):
+        tape.run(mlp_rf, *_params())
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 0.0, -0.5, 1.5, float("nan")])
+def test_bad_budget_values_raise_value_error(bad):
+    with pytest.raises(ValueError, match="memory_budget"):
+        rf.grad(mlp_rf, memory_budget=bad)
+    with pytest.raises(ValueError, match="memory_budget"):
+        rf.Tape(memory_budget=bad)
+
+
+@pytest.mark.parametrize("bad", ["50%", True, [0.5]])
+def test_bad_budget_types_raise_type_error(bad):
+    with pytest.raises(TypeError, match="memory_budget"):
+        rf.value_and_grad(mlp_rf, memory_budget=bad)
+    with pytest.raises(TypeError, match="memory_budget"):
+        rf.Tape(memory_budget=bad)
+
+
+def test_tape_run_input_written_in_place_before_backward_raises():
+    """tape.run keeps version snapshots of its inputs: an in-place write between
+    the call and backward is caught, never a silently wrong gradient."""
+    ws, x = _params()
+    with rf.Tape(memory_budget=0.5) as tape:
+        ts = [rf.tensor(w, requires_grad=True) for w in ws]
+        xt = rf.tensor(x)
+        loss = tape.run(mlp_rf, ts, xt)
+    xt.add_(1.0)
+    with pytest.raises(rf.VersionMismatch):
+        tape.backward(loss)
+
+
+def test_segment_records_rebuilt_from_the_recomputed_forward():
+    """A function written with rf ops is planned on its own records: the tape of
+    a budgeted value_and_grad holds segments of rf records, not primitives."""
+    ws, x = _params()
+    seen = []
+    real = budget.run_on_records
+
+    def spy(tape, *a, **k):
+        out = real(tape, *a, **k)
+        seen.extend(e.op for e in tape._entries)
+        return out
+
+    budget.run_on_records = spy
+    try:
+        rf.grad(mlp_rf, memory_budget=0.5)(ws, x)
+    finally:
+        budget.run_on_records = real
+    names = {type(r).__name__ for r in seen}
+    assert "RecordSegmentBackward" in names and "MatmulBackward" in names
+    seg = next(r for r in seen if type(r).__name__ == "RecordSegmentBackward")
+    assert "TanhBackward" in seg.label
+
+
+@pytest.mark.slow  # about 20 s on 2 shared cores (three programs compiled)
+def test_gpt_written_with_rf_ops_planned_on_its_records():
+    """Layer norm, attention, embedding and cross-entropy records rebuilt from
+    the recomputed forward give jax.grad's gradients, and the compiled program
+    needs less temporary memory than without a budget."""
+    from benchmarks.models import tiny_gpt
+
+    m = tiny_gpt(batch=2, seq=16, d=32, heads=2, blocks=3)
+    plan = memory_plan(m.loss_rf, 0.5)(m.params, m.batch)
+    assert plan.on == "records" and plan.segments
+    f = jax.jit(rf.grad(m.loss_rf, memory_budget=0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        got = f(m.params, m.batch)
+        temp = f.lower(m.params, m.batch).compile().memory_analysis().temp_size_in_bytes
+    with jax.numpy_rank_promotion("allow"):
+        expected = jax.grad(m.loss_jax)(m.params, m.batch)
+    _close(got, expected, rtol=1e-4, atol=1e-6)
+    plain = jax.jit(rf.grad(m.loss_rf)).lower(m.params, m.batch).compile().memory_analysis().temp_size_in_bytes
+    assert temp < plain, (temp, plain)
