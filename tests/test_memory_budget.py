@@ -258,3 +258,28 @@ def test_gpt_written_with_rf_ops_planned_on_its_records():
     _close(got, expected, rtol=1e-4, atol=1e-6)
     plain = jax.jit(rf.grad(m.loss_rf)).lower(m.params, m.batch).compile().memory_analysis().temp_size_in_bytes
     assert temp < plain, (temp, plain)
+
+
+def test_in_place_write_inside_the_function_is_differentiated_as_traced():
+    """Under a budget the function runs as its traced program: an in-place write
+    to a saved value inside it is computed with the value the op saw (jax.grad
+    of the same code), where the unbudgeted tape refuses it (VersionMismatch)."""
+
+    def f(x):
+        h = rf.tanh(x * 2.0)
+        z = rf.tanh(rf.exp(h) * 1.5)
+        h.add_(1.0)  # after tanh and exp saved h
+        return rf.sum(z * h)
+
+    def oracle(x):
+        h = jnp.tanh(x * 2.0)
+        return jnp.sum(jnp.tanh(jnp.exp(h) * 1.5) * (h + 1.0))
+
+    x = jnp.linspace(-1.0, 1.0, 8)
+    with pytest.raises(rf.VersionMismatch):
+        rf.grad(f)(x)
+    for fraction in (0.5, 0.25):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MemoryBudgetWarning)
+            got = rf.grad(f, memory_budget=fraction)(x)
+        np.testing.assert_allclose(got, jax.grad(oracle)(x), rtol=1e-5, atol=1e-6)

@@ -67,12 +67,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..autograd.engine import walk
 from ..autograd.record import Record, VersionSnapshot
 from ..autograd.tape import Tape, current_tape, new_entry, recording, set_budget, suspend_recording
+from ..autograd.walk import walk
 from ..kernels.dispatch import use as kernel_mode
 from ..tensor import Tensor, next_grad_id
-from .interpreter import LiftedBackward, Program, _Const, is_array_leaf, weak_values
+from .interpreter import is_array_leaf, weak_values
+from .lifted_record import LiftedBackward
+from .program import Program, _Const
 
 MAX_HEAVY = 1  # matmuls (convolutions, loops) one segment may recompute
 TRANSIENT = 2  # a segment's recomputed activations and their cotangents, alive during its backward
