@@ -44,6 +44,7 @@ input: it is traced per call with the value baked in, as ``jax.jit`` would bake 
 
 from __future__ import annotations
 
+import operator
 import threading
 import types
 import weakref
@@ -243,40 +244,155 @@ def _module(v: Any) -> str:
 
 
 class Closure:
-    """The arrays (``arrays``: the objects; ``values``: the jax arrays passed)
-    and the static ``key`` of what a function reads, with the places to put the
-    trace's inputs (``substituted``)."""
+    """What one call of a function reads: ``arrays`` (the objects found, in the
+    walk's order), ``values`` (the jax arrays passed for them), ``tracked``
+    (which are tracked Tensors), the static ``key`` (hashes once; None when a
+    part of it does not hash) and the places to put the trace's inputs
+    (``substituted``)."""
+
+    __slots__ = ("arrays", "key", "sites", "tracked", "values")
+
+    def __init__(self, key: Any, sites: list, arrays: list, values: list, tracked: tuple[bool, ...]):
+        self.key, self.sites, self.arrays, self.values, self.tracked = key, sites, arrays, values, tracked
+
+    @contextmanager
+    def substituted(self, inputs: Sequence[Any], bind: dict[int, Any]) -> Iterator[None]:
+        """Each array at its place replaced by its input (Tensors: their reads
+        redirected through ``bind``), put back on exit."""
+        undo: list[Callable[[], None]] = []
+        seen: set[int] = set()
+        _SUBSTITUTING.acquire()
+        try:
+            for site, start, stop in self.sites:
+                old = site.get()
+                new = _put(old, iter(inputs[start:stop]), bind, undo, seen)
+                if new is not old:
+                    site.set(new)
+                    undo.append(functools_partial(site.set, old))
+            yield
+        finally:
+            for u in reversed(undo):
+                u()
+            _SUBSTITUTING.release()
+
+
+# -- reads: how each place the walk looked at is looked at again ----------------
+#
+# A read is ``(fn, a, b, check, want)``: ``fn(a, b)`` gives the value now, ``check``
+# says how it must compare with ``want``, the walk's value (Note [Closures of a
+# lifted function], "Repeated calls").
+_SAME, _ARRAY_OF, _EQUAL, _NUMPY_OF, _SCALAR_OF, _INEXACT_OF, _METHOD_OF = range(7)
+_MISSING = object()  # an empty closure cell
+
+
+def _cell_value(cell: Any, _: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
+
+
+def _keys(d: dict, _: Any) -> tuple:
+    return tuple(d)
+
+
+def _len(v: Any, _: Any) -> int:
+    return len(v)
+
+
+def _function_same(f: Any, state: tuple) -> bool:
+    code, defaults, kwdefaults = state
+    return f.__code__ is code and f.__defaults__ is defaults and f.__kwdefaults__ is kwdefaults
+
+
+def _absent(g: dict, names: tuple[str, ...]) -> bool:
+    return g.keys().isdisjoint(names)
+
+
+def _object_same(obj: Any, state: tuple) -> bool:
+    cls, mro, attrs = state
+    return type(obj) is cls and cls.__mro__ is mro and getattr(obj, "__dict__", None) is attrs
+
+
+def _class_names(classes: tuple[type, ...], names: frozenset[str]) -> set[str]:
+    """The names among ``names`` that the classes' own dictionaries hold."""
+    found: set[str] = set()
+    for c in classes:
+        found |= names & c.__dict__.keys()
+    return found
+
+
+def _names_in(attrs: dict, names: frozenset[str]) -> set[str]:
+    return attrs.keys() & names
+
+
+class _Static(tuple):
+    """The static key of a closure: hashed once (a repeated call passes the same
+    object, which the program cache compares by identity first)."""
+
+    __slots__ = ()
+
+    def __new__(cls, parts: tuple) -> _Static:
+        return tuple.__new__(cls, (hash(parts), parts))
+
+    def __hash__(self) -> int:
+        return self[0]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Static) and self[0] == other[0] and self[1] == other[1])
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+
+class _Walk:
+    """One walk of what a function reads: the static ``key``, the ``arrays``
+    (in order), the ``sites`` holding them and the ``reads`` that decide all
+    of it."""
 
     def __init__(self) -> None:
         self.key: list[Any] = []
         self.arrays: list[Any] = []
         self.sites: list[tuple[Any, int, int]] = []
+        self.reads: list[tuple[Any, Any, Any, int, Any]] = []
         self.names: set[str] = set()
         self.seen: dict[int, Any] = {}
         self.containers: dict[int, int] = {}
         self.todo: list[tuple[Any, int, bool]] = []
         self.nodes = 0
         self.complete = True
-        self.values: list[Any] = []
-        self.tracked: tuple[bool, ...] = ()
 
-    # -- the walk ---------------------------------------------------------------
-    def _value(self, v: Any, depth: int) -> Any:
+    def _read(self, fn: Callable[[Any, Any], Any], a: Any, b: Any, depth: int) -> Any:
+        """The key of ``fn(a, b)``, a value held at a place that may change
+        (noted, to be read again by the next call)."""
+        return self._value(fn(a, b), depth, (fn, a, b))
+
+    def _value(self, v: Any, depth: int, read: tuple | None = None) -> Any:
         """The key of ``v``; arrays in it are collected (in order), functions and
-        objects are queued to be looked into."""
+        objects are queued to be looked into. ``read``: where ``v`` was read
+        (None: a value fixed by what holds it, as a tuple's item)."""
         self.nodes += 1
         if self.nodes > MAX_NODES:
             self.complete = False
             return _Ident(v)
         t = type(v)
         kind = _kind_of(t)
+        note = self.reads.append
         if kind == _ARRAY or (kind == _NUMPY_ARRAY and v.dtype.kind in "biufc"):
+            # (a fixed array is noted too: the next call collects it at its turn)
+            note((*(read or (_const, v, None)), _NUMPY_OF if kind == _NUMPY_ARRAY else _ARRAY_OF, t))
             self.arrays.append(v)
             return "A"
         if kind == _SCALAR:
+            if read is not None:
+                note((*read, _SCALAR_OF, v))
             return (t, v)
         if kind == _INEXACT_SCALAR:
+            if read is not None:
+                note((*read, _INEXACT_OF, v))
             return (t, repr(v))  # 0.0 vs -0.0, nan
+        if read is not None:
+            note((*read, _METHOD_OF, (v.__func__, v.__self__)) if kind == _METHOD else (*read, _SAME, v))
         if kind == _CONTAINER:
             k = self.containers.get(id(v))
             if k is not None:  # the same list or dict again: substituted once
@@ -284,8 +400,12 @@ class Closure:
             self.containers[id(v)] = len(self.containers)
             self.seen.setdefault(id(v), v)
             if t is dict:
-                return (t, tuple((k, self._value(x, depth)) for k, x in v.items()))
-            return (t, tuple(self._value(x, depth) for x in v))
+                note((_keys, v, None, _EQUAL, tuple(v)))
+                return (t, tuple((k, self._read(operator.getitem, v, k, depth)) for k in list(v)))
+            if t is list:
+                note((_len, v, None, _EQUAL, len(v)))
+                return (t, tuple(self._read(operator.getitem, v, i, depth) for i in range(len(v))))
+            return (t, tuple(self._value(x, depth) for x in v))  # a tuple's items are fixed
         if kind == _PARTIAL:
             self.todo.append((v, depth, True))
             return ("partial", v.func if isinstance(v.func, types.FunctionType) else _Ident(v.func))
@@ -308,9 +428,9 @@ class Closure:
                 self.todo.append((v, depth - 1, True))
         return _Ident(v)
 
-    def _site(self, site: Any, v: Any, tag: Any, depth: int) -> None:
+    def _site(self, site: Any, read: tuple | None, v: Any, tag: Any, depth: int) -> None:
         start = len(self.arrays)
-        self.key.append((tag, self._value(v, depth)))
+        self.key.append((tag, self._value(v, depth, read)))
         if len(self.arrays) > start:
             self.sites.append((site, start, len(self.arrays)))
 
@@ -319,39 +439,48 @@ class Closure:
         names = _code_names(code)
         self.names.update(names)
         self.key.append(("fn", code))
+        defaults, kwdefaults = f.__defaults__, f.__kwdefaults__
+        self.reads.append((_function_same, f, (code, defaults, kwdefaults), _SAME, True))
         for i, c in enumerate(f.__closure__ or ()):
-            try:
-                v = c.cell_contents
-            except ValueError:  # not yet assigned
-                self.key.append(("cell", i, None))
-                continue
-            self._site(_Cell(c), v, ("cell", i), depth)
+            self._site(_Cell(c), (_cell_value, c, None), _cell_value(c, None), ("cell", i), depth)
         g = f.__globals__
+        absent = []
         for n in names:
             if n in g:
-                self._site(_Item(g, n), g[n], ("g", n), depth)
-        for i, v in enumerate(f.__defaults__ or ()):
-            self._site(_Default(f, i), v, ("d", i), depth)
-        for n, v in (f.__kwdefaults__ or {}).items():
-            self._site(_Item(f.__kwdefaults__, n), v, ("kw", n), depth)
+                self._site(_Item(g, n), (operator.getitem, g, n), g[n], ("g", n), depth)
+            else:
+                absent.append(n)
+        if absent:  # (defined later, it is read instead of a builtin)
+            self.reads.append((_absent, g, tuple(absent), _SAME, True))
+        for i, v in enumerate(defaults or ()):
+            self._site(_Default(f, i), None, v, ("d", i), depth)
+        if kwdefaults:
+            self.reads.append((_keys, kwdefaults, None, _EQUAL, tuple(kwdefaults)))
+            for n, v in list(kwdefaults.items()):
+                self._site(_Item(kwdefaults, n), (operator.getitem, kwdefaults, n), v, ("kw", n), depth)
 
     def _object(self, obj: Any, depth: int) -> None:
         """The attributes of ``obj`` its code names (the class's methods and
         properties it names are looked into first, their names added)."""
         self.key.append(("o", _Ident(obj)))
         cls = type(obj)
+        attrs = getattr(obj, "__dict__", None)
+        self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs), _SAME, True))
         own = not isinstance(obj, types.ModuleType)
         if own:
             done: set[str] = set()
-            mro = [c.__dict__ for c in cls.__mro__[:-1]]
+            classes = cls.__mro__[:-1]
             while True:
-                names = self.names | {"__call__"}
-                wanted = {n for d in mro for n in names.intersection(d)} - done
+                names = frozenset(self.names | {"__call__"})
+                found = _class_names(classes, names)
+                self.reads.append((_class_names, classes, names, _EQUAL, found))
+                wanted = found - done
                 if not wanted:
                     break
                 for n in sorted(wanted):
                     done.add(n)
                     a = _class_attr(cls, n)
+                    self.reads.append((_class_attr, cls, n, _SAME, a))
                     if a is None:
                         continue
                     fns = [a.fget] if isinstance(a, property) else [getattr(a, "__func__", a)]
@@ -363,12 +492,14 @@ class Closure:
                             else:
                                 self._function(fn, depth)
                 self._drain()  # functions they call may name more attributes
-        attrs = getattr(obj, "__dict__", None)
         if not isinstance(attrs, dict):
             return
-        for n in sorted(self.names.intersection(attrs)):
+        names = frozenset(self.names)
+        present = _names_in(attrs, names)
+        self.reads.append((_names_in, attrs, names, _EQUAL, present))
+        for n in sorted(present):
             site = _Attr(obj, n) if own else _Item(attrs, n)
-            self._site(site, attrs[n], ("a", n), depth)
+            self._site(site, (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
     def _drain(self) -> None:
         while self.todo:
@@ -385,7 +516,7 @@ class Closure:
                 self._push(v.__self__, depth + 1)
             elif isinstance(v, functools_partial):
                 start = len(self.arrays)
-                self.key.append(("p", self._value((v.args, v.keywords), depth)))
+                self.key.append(("p", self._value(v.args, depth), self._value(v.keywords, depth)))
                 if len(self.arrays) > start:  # a partial's arrays cannot be replaced in it
                     self.complete = False
                 self._push(v.func, depth)
@@ -395,26 +526,70 @@ class Closure:
     def _push(self, v: Any, depth: int) -> None:
         self.key.append(("root", self._value(v, depth)))
 
-    # -- substitution -----------------------------------------------------------
-    @contextmanager
-    def substituted(self, inputs: Sequence[Any], bind: dict[int, Any]) -> Iterator[None]:
-        """Each array at its place replaced by its input (Tensors: their reads
-        redirected through ``bind``), put back on exit."""
-        undo: list[Callable[[], None]] = []
-        seen: set[int] = set()
-        _SUBSTITUTING.acquire()
+
+def _const(v: Any, _: Any) -> Any:
+    return v
+
+
+class _Plan:
+    """A walk kept for the next calls of the same function: its ``reads`` are
+    read again and, when each compares as before, the walk's key and sites hold
+    and the arrays read are the call's arrays."""
+
+    __slots__ = ("calls", "complete", "fun", "key", "plain", "reads", "sites", "untracked")
+
+    def __init__(self, fun: Any, calls: tuple, walk: _Walk):
+        self.fun, self.calls, self.reads, self.sites = fun, calls, walk.reads, walk.sites
+        self.complete = walk.complete
         try:
-            for site, start, stop in self.sites:
-                old = site.get()
-                new = _put(old, iter(inputs[start:stop]), bind, undo, seen)
-                if new is not old:
-                    site.set(new)
-                    undo.append(functools_partial(site.set, old))
-            yield
-        finally:
-            for u in reversed(undo):
-                u()
-            _SUBSTITUTING.release()
+            self.key: _Static | None = _Static(tuple(walk.key))
+        except TypeError:  # a static part that does not hash: not cached
+            self.key = None
+        types_ = [r[4] for r in walk.reads if r[3] in (_ARRAY_OF, _NUMPY_OF)]
+        # jax arrays only: they are their own values, and none is tracked
+        self.plain = all(_kind_of(t) == _ARRAY and not issubclass(t, Tensor) for t in types_)
+        self.untracked = (False,) * len(types_)
+
+    def replay(self) -> list[Any] | None:
+        """The arrays read now, or None when a read differs (walk again)."""
+        arrays: list[Any] = []
+        try:
+            for fn, a, b, check, want in self.reads:
+                v = fn(a, b)
+                if check == _SAME:
+                    if v is not want:
+                        return None
+                elif check == _ARRAY_OF:
+                    if type(v) is not want:
+                        return None
+                    arrays.append(v)
+                elif check == _EQUAL:
+                    if v != want:
+                        return None
+                elif check == _NUMPY_OF:
+                    if type(v) is not want or v.dtype.kind not in "biufc":
+                        return None
+                    arrays.append(v)
+                elif check == _SCALAR_OF:
+                    if v is not want and (type(v) is not type(want) or v != want):
+                        return None
+                elif check == _INEXACT_OF:
+                    if v is not want and (type(v) is not type(want) or repr(v) != repr(want)):
+                        return None
+                elif type(v) is not types.MethodType or v.__func__ is not want[0] or v.__self__ is not want[1]:
+                    return None  # (_METHOD_OF)
+        except Exception:  # a place gone (a deleted name, a shorter list): walk again
+            return None
+        return arrays
+
+    def closure(self, arrays: list[Any]) -> Closure | None:
+        if not self.complete:
+            return None
+        if self.plain:
+            return Closure(self.key, self.sites, arrays, arrays, self.untracked)
+        values = [_current(v) for v in arrays]
+        tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in arrays)
+        return Closure(self.key, self.sites, arrays, values, tracked)
 
 
 def _put(v: Any, it: Iterator[Any], bind: dict[int, Any], undo: list, seen: set[int]) -> Any:
@@ -466,13 +641,13 @@ def _current(v: Any) -> Any:
         return v.value
     if not isinstance(v, np.ndarray):
         return v
-    dtype = jax.dtypes.canonicalize_dtype(v.dtype)
     if v.nbytes > _NUMPY_CACHED_BYTES:
-        return np.array(v, dtype=dtype)
+        return np.array(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype))
     raw = v.tobytes()
     hit = _NUMPY.get(id(v))
     if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype and hit[3] == raw:
         return hit[4]
+    dtype = jax.dtypes.canonicalize_dtype(v.dtype)
     x = jnp.asarray(np.array(v, dtype=dtype))
     if isinstance(x, jax.core.Tracer):  # made inside an enclosing trace: valid only there, never cached
         return x
@@ -493,19 +668,33 @@ _NUMPY: dict[int, tuple[Any, tuple, Any, bytes, Any]] = {}
 def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     """What ``fun`` (and the functions among ``statics``) read through closures,
     globals, defaults and a bound object: None when it cannot be taken apart
-    (too large, or arrays held where they cannot be replaced)."""
-    c = Closure()
+    (too large, or arrays held where they cannot be replaced). A repeated call
+    reads again only the places the last walk read (``_Plan``)."""
+    calls = tuple(s for s in statics if callable(s)) if statics else ()
+    plan = _PLANS.get(id(fun))
+    if plan is not None and plan.fun is fun and _same_objects(plan.calls, calls):
+        arrays = plan.replay()
+        if arrays is not None:
+            return plan.closure(arrays)
+    walk = _Walk()
     if isinstance(fun, types.FunctionType) and not _module(fun).startswith(_LIBRARY):
-        c.seen[id(fun)] = fun
-        c._function(fun, DEPTH)  # the lifted function itself, rf's own included
+        walk.seen[id(fun)] = fun
+        walk._function(fun, DEPTH)  # the lifted function itself, rf's own included
     else:
-        c._push(fun, DEPTH + 1)
-    for s in statics:
-        if callable(s):
-            c._push(s, DEPTH)
-    c._drain()
-    if not c.complete:
-        return None
-    c.values = [_current(v) for v in c.arrays]
-    c.tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in c.arrays)
-    return c
+        walk._push(fun, DEPTH + 1)
+    for s in calls:
+        walk._push(s, DEPTH)
+    walk._drain()
+    plan = _Plan(fun, calls, walk)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[id(fun)] = plan  # (the plan holds fun: its id is not reused meanwhile)
+    return plan.closure(walk.arrays)
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+_PLANS: dict[int, _Plan] = {}
+_MAX_PLANS = 512

@@ -742,9 +742,10 @@ def _lifted_call(
     ]
     # what fun reads through its closure (Note [Closures of a lifted function])
     clo = _closure.scan(fun, statics)
-    key, hit, cavals = _closure_key(clo, treedef, statics, is_arr, avals, tracked_in)
+    key, hit = _closure_key(clo, treedef, statics, is_arr, avals, tracked_in)
     if key is None and clo is not None:
-        clo, cavals = None, []
+        clo = None
+    cavals: list[Any] = []
     if clo is None:
         try:
             signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
@@ -759,6 +760,7 @@ def _lifted_call(
     if hit is None:
         traced = None
         if clo is not None:
+            cavals = _closure_avals(clo)
             try:
                 traced = _trace(fun, treedef, statics, is_arr, avals, label, clo, cavals)
             except Exception:
@@ -833,23 +835,30 @@ _NO_SUBSTITUTION: dict[Any, bool] = {}
 
 def _closure_key(
     clo: _closure.Closure | None, treedef: Any, statics: tuple, is_arr: tuple, avals: list, tracked_in: tuple
-) -> tuple[Any, Any, list]:
+) -> tuple[Any, Any]:
     """The cache key of a call whose closure was taken apart (None when it
-    cannot be), the cached program (None on a miss) and the closure's avals."""
-    if clo is None:
-        return None, None, []
-    cavals = [
-        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in clo.values
-    ]
+    cannot be) and the cached program (None on a miss)."""
+    if clo is None or clo.key is None:
+        return None, None
     try:
-        signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in (*avals, *cavals))
-        key = ("closure", tuple(clo.key), treedef, statics, is_arr, signature, tracked_in + clo.tracked)
+        signature = (
+            *((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals),
+            *((np.shape(v), v.dtype, _weak(v), shd.sharding_of(v)) for v in clo.values),
+        )
+        key = ("closure", clo.key, treedef, statics, is_arr, signature, tracked_in + clo.tracked)
         hash(key)
     except TypeError:
-        return None, None, []
-    if key in _NO_SUBSTITUTION:
-        return None, None, []
-    return key, _PROGRAMS.get(key), cavals
+        return None, None
+    if _NO_SUBSTITUTION and key in _NO_SUBSTITUTION:
+        return None, None
+    return key, _PROGRAMS.get(key)
+
+
+def _closure_avals(clo: _closure.Closure) -> list[Any]:
+    """The avals the trace gives the closure's arrays."""
+    return [
+        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in clo.values
+    ]
 
 
 def weak_values(values: Sequence[Any]) -> tuple[Any, ...]:
