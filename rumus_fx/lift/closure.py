@@ -250,10 +250,24 @@ class Closure:
     part of it does not hash) and the places to put the trace's inputs
     (``substituted``)."""
 
-    __slots__ = ("arrays", "key", "sites", "tracked", "values")
+    __slots__ = ("arrays", "key", "plan", "tracked", "values")
 
-    def __init__(self, key: Any, sites: list, arrays: list, values: list, tracked: tuple[bool, ...]):
-        self.key, self.sites, self.arrays, self.values, self.tracked = key, sites, arrays, values, tracked
+    def __init__(self, plan: _Plan, arrays: list, values: list, tracked: tuple[bool, ...]):
+        self.plan, self.key, self.arrays, self.values, self.tracked = plan, plan.key, arrays, values, tracked
+
+    def signature(self, of: Callable[[Any], Any]) -> tuple:
+        """``of(value)`` for each value (its type, for the cache key); the last
+        call's when the values are the same objects (jax arrays do not change)."""
+        values = self.values
+        last = self.plan.last
+        if last is not None and len(last[0]) == len(values) and all(r() is v for r, v in zip(last[0], values)):
+            return last[1]
+        sig = tuple(of(v) for v in values)
+        try:
+            self.plan.last = ([weakref.ref(v) for v in values], sig)
+        except TypeError:  # (a value that cannot be weakly referenced)
+            pass
+        return sig
 
     @contextmanager
     def substituted(self, inputs: Sequence[Any], bind: dict[int, Any]) -> Iterator[None]:
@@ -263,7 +277,7 @@ class Closure:
         seen: set[int] = set()
         _SUBSTITUTING.acquire()
         try:
-            for site, start, stop in self.sites:
+            for site, start, stop in self.plan.sites:
                 old = site.get()
                 new = _put(old, iter(inputs[start:stop]), bind, undo, seen)
                 if new is not old:
@@ -310,8 +324,19 @@ def _absent(g: dict, names: tuple[str, ...]) -> bool:
 
 
 def _object_same(obj: Any, state: tuple) -> bool:
-    cls, mro, attrs = state
-    return type(obj) is cls and cls.__mro__ is mro and getattr(obj, "__dict__", None) is attrs
+    """Whether what ``_Walk._object`` read of ``obj`` is as it was: its class
+    and that class's bases, its ``__dict__`` object, which of the names its
+    code reads the classes define (and those attributes themselves) and which
+    its ``__dict__`` holds."""
+    cls, mro, attrs, class_names, class_found, class_attrs, names, found = state
+    if type(obj) is not cls or cls.__mro__ is not mro or getattr(obj, "__dict__", None) is not attrs:
+        return False
+    if class_names is not None:
+        if _class_names(mro[:-1], class_names) != class_found:
+            return False
+        if any(_class_attr(cls, n) is not a for n, a in class_attrs):
+            return False
+    return names is None or attrs.keys() & names == found
 
 
 def _class_names(classes: tuple[type, ...], names: frozenset[str]) -> set[str]:
@@ -320,10 +345,6 @@ def _class_names(classes: tuple[type, ...], names: frozenset[str]) -> set[str]:
     for c in classes:
         found |= names & c.__dict__.keys()
     return found
-
-
-def _names_in(attrs: dict, names: frozenset[str]) -> set[str]:
-    return attrs.keys() & names
 
 
 class _Static(tuple):
@@ -465,22 +486,22 @@ class _Walk:
         self.key.append(("o", _Ident(obj)))
         cls = type(obj)
         attrs = getattr(obj, "__dict__", None)
-        self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs), _SAME, True))
         own = not isinstance(obj, types.ModuleType)
+        class_names = class_found = None
+        class_attrs: list[tuple[str, Any]] = []
         if own:
             done: set[str] = set()
             classes = cls.__mro__[:-1]
             while True:
-                names = frozenset(self.names | {"__call__"})
-                found = _class_names(classes, names)
-                self.reads.append((_class_names, classes, names, _EQUAL, found))
-                wanted = found - done
+                class_names = frozenset(self.names | {"__call__"})
+                class_found = _class_names(classes, class_names)
+                wanted = class_found - done
                 if not wanted:
                     break
                 for n in sorted(wanted):
                     done.add(n)
                     a = _class_attr(cls, n)
-                    self.reads.append((_class_attr, cls, n, _SAME, a))
+                    class_attrs.append((n, a))
                     if a is None:
                         continue
                     fns = [a.fget] if isinstance(a, property) else [getattr(a, "__func__", a)]
@@ -492,12 +513,14 @@ class _Walk:
                             else:
                                 self._function(fn, depth)
                 self._drain()  # functions they call may name more attributes
-        if not isinstance(attrs, dict):
+        # (the last round's names hold the earlier rounds': one read checks them all)
+        names = frozenset(self.names) if isinstance(attrs, dict) else None
+        found = attrs.keys() & names if names is not None else None
+        state = (cls, cls.__mro__, attrs, class_names, class_found, tuple(class_attrs), names, found)
+        self.reads.append((_object_same, obj, state, _SAME, True))
+        if names is None:
             return
-        names = frozenset(self.names)
-        present = _names_in(attrs, names)
-        self.reads.append((_names_in, attrs, names, _EQUAL, present))
-        for n in sorted(present):
+        for n in sorted(found):
             site = _Attr(obj, n) if own else _Item(attrs, n)
             self._site(site, (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
@@ -536,11 +559,12 @@ class _Plan:
     read again and, when each compares as before, the walk's key and sites hold
     and the arrays read are the call's arrays."""
 
-    __slots__ = ("calls", "complete", "fun", "key", "plain", "reads", "sites", "untracked")
+    __slots__ = ("calls", "complete", "fun", "key", "last", "plain", "reads", "sites", "tensors", "untracked")
 
     def __init__(self, fun: Any, calls: tuple, walk: _Walk):
         self.fun, self.calls, self.reads, self.sites = fun, calls, walk.reads, walk.sites
         self.complete = walk.complete
+        self.last: tuple[list, tuple] | None = None  # the last call's values (weakly) and their signature
         try:
             self.key: _Static | None = _Static(tuple(walk.key))
         except TypeError:  # a static part that does not hash: not cached
@@ -548,6 +572,7 @@ class _Plan:
         types_ = [r[4] for r in walk.reads if r[3] in (_ARRAY_OF, _NUMPY_OF)]
         # jax arrays only: they are their own values, and none is tracked
         self.plain = all(_kind_of(t) == _ARRAY and not issubclass(t, Tensor) for t in types_)
+        self.tensors = any(issubclass(t, Tensor) for t in types_)
         self.untracked = (False,) * len(types_)
 
     def replay(self) -> list[Any] | None:
@@ -586,10 +611,12 @@ class _Plan:
         if not self.complete:
             return None
         if self.plain:
-            return Closure(self.key, self.sites, arrays, arrays, self.untracked)
+            return Closure(self, arrays, arrays, self.untracked)
         values = [_current(v) for v in arrays]
+        if not self.tensors:
+            return Closure(self, arrays, values, self.untracked)
         tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in arrays)
-        return Closure(self.key, self.sites, arrays, values, tracked)
+        return Closure(self, arrays, values, tracked)
 
 
 def _put(v: Any, it: Iterator[Any], bind: dict[int, Any], undo: list, seen: set[int]) -> Any:

@@ -791,7 +791,8 @@ def _lifted_call(
     # closed-over tracked tensors are inputs of the entry too
     cap_tensors = list(captured)
     cvals = clo.values if clo is not None else []
-    all_values = values + cvals + [t.value for t in captured]
+    cap_values = [t.value for t in captured]
+    all_values = values + cvals + cap_values
     outputs, residuals = program.forward(all_values)
     # inputs of the entry: tracked argument tensors, the closure's arrays and captured storages
     carrays = [x if isinstance(x, Tensor) else None for x in clo.arrays] if clo is not None else []
@@ -820,9 +821,7 @@ def _lifted_call(
             out_ids,
             tuple(program.in_avals),
             tuple(program.out_avals),
-            replay=weak_values(values)
-            + tuple(_Strong(v) for v in cvals)
-            + weak_values(all_values[len(values) + len(cvals) :]),
+            replay=weak_values(values) + tuple(map(_Strong, cvals)) + weak_values(cap_values),
         )
     it_o = iter(out_tensors)
     it_s = iter(out_statics)
@@ -841,10 +840,7 @@ def _closure_key(
     if clo is None or clo.key is None:
         return None, None
     try:
-        signature = (
-            *((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals),
-            *((np.shape(v), v.dtype, _weak(v), shd.sharding_of(v)) for v in clo.values),
-        )
+        signature = (*((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals), *clo.signature(_type_of))
         key = ("closure", clo.key, treedef, statics, is_arr, signature, tracked_in + clo.tracked)
         hash(key)
     except TypeError:
@@ -852,6 +848,10 @@ def _closure_key(
     if _NO_SUBSTITUTION and key in _NO_SUBSTITUTION:
         return None, None
     return key, _PROGRAMS.get(key)
+
+
+def _type_of(v: Any) -> tuple:
+    return (v.shape, v.dtype, _weak(v), shd.sharding_of(v))
 
 
 def _closure_avals(clo: _closure.Closure) -> list[Any]:
