@@ -325,18 +325,19 @@ def _absent(g: dict, names: tuple[str, ...]) -> bool:
 
 def _object_same(obj: Any, state: tuple) -> bool:
     """Whether what ``_Walk._object`` read of ``obj`` is as it was: its class
-    and that class's bases, its ``__dict__`` object, which of the names its
-    code reads the classes define (and those attributes themselves) and which
-    its ``__dict__`` holds."""
-    cls, mro, attrs, class_names, class_found, class_attrs, names, found = state
+    and that class's bases, its ``__dict__`` object, each class's attributes of
+    the names its code reads (the same objects, and no new one) and none of
+    those names newly in its ``__dict__`` (those it held are read next)."""
+    cls, mro, attrs, classes, absent = state
     if type(obj) is not cls or cls.__mro__ is not mro or getattr(obj, "__dict__", None) is not attrs:
         return False
-    if class_names is not None:
-        if _class_names(mro[:-1], class_names) != class_found:
+    for keys, proxy, missing, values in classes:
+        if not keys.isdisjoint(missing):
             return False
-        if any(_class_attr(cls, n) is not a for n, a in class_attrs):
-            return False
-    return names is None or attrs.keys() & names == found
+        for n, a in values:
+            if proxy[n] is not a:
+                return False
+    return absent is None or attrs.keys().isdisjoint(absent)
 
 
 def _class_names(classes: tuple[type, ...], names: frozenset[str]) -> set[str]:
@@ -487,21 +488,19 @@ class _Walk:
         cls = type(obj)
         attrs = getattr(obj, "__dict__", None)
         own = not isinstance(obj, types.ModuleType)
-        class_names = class_found = None
-        class_attrs: list[tuple[str, Any]] = []
+        class_names = None
         if own:
             done: set[str] = set()
-            classes = cls.__mro__[:-1]
+            bases = cls.__mro__[:-1]
             while True:
                 class_names = frozenset(self.names | {"__call__"})
-                class_found = _class_names(classes, class_names)
+                class_found = _class_names(bases, class_names)
                 wanted = class_found - done
                 if not wanted:
                     break
                 for n in sorted(wanted):
                     done.add(n)
                     a = _class_attr(cls, n)
-                    class_attrs.append((n, a))
                     if a is None:
                         continue
                     fns = [a.fget] if isinstance(a, property) else [getattr(a, "__func__", a)]
@@ -513,14 +512,23 @@ class _Walk:
                             else:
                                 self._function(fn, depth)
                 self._drain()  # functions they call may name more attributes
-        # (the last round's names hold the earlier rounds': one read checks them all)
-        names = frozenset(self.names) if isinstance(attrs, dict) else None
-        found = attrs.keys() & names if names is not None else None
-        state = (cls, cls.__mro__, attrs, class_names, class_found, tuple(class_attrs), names, found)
-        self.reads.append((_object_same, obj, state, _SAME, True))
-        if names is None:
+        # each class's attributes of those names (the last round's names hold the
+        # earlier rounds': one check covers them all), as ``_class_attr`` reads them
+        classes = []
+        if class_names is not None:
+            for c in cls.__mro__[:-1]:
+                proxy = c.__dict__
+                keys = proxy.keys()  # (a live view of the class's own dictionary)
+                defined = sorted(class_names & keys)
+                missing = tuple(class_names.difference(defined))
+                classes.append((keys, proxy, missing, tuple((n, proxy[n]) for n in defined)))
+        if not isinstance(attrs, dict):
+            self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs, tuple(classes), None), _SAME, True))
             return
-        for n in sorted(found):
+        found = sorted(attrs.keys() & self.names)
+        absent = tuple(self.names.difference(found))
+        self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs, tuple(classes), absent), _SAME, True))
+        for n in found:
             site = _Attr(obj, n) if own else _Item(attrs, n)
             self._site(site, (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
@@ -664,15 +672,16 @@ def _current(v: Any) -> Any:
     array reused when equal (a transfer costs more than the comparison); a large
     one is copied (a later in-place write must not reach this call's program or
     residuals) and handed to the compiled program like its other inputs."""
-    if isinstance(v, Tensor):
-        return v.value
-    if not isinstance(v, np.ndarray):
-        return v
+    if type(v) is not np.ndarray:
+        if isinstance(v, Tensor):
+            return v.value
+        if not isinstance(v, np.ndarray):
+            return v
     if v.nbytes > _NUMPY_CACHED_BYTES:
         return np.array(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype))
     raw = v.tobytes()
     hit = _NUMPY.get(id(v))
-    if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype and hit[3] == raw:
+    if hit is not None and hit[3] == raw and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype:
         return hit[4]
     dtype = jax.dtypes.canonicalize_dtype(v.dtype)
     x = jnp.asarray(np.array(v, dtype=dtype))
@@ -699,7 +708,7 @@ def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     reads again only the places the last walk read (``_Plan``)."""
     calls = tuple(s for s in statics if callable(s)) if statics else ()
     plan = _PLANS.get(id(fun))
-    if plan is not None and plan.fun is fun and _same_objects(plan.calls, calls):
+    if plan is not None and plan.fun is fun and (plan.calls is calls or _same_objects(plan.calls, calls)):
         arrays = plan.replay()
         if arrays is not None:
             return plan.closure(arrays)
