@@ -87,6 +87,7 @@ _SCALARS = (type(None), bool, int, str, bytes, type(Ellipsis))
 _INEXACT = (float, complex, np.generic)
 
 _TRACES = 0
+_WALKS = 0
 _SUBSTITUTING = threading.RLock()  # one substituted trace at a time (a nested lift re-enters)
 
 
@@ -94,6 +95,12 @@ def traces() -> int:
     """How many times ``rf.lift`` has traced a function in this process (a
     cache hit does not trace)."""
     return _TRACES
+
+
+def walks() -> int:
+    """How many times ``rf.lift`` has walked what a function reads in full (a
+    repeated call whose reads compare as before does not: ``_Plan``)."""
+    return _WALKS
 
 
 def count_trace() -> None:
@@ -146,32 +153,20 @@ class _Item:
         self.d[self.k] = v
 
 
-class _Attr:
-    __slots__ = ("name", "obj")
-
-    def __init__(self, obj: Any, name: str):
-        self.obj, self.name = obj, name
-
-    def get(self) -> Any:
-        return self.obj.__dict__[self.name]
-
-    def set(self, v: Any) -> None:
-        object.__setattr__(self.obj, self.name, v)  # frozen dataclasses too
-
-
 class _Default:
     __slots__ = ("f", "i")
 
     def __init__(self, f: Any, i: int):
-        self.f, self.i = f, i
+        self.f, self.i = weakref.ref(f), i  # (a kept plan does not keep the function alive)
 
     def get(self) -> Any:
-        return self.f.__defaults__[self.i]
+        return self.f().__defaults__[self.i]
 
     def set(self, v: Any) -> None:
-        d = list(self.f.__defaults__)
+        f = self.f()
+        d = list(f.__defaults__)
         d[self.i] = v
-        self.f.__defaults__ = tuple(d)
+        f.__defaults__ = tuple(d)
 
 
 # what a value is, by its type (looked up once per type: isinstance against
@@ -487,9 +482,8 @@ class _Walk:
         self.key.append(("o", _Ident(obj)))
         cls = type(obj)
         attrs = getattr(obj, "__dict__", None)
-        own = not isinstance(obj, types.ModuleType)
         class_names = None
-        if own:
+        if not isinstance(obj, types.ModuleType):
             done: set[str] = set()
             bases = cls.__mro__[:-1]
             while True:
@@ -528,9 +522,8 @@ class _Walk:
         found = sorted(attrs.keys() & self.names)
         absent = tuple(self.names.difference(found))
         self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs, tuple(classes), absent), _SAME, True))
-        for n in found:
-            site = _Attr(obj, n) if own else _Item(attrs, n)
-            self._site(site, (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
+        for n in found:  # (written back into the dictionary: frozen dataclasses too)
+            self._site(_Item(attrs, n), (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
     def _drain(self) -> None:
         while self.todo:
@@ -570,7 +563,16 @@ class _Plan:
     __slots__ = ("calls", "complete", "fun", "key", "last", "plain", "reads", "sites", "tensors", "untracked")
 
     def __init__(self, fun: Any, calls: tuple, walk: _Walk):
-        self.fun, self.calls, self.reads, self.sites = fun, calls, walk.reads, walk.sites
+        # a function (or bound method) weakly: a lifted lambda made at each step
+        # is dropped with its plan, and what it closes over is not kept alive by
+        # the plan. (A callable object is named in the key, by identity, as in
+        # the program cache's keys: kept.)
+        self.fun: Callable[[], Any] = _Kept(fun)
+        self.reads = walk.reads
+        if isinstance(fun, (types.FunctionType, types.MethodType)):
+            self.fun = weakref.ref(fun, functools_partial(_forget, id(fun)))
+            self.reads = [_weakly(r, fun, self.fun) for r in walk.reads]
+        self.calls, self.sites = calls, walk.sites
         self.complete = walk.complete
         self.last: tuple[list, tuple] | None = None  # the last call's values (weakly) and their signature
         try:
@@ -708,10 +710,12 @@ def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     reads again only the places the last walk read (``_Plan``)."""
     calls = tuple(s for s in statics if callable(s)) if statics else ()
     plan = _PLANS.get(id(fun))
-    if plan is not None and plan.fun is fun and (plan.calls is calls or _same_objects(plan.calls, calls)):
+    if plan is not None and plan.fun() is fun and (plan.calls is calls or _same_objects(plan.calls, calls)):
         arrays = plan.replay()
         if arrays is not None:
             return plan.closure(arrays)
+    global _WALKS
+    _WALKS += 1
     walk = _Walk()
     if isinstance(fun, types.FunctionType) and not _module(fun).startswith(_LIBRARY):
         walk.seen[id(fun)] = fun
@@ -724,8 +728,43 @@ def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     plan = _Plan(fun, calls, walk)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[id(fun)] = plan  # (the plan holds fun: its id is not reused meanwhile)
+    _PLANS[id(fun)] = plan  # (dropped when fun is: _forget)
     return plan.closure(walk.arrays)
+
+
+def _forget(key: int, ref: Any) -> None:
+    """The function of a kept plan is gone: the plan too."""
+    plan = _PLANS.get(key)
+    if plan is not None and plan.fun is ref:
+        del _PLANS[key]
+
+
+class _Kept:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _weakly(read: tuple, fun: Any, ref: Callable[[], Any]) -> tuple:
+    """``read`` holding the lifted function itself through ``ref`` only."""
+    fn, a, b, check, want = read
+    if a is fun:
+        fn, a, b = _through, ref, (fn, b)
+    if want is fun and check == _SAME:
+        fn, a, b, want = _is_referent, (fn, a, b), ref, True
+    return fn, a, b, check, want
+
+
+def _through(ref: Callable[[], Any], read: tuple) -> Any:
+    return read[0](ref(), read[1])
+
+
+def _is_referent(read: tuple, ref: Callable[[], Any]) -> bool:
+    return read[0](read[1], read[2]) is ref()
 
 
 def _same_objects(a: tuple, b: tuple) -> bool:
