@@ -395,8 +395,11 @@ def test_kept_plan_sees_attributes_added_a_method_patched_and_the_class_swapped(
     m.bias = jnp.full((4, 3), -1.0, jnp.float32)  # another array: no walk, no trace
     _grad_now(lifted, m)
     assert _counts() == (walks + 2, traces + 2)
-    monkeypatch.setattr(Model, "__call__", lambda self, w: jnp.sum(jnp.sin(_X @ w) * self.y))
+    m.scale = 2.0
+    monkeypatch.setattr(Model, "__call__", lambda self, w: jnp.sum(jnp.sin(_X @ w) * self.y) * self.scale)
     _grad_now(lifted, m)  # the class's method replaced: walked, traced
+    monkeypatch.setattr(Model, "scale", property(lambda self: -4.0), raising=False)
+    _grad_now(lifted, m)  # a property the code reads, new on the class (it hides m.scale): walked, traced
 
     class Other(Model):
         def __call__(self, w):
@@ -404,7 +407,7 @@ def test_kept_plan_sees_attributes_added_a_method_patched_and_the_class_swapped(
 
     m.__class__ = Other  # the object's class swapped: walked, traced
     _grad_now(lifted, m)
-    assert _counts() == (walks + 4, traces + 4)
+    assert _counts() == (walks + 5, traces + 5)
 
 
 def test_kept_plan_sees_code_and_keyword_defaults_replaced():
