@@ -753,10 +753,16 @@ def _weakly(read: tuple, fun: Any, ref: Callable[[], Any]) -> tuple:
     """``read`` holding the lifted function itself through ``ref`` only."""
     fn, a, b, check, want = read
     if a is fun:
-        fn, a, b = _through, ref, (fn, b)
+        fn, a, b = (_function_same_through, ref, b) if fn is _function_same else (_through, ref, (fn, b))
     if want is fun and check == _SAME:
         fn, a, b, want = _is_referent, (fn, a, b), ref, True
     return fn, a, b, check, want
+
+
+def _function_same_through(ref: Callable[[], Any], state: tuple) -> bool:
+    f = ref()
+    code, defaults, kwdefaults = state
+    return f.__code__ is code and f.__defaults__ is defaults and f.__kwdefaults__ is kwdefaults
 
 
 def _through(ref: Callable[[], Any], read: tuple) -> Any:
