@@ -25,6 +25,20 @@ While the function is traced, each array at its place (cell, global, default,
 attribute, list or dict item; a tuple is rebuilt) is replaced by the trace's input
 and put back afterwards; a Tensor stays in place and its reads are redirected.
 
+Repeated calls. The walk is kept (``_Plan``, per function, holding a function
+weakly: it goes with the function) with the reads that decided it: each place it
+looked at (a cell, a global or its absence, a default, an attribute, a list's
+length and items, a dict's keys and items, a function's code and defaults, an
+object's class, bases and ``__dict__``, and the attributes of the names its code
+reads that its classes and ``__dict__`` hold or lack). The next call reads those
+places again and compares: the same object (an array: the same type; a Python
+scalar: the same value), else the function is walked afresh. So a repeated call
+costs a few reads, no walk, and the cache key's static part is the kept one
+(hashed once). Not read again: a function's, class's or module's ``__module__``
+and ``__name__`` (they decide only whether it is looked into). A NumPy array is
+compared byte for byte with the copy made at its last call (so -0.0 written over
+0.0 is seen) and that copy's device array reused when equal.
+
 Untracked Tensors read this way are live: each call reads the Tensor's value at that
 moment (a Tensor rebound or written in place between calls is seen by the next call).
 Within one call they are snapshotted: writing one in place between that call and its
