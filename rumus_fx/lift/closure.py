@@ -11,7 +11,9 @@ scale factor, ``self.w`` of a callable object. Before each call ``scan`` walks w
 - the cells of its closure, the globals its code names (``co_names``, nested code
   objects included), its default and keyword-default arguments;
 - for a bound method or a callable object, the attributes of the object that the
-  code names (``self.w``), and the methods and properties of its class it names;
+  code names (``self.w``), the methods and properties of its class it names, and the
+  values its classes hold under those names (a class-level ``scale = 2.0`` read as
+  ``self.scale``, unless the object's own attribute hides it);
 - functions reached that way (the helpers a loss calls), objects and modules
   (``mod.Y``), and the elements of lists, tuples and dicts held there.
 
@@ -22,7 +24,7 @@ cache needs only the same shapes and dtypes. Everything else found is static and
 part of the cache key: the code objects, Python scalars by value (a function may
 branch on one, so a changed scalar means a new trace), other objects by identity.
 While the function is traced, each array at its place (cell, global, default,
-attribute, list or dict item; a tuple is rebuilt) is replaced by the trace's input
+attribute, class attribute, list or dict item; a tuple is rebuilt) is replaced by the trace's input
 and put back afterwards; a Tensor stays in place and its reads are redirected.
 
 Repeated calls. The walk is kept (``_Plan``, per function, holding a function
@@ -165,6 +167,19 @@ class _Item:
 
     def set(self, v: Any) -> None:
         self.d[self.k] = v
+
+
+class _ClassItem:
+    __slots__ = ("cls", "name")
+
+    def __init__(self, cls: type, name: str):
+        self.cls, self.name = cls, name
+
+    def get(self) -> Any:
+        return self.cls.__dict__[self.name]
+
+    def set(self, v: Any) -> None:
+        type.__setattr__(self.cls, self.name, v)
 
 
 class _Default:
@@ -530,6 +545,18 @@ class _Walk:
                 defined = sorted(class_names & keys)
                 missing = tuple(class_names.difference(defined))
                 classes.append((keys, proxy, missing, tuple((n, proxy[n]) for n in defined)))
+        # values the classes hold under those names (a class-level constant read as
+        # ``self.scale``), unless the object's own ``__dict__`` hides them; methods,
+        # properties and other descriptors are not values (fixed by the check above)
+        taken: set[str] = set()
+        for c, (*_, values) in zip(cls.__mro__, classes):
+            for n, a in values:
+                if n in taken:
+                    continue
+                taken.add(n)
+                if (isinstance(attrs, dict) and n in attrs) or hasattr(type(a), "__get__"):
+                    continue
+                self._site(_ClassItem(c, n), None, a, ("ca", n), depth)
         if not isinstance(attrs, dict):
             self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs, tuple(classes), None), _SAME, True))
             return

@@ -479,3 +479,30 @@ def test_a_lifted_lambda_made_at_each_step_is_not_kept_alive():
     refs = [step(jnp.ones(3)) for _ in range(3)]
     gc.collect()
     assert all(r() is None for pair in refs for r in pair)
+
+
+class _Scaled:
+    scale = 2.0  # class-level values the method reads as self.<name>
+    y = _y(35)
+
+    def __call__(self, w):
+        return jnp.sum(jnp.sin(_X @ w) * self.y) * self.scale
+
+
+def test_class_level_values_read_through_self_are_seen(monkeypatch):
+    """A class-level array or Python value read as ``self.y`` is an input or part
+    of the key like an attribute of the object (it was baked into the first
+    program: later values were not seen)."""
+    m = _Scaled()
+    lifted = rf.grad(rf.lift(m))
+    _grad_now(lifted, m)
+    walks, traces = _counts()
+    monkeypatch.setattr(_Scaled, "y", _y(36))  # a class-level array rebound: walked, not traced
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 1, traces)
+    monkeypatch.setattr(_Scaled, "scale", -3.0)  # a class-level Python value: walked, traced
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 2, traces + 1)
+    m.scale = 0.5  # the object's own attribute hides the class's
+    _check(m)
+    assert isinstance(_Scaled.__dict__["y"], jax.Array) and not isinstance(_Scaled.__dict__["y"], jax.core.Tracer)
