@@ -1,18 +1,24 @@
 """Eager ``rf.grad(rf.lift(loss))`` when ``loss`` reads values through its closure.
 
-Usage: ``python -m benchmarks.closures [--blocks N] [--per-block N]``
+Usage: ``python -m benchmarks.closures [--blocks N] [--per-block N] [--runs N]``
 
 The same [64,32] x [32,10] tanh regression, its target ``y`` (or a scale) reached five
 ways: as an argument, as a module-level jax array, as a module-level NumPy array, a
 module-level Python float the loss multiplies by, and an array attribute of a callable
-object. Each row's eager gradient call is timed in blocks of its own, taking turns
-with the other rows' blocks and with blocks of ``jax.grad`` of the same function, eager
-(``compare._blocks``: medians over ``--blocks`` turns of ``--per-block`` calls, after
-warm-up); the table gives ms per call, the ratio to the argument row, the ratio to
-``jax.grad`` eager, and the header the traces during the timed calls (``rumus_fx.lift.closure.traces()``; the
-cached program is reused when only values change: Note [Closures of a lifted function]
-in rumus_fx/lift/closure.py). Before timing each row's gradient is checked against
-``jax.grad``, with the closed-over value changed once in between.
+object; a sixth row, a second function with the same text as the argument row's, shows
+the noise of the ratios. Each row's eager gradient call is timed in blocks of its own,
+taking turns with the other rows' blocks and with blocks of ``jax.grad`` of the same
+function, eager (as ``compare._blocks``: medians over ``--blocks`` turns of
+``--per-block`` calls, after warm-up; the order of the blocks rotates at each turn),
+``--runs`` times in the one process. The table gives ms per call (median over the
+runs), the ratio to the argument row (median over the runs, and their range) in wall
+time and in the calling thread's CPU time (what the load of a shared machine leaves
+out), the ratio to ``jax.grad`` eager, and the header the traces and full closure
+walks during the timed calls (``rumus_fx.lift.closure.traces()`` and ``walks()``; the
+cached program and the kept walk are reused when only values change: Note [Closures
+of a lifted function] in rumus_fx/lift/closure.py). Before timing each
+row's gradient is checked against ``jax.grad``, with the closed-over value changed once
+in between.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +35,7 @@ import numpy as np
 import rumus_fx as rf
 from rumus_fx.lift import closure
 
-from .compare import EAGER_WARMUP, _block, _blocks
+from .compare import BLOCK_WARM_S, EAGER_WARMUP, _block
 
 _rng = np.random.default_rng(0)
 X = jnp.asarray(_rng.standard_normal((64, 32)), jnp.float32)
@@ -39,6 +46,10 @@ SCALE = 0.5
 
 
 def loss_arg(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+
+def loss_arg_again(w, x, y):  # the argument row's text: its own code, program and tape entry
     return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
 
 
@@ -87,6 +98,7 @@ def _rows() -> list[tuple[str, object, tuple, object]]:
         ("y, a NumPy array, from the module scope", loss_numpy, (W, X), set_numpy),
         ("a Python float from the module scope", loss_scale, (W, X, Y), set_scale),
         ("an array attribute of a callable object", model, (W, X), set_attr),
+        ("(noise) y as an argument, a second function of the same text", loss_arg_again, (W, X, Y), None),
     ]
 
 
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=10)
     p.add_argument("--per-block", type=int, default=20)
+    p.add_argument("--runs", type=int, default=3)
     args = p.parse_args(argv)
     rows = _rows()
     rf_fns, jax_fns = [], []
@@ -108,24 +121,59 @@ def main(argv: list[str] | None = None) -> None:
     for f in rf_fns + jax_fns:  # warm-up: the last change of a Python value retraces here,
         for _ in range(EAGER_WARMUP):  # and rf's whole-tape choice is made
             _block(f())
-    t0 = closure.traces()
-    per_fn = _blocks(rf_fns + jax_fns, args.blocks, args.per_block)
-    times = [statistics.median(t) for t in per_fn]
-    traces = closure.traces() - t0
+    t0, w0 = closure.traces(), closure.walks()
     n = len(rows)
-    base = times[0]
+    fns = rf_fns + jax_fns
+    runs, cpu_runs = [], []  # per run: each fn's median seconds (wall; the calling thread's CPU time)
+    for _ in range(args.runs):
+        wall: list[list[float]] = [[] for _ in fns]
+        cpu: list[list[float]] = [[] for _ in fns]
+        for b in range(args.blocks):  # one turn of blocks, the order rotated at each turn (in a
+            # fixed order the last rf row read 1.06-1.08 of the first, the noise row included)
+            _turn(fns, [(b + i) % len(fns) for i in range(len(fns))], args.per_block, wall, cpu)
+        runs.append([statistics.median(t) for t in wall])
+        cpu_runs.append([statistics.median(t) for t in cpu])
+    traces, walks = closure.traces() - t0, closure.walks() - w0
     print(f"# {platform.machine()} {platform.processor() or ''}, jax {jax.__version__}, {jax.devices()[0].platform}")
-    calls = n * args.blocks * args.per_block
+    calls = n * args.blocks * args.per_block * args.runs
     print(
-        f"# medians of {args.blocks} alternating blocks of {args.per_block} timed calls per row; "
-        f"traces during the {calls} timed rf calls (and their untimed warm calls): {traces}"
+        f"# {args.runs} runs of {args.blocks} alternating blocks of {args.per_block} timed calls per row "
+        f"(medians); during the {calls} timed rf calls (and their untimed warm calls): {traces} traces, "
+        f"{walks} closure walks"
     )
     print()
-    print("| the loss reads | rf ms per call | rf / argument row | jax.grad eager ms | rf / jax.grad eager |")
-    print("|---|---|---|---|---|")
+    print(
+        "| the loss reads | rf ms per call | rf / argument row (range over runs) "
+        "| the same, calling thread's CPU time | jax.grad eager ms | rf / jax.grad eager |"
+    )
+    print("|---|---|---|---|---|---|")
+
+    def ratio(per_run: list[list[float]], i: int) -> str:
+        r = [t[i] / t[0] for t in per_run]
+        return f"{statistics.median(r):.3f}" + (f" ({min(r):.2f}-{max(r):.2f})" if len(r) > 1 else "")
+
     for i, (label, *_) in enumerate(rows):
-        r, j = times[i], times[n + i]
-        print(f"| {label} | {r * 1e3:.2f} | {r / base:.2f} | {j * 1e3:.2f} | {r / j:.2f} |")
+        r = statistics.median(t[i] for t in runs)
+        j = statistics.median(t[n + i] for t in runs)
+        print(f"| {label} | {r * 1e3:.3f} | {ratio(runs, i)} | {ratio(cpu_runs, i)} | {j * 1e3:.2f} | {r / j:.2f} |")
+
+
+def _turn(fns: list, order: list[int], per_block: int, wall: list[list[float]], cpu: list[list[float]]) -> None:
+    """One block of each fn in ``order`` (as ``compare._blocks``: untimed calls for
+    ``BLOCK_WARM_S`` first), each call's wall time and calling-thread CPU time
+    appended to ``wall[i]`` and ``cpu[i]``. (The CPU time leaves out the time the
+    thread waits while another process has the core: a shared machine's load.)"""
+    for i in order:
+        f = fns[i]
+        t_warm = time.perf_counter() + BLOCK_WARM_S
+        _block(f())
+        while time.perf_counter() < t_warm:
+            _block(f())
+        for _ in range(per_block):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            _block(f())
+            wall[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.thread_time() - c0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,9 @@ scale factor, ``self.w`` of a callable object. Before each call ``scan`` walks w
 - the cells of its closure, the globals its code names (``co_names``, nested code
   objects included), its default and keyword-default arguments;
 - for a bound method or a callable object, the attributes of the object that the
-  code names (``self.w``), and the methods and properties of its class it names;
+  code names (``self.w``), the methods and properties of its class it names, and the
+  values its classes hold under those names (a class-level ``scale = 2.0`` read as
+  ``self.scale``, unless the object's own attribute hides it);
 - functions reached that way (the helpers a loss calls), objects and modules
   (``mod.Y``), and the elements of lists, tuples and dicts held there.
 
@@ -22,8 +24,22 @@ cache needs only the same shapes and dtypes. Everything else found is static and
 part of the cache key: the code objects, Python scalars by value (a function may
 branch on one, so a changed scalar means a new trace), other objects by identity.
 While the function is traced, each array at its place (cell, global, default,
-attribute, list or dict item; a tuple is rebuilt) is replaced by the trace's input
+attribute, class attribute, list or dict item; a tuple is rebuilt) is replaced by the trace's input
 and put back afterwards; a Tensor stays in place and its reads are redirected.
+
+Repeated calls. The walk is kept (``_Plan``, per function, holding a function
+weakly: it goes with the function) with the reads that decided it: each place it
+looked at (a cell, a global or its absence, a default, an attribute, a list's
+length and items, a dict's keys and items, a function's code and defaults, an
+object's class, bases and ``__dict__``, and the attributes of the names its code
+reads that its classes and ``__dict__`` hold or lack). The next call reads those
+places again and compares: the same object (an array: the same type; a Python
+scalar: the same value), else the function is walked afresh. So a repeated call
+costs a few reads, no walk, and the cache key's static part is the kept one
+(hashed once). Not read again: a function's, class's or module's ``__module__``
+and ``__name__`` (they decide only whether it is looked into). A NumPy array is
+compared byte for byte with the copy made at its last call (so -0.0 written over
+0.0 is seen) and that copy's device array reused when equal.
 
 Untracked Tensors read this way are live: each call reads the Tensor's value at that
 moment (a Tensor rebound or written in place between calls is seen by the next call).
@@ -44,6 +60,7 @@ input: it is traced per call with the value baked in, as ``jax.jit`` would bake 
 
 from __future__ import annotations
 
+import operator
 import threading
 import types
 import weakref
@@ -86,6 +103,7 @@ _SCALARS = (type(None), bool, int, str, bytes, type(Ellipsis))
 _INEXACT = (float, complex, np.generic)
 
 _TRACES = 0
+_WALKS = 0
 _SUBSTITUTING = threading.RLock()  # one substituted trace at a time (a nested lift re-enters)
 
 
@@ -93,6 +111,12 @@ def traces() -> int:
     """How many times ``rf.lift`` has traced a function in this process (a
     cache hit does not trace)."""
     return _TRACES
+
+
+def walks() -> int:
+    """How many times ``rf.lift`` has walked what a function reads in full (a
+    repeated call whose reads compare as before does not: ``_Plan``)."""
+    return _WALKS
 
 
 def count_trace() -> None:
@@ -145,32 +169,33 @@ class _Item:
         self.d[self.k] = v
 
 
-class _Attr:
-    __slots__ = ("name", "obj")
+class _ClassItem:
+    __slots__ = ("cls", "name")
 
-    def __init__(self, obj: Any, name: str):
-        self.obj, self.name = obj, name
+    def __init__(self, cls: type, name: str):
+        self.cls, self.name = cls, name
 
     def get(self) -> Any:
-        return self.obj.__dict__[self.name]
+        return self.cls.__dict__[self.name]
 
     def set(self, v: Any) -> None:
-        object.__setattr__(self.obj, self.name, v)  # frozen dataclasses too
+        type.__setattr__(self.cls, self.name, v)
 
 
 class _Default:
     __slots__ = ("f", "i")
 
     def __init__(self, f: Any, i: int):
-        self.f, self.i = f, i
+        self.f, self.i = weakref.ref(f), i  # (a kept plan does not keep the function alive)
 
     def get(self) -> Any:
-        return self.f.__defaults__[self.i]
+        return self.f().__defaults__[self.i]
 
     def set(self, v: Any) -> None:
-        d = list(self.f.__defaults__)
+        f = self.f()
+        d = list(f.__defaults__)
         d[self.i] = v
-        self.f.__defaults__ = tuple(d)
+        f.__defaults__ = tuple(d)
 
 
 # what a value is, by its type (looked up once per type: isinstance against
@@ -243,40 +268,177 @@ def _module(v: Any) -> str:
 
 
 class Closure:
-    """The arrays (``arrays``: the objects; ``values``: the jax arrays passed)
-    and the static ``key`` of what a function reads, with the places to put the
-    trace's inputs (``substituted``)."""
+    """What one call of a function reads: ``arrays`` (the objects found, in the
+    walk's order), ``values`` (the jax arrays passed for them), ``tracked``
+    (which are tracked Tensors), the static ``key`` (hashes once; None when a
+    part of it does not hash) and the places to put the trace's inputs
+    (``substituted``)."""
+
+    __slots__ = ("arrays", "key", "plan", "tracked", "values")
+
+    def __init__(self, plan: _Plan, arrays: list, values: list, tracked: tuple[bool, ...]):
+        self.plan, self.key, self.arrays, self.values, self.tracked = plan, plan.key, arrays, values, tracked
+
+    def signature(self, of: Callable[[Any], Any]) -> tuple:
+        """``of(value)`` for each value (its type, for the cache key); the last
+        call's when the values are the same objects (jax arrays do not change)."""
+        values = self.values
+        last = self.plan.last
+        if last is not None and len(last[0]) == len(values) and all(r() is v for r, v in zip(last[0], values)):
+            return last[1]
+        sig = tuple(of(v) for v in values)
+        try:
+            self.plan.last = ([weakref.ref(v) for v in values], sig)
+        except TypeError:  # (a value that cannot be weakly referenced)
+            pass
+        return sig
+
+    @contextmanager
+    def substituted(self, inputs: Sequence[Any], bind: dict[int, Any]) -> Iterator[None]:
+        """Each array at its place replaced by its input (Tensors: their reads
+        redirected through ``bind``), put back on exit."""
+        undo: list[Callable[[], None]] = []
+        seen: set[int] = set()
+        _SUBSTITUTING.acquire()
+        try:
+            for site, start, stop in self.plan.sites:
+                old = site.get()
+                new = _put(old, iter(inputs[start:stop]), bind, undo, seen)
+                if new is not old:
+                    site.set(new)
+                    undo.append(functools_partial(site.set, old))
+            yield
+        finally:
+            for u in reversed(undo):
+                u()
+            _SUBSTITUTING.release()
+
+
+# -- reads: how each place the walk looked at is looked at again ----------------
+#
+# A read is ``(fn, a, b, check, want)``: ``fn(a, b)`` gives the value now, ``check``
+# says how it must compare with ``want``, the walk's value (Note [Closures of a
+# lifted function], "Repeated calls").
+_SAME, _ARRAY_OF, _EQUAL, _NUMPY_OF, _SCALAR_OF, _INEXACT_OF, _METHOD_OF = range(7)
+_MISSING = object()  # an empty closure cell
+
+
+def _cell_value(cell: Any, _: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
+
+
+def _keys(d: dict, _: Any) -> tuple:
+    return tuple(d)
+
+
+def _len(v: Any, _: Any) -> int:
+    return len(v)
+
+
+def _function_same(f: Any, state: tuple) -> bool:
+    code, defaults, kwdefaults = state
+    return f.__code__ is code and f.__defaults__ is defaults and f.__kwdefaults__ is kwdefaults
+
+
+def _absent(g: dict, names: tuple[str, ...]) -> bool:
+    return g.keys().isdisjoint(names)
+
+
+def _object_same(obj: Any, state: tuple) -> bool:
+    """Whether what ``_Walk._object`` read of ``obj`` is as it was: its class
+    and that class's bases, its ``__dict__`` object, each class's attributes of
+    the names its code reads (the same objects, and no new one) and none of
+    those names newly in its ``__dict__`` (those it held are read next)."""
+    cls, mro, attrs, classes, absent = state
+    if type(obj) is not cls or cls.__mro__ is not mro or getattr(obj, "__dict__", None) is not attrs:
+        return False
+    for keys, proxy, missing, values in classes:
+        if not keys.isdisjoint(missing):
+            return False
+        for n, a in values:
+            if proxy[n] is not a:
+                return False
+    return absent is None or attrs.keys().isdisjoint(absent)
+
+
+def _class_names(classes: tuple[type, ...], names: frozenset[str]) -> set[str]:
+    """The names among ``names`` that the classes' own dictionaries hold."""
+    found: set[str] = set()
+    for c in classes:
+        found |= names & c.__dict__.keys()
+    return found
+
+
+class _Static(tuple):
+    """The static key of a closure: hashed once (a repeated call passes the same
+    object, which the program cache compares by identity first)."""
+
+    __slots__ = ()
+
+    def __new__(cls, parts: tuple) -> _Static:
+        return tuple.__new__(cls, (hash(parts), parts))
+
+    def __hash__(self) -> int:
+        return self[0]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Static) and self[0] == other[0] and self[1] == other[1])
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+
+class _Walk:
+    """One walk of what a function reads: the static ``key``, the ``arrays``
+    (in order), the ``sites`` holding them and the ``reads`` that decide all
+    of it."""
 
     def __init__(self) -> None:
         self.key: list[Any] = []
         self.arrays: list[Any] = []
         self.sites: list[tuple[Any, int, int]] = []
+        self.reads: list[tuple[Any, Any, Any, int, Any]] = []
         self.names: set[str] = set()
         self.seen: dict[int, Any] = {}
         self.containers: dict[int, int] = {}
         self.todo: list[tuple[Any, int, bool]] = []
         self.nodes = 0
         self.complete = True
-        self.values: list[Any] = []
-        self.tracked: tuple[bool, ...] = ()
 
-    # -- the walk ---------------------------------------------------------------
-    def _value(self, v: Any, depth: int) -> Any:
+    def _read(self, fn: Callable[[Any, Any], Any], a: Any, b: Any, depth: int) -> Any:
+        """The key of ``fn(a, b)``, a value held at a place that may change
+        (noted, to be read again by the next call)."""
+        return self._value(fn(a, b), depth, (fn, a, b))
+
+    def _value(self, v: Any, depth: int, read: tuple | None = None) -> Any:
         """The key of ``v``; arrays in it are collected (in order), functions and
-        objects are queued to be looked into."""
+        objects are queued to be looked into. ``read``: where ``v`` was read
+        (None: a value fixed by what holds it, as a tuple's item)."""
         self.nodes += 1
         if self.nodes > MAX_NODES:
             self.complete = False
             return _Ident(v)
         t = type(v)
         kind = _kind_of(t)
+        note = self.reads.append
         if kind == _ARRAY or (kind == _NUMPY_ARRAY and v.dtype.kind in "biufc"):
+            # (a fixed array is noted too: the next call collects it at its turn)
+            note((*(read or (_const, v, None)), _NUMPY_OF if kind == _NUMPY_ARRAY else _ARRAY_OF, t))
             self.arrays.append(v)
             return "A"
         if kind == _SCALAR:
+            if read is not None:
+                note((*read, _SCALAR_OF, v))
             return (t, v)
         if kind == _INEXACT_SCALAR:
+            if read is not None:
+                note((*read, _INEXACT_OF, v))
             return (t, repr(v))  # 0.0 vs -0.0, nan
+        if read is not None:
+            note((*read, _METHOD_OF, (v.__func__, v.__self__)) if kind == _METHOD else (*read, _SAME, v))
         if kind == _CONTAINER:
             k = self.containers.get(id(v))
             if k is not None:  # the same list or dict again: substituted once
@@ -284,8 +446,12 @@ class Closure:
             self.containers[id(v)] = len(self.containers)
             self.seen.setdefault(id(v), v)
             if t is dict:
-                return (t, tuple((k, self._value(x, depth)) for k, x in v.items()))
-            return (t, tuple(self._value(x, depth) for x in v))
+                note((_keys, v, None, _EQUAL, tuple(v)))
+                return (t, tuple((k, self._read(operator.getitem, v, k, depth)) for k in list(v)))
+            if t is list:
+                note((_len, v, None, _EQUAL, len(v)))
+                return (t, tuple(self._read(operator.getitem, v, i, depth) for i in range(len(v))))
+            return (t, tuple(self._value(x, depth) for x in v))  # a tuple's items are fixed
         if kind == _PARTIAL:
             self.todo.append((v, depth, True))
             return ("partial", v.func if isinstance(v.func, types.FunctionType) else _Ident(v.func))
@@ -308,9 +474,9 @@ class Closure:
                 self.todo.append((v, depth - 1, True))
         return _Ident(v)
 
-    def _site(self, site: Any, v: Any, tag: Any, depth: int) -> None:
+    def _site(self, site: Any, read: tuple | None, v: Any, tag: Any, depth: int) -> None:
         start = len(self.arrays)
-        self.key.append((tag, self._value(v, depth)))
+        self.key.append((tag, self._value(v, depth, read)))
         if len(self.arrays) > start:
             self.sites.append((site, start, len(self.arrays)))
 
@@ -319,34 +485,40 @@ class Closure:
         names = _code_names(code)
         self.names.update(names)
         self.key.append(("fn", code))
+        defaults, kwdefaults = f.__defaults__, f.__kwdefaults__
+        self.reads.append((_function_same, f, (code, defaults, kwdefaults), _SAME, True))
         for i, c in enumerate(f.__closure__ or ()):
-            try:
-                v = c.cell_contents
-            except ValueError:  # not yet assigned
-                self.key.append(("cell", i, None))
-                continue
-            self._site(_Cell(c), v, ("cell", i), depth)
+            self._site(_Cell(c), (_cell_value, c, None), _cell_value(c, None), ("cell", i), depth)
         g = f.__globals__
+        absent = []
         for n in names:
             if n in g:
-                self._site(_Item(g, n), g[n], ("g", n), depth)
-        for i, v in enumerate(f.__defaults__ or ()):
-            self._site(_Default(f, i), v, ("d", i), depth)
-        for n, v in (f.__kwdefaults__ or {}).items():
-            self._site(_Item(f.__kwdefaults__, n), v, ("kw", n), depth)
+                self._site(_Item(g, n), (operator.getitem, g, n), g[n], ("g", n), depth)
+            else:
+                absent.append(n)
+        if absent:  # (defined later, it is read instead of a builtin)
+            self.reads.append((_absent, g, tuple(absent), _SAME, True))
+        for i, v in enumerate(defaults or ()):
+            self._site(_Default(f, i), None, v, ("d", i), depth)
+        if kwdefaults:
+            self.reads.append((_keys, kwdefaults, None, _EQUAL, tuple(kwdefaults)))
+            for n, v in list(kwdefaults.items()):
+                self._site(_Item(kwdefaults, n), (operator.getitem, kwdefaults, n), v, ("kw", n), depth)
 
     def _object(self, obj: Any, depth: int) -> None:
         """The attributes of ``obj`` its code names (the class's methods and
         properties it names are looked into first, their names added)."""
         self.key.append(("o", _Ident(obj)))
         cls = type(obj)
-        own = not isinstance(obj, types.ModuleType)
-        if own:
+        attrs = getattr(obj, "__dict__", None)
+        class_names = None
+        if not isinstance(obj, types.ModuleType):
             done: set[str] = set()
-            mro = [c.__dict__ for c in cls.__mro__[:-1]]
+            bases = cls.__mro__[:-1]
             while True:
-                names = self.names | {"__call__"}
-                wanted = {n for d in mro for n in names.intersection(d)} - done
+                class_names = frozenset(self.names | {"__call__"})
+                class_found = _class_names(bases, class_names)
+                wanted = class_found - done
                 if not wanted:
                     break
                 for n in sorted(wanted):
@@ -363,12 +535,36 @@ class Closure:
                             else:
                                 self._function(fn, depth)
                 self._drain()  # functions they call may name more attributes
-        attrs = getattr(obj, "__dict__", None)
+        # each class's attributes of those names (the last round's names hold the
+        # earlier rounds': one check covers them all), as ``_class_attr`` reads them
+        classes = []
+        if class_names is not None:
+            for c in cls.__mro__[:-1]:
+                proxy = c.__dict__
+                keys = proxy.keys()  # (a live view of the class's own dictionary)
+                defined = sorted(class_names & keys)
+                missing = tuple(class_names.difference(defined))
+                classes.append((keys, proxy, missing, tuple((n, proxy[n]) for n in defined)))
+        # values the classes hold under those names (a class-level constant read as
+        # ``self.scale``), unless the object's own ``__dict__`` hides them; methods,
+        # properties and other descriptors are not values (fixed by the check above)
+        taken: set[str] = set()
+        for c, (*_, values) in zip(cls.__mro__, classes):
+            for n, a in values:
+                if n in taken:
+                    continue
+                taken.add(n)
+                if (isinstance(attrs, dict) and n in attrs) or hasattr(type(a), "__get__"):
+                    continue
+                self._site(_ClassItem(c, n), None, a, ("ca", n), depth)
         if not isinstance(attrs, dict):
+            self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs, tuple(classes), None), _SAME, True))
             return
-        for n in sorted(self.names.intersection(attrs)):
-            site = _Attr(obj, n) if own else _Item(attrs, n)
-            self._site(site, attrs[n], ("a", n), depth)
+        found = sorted(attrs.keys() & self.names)
+        absent = tuple(self.names.difference(found))
+        self.reads.append((_object_same, obj, (cls, cls.__mro__, attrs, tuple(classes), absent), _SAME, True))
+        for n in found:  # (written back into the dictionary: frozen dataclasses too)
+            self._site(_Item(attrs, n), (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
     def _drain(self) -> None:
         while self.todo:
@@ -385,7 +581,7 @@ class Closure:
                 self._push(v.__self__, depth + 1)
             elif isinstance(v, functools_partial):
                 start = len(self.arrays)
-                self.key.append(("p", self._value((v.args, v.keywords), depth)))
+                self.key.append(("p", self._value(v.args, depth), self._value(v.keywords, depth)))
                 if len(self.arrays) > start:  # a partial's arrays cannot be replaced in it
                     self.complete = False
                 self._push(v.func, depth)
@@ -395,26 +591,83 @@ class Closure:
     def _push(self, v: Any, depth: int) -> None:
         self.key.append(("root", self._value(v, depth)))
 
-    # -- substitution -----------------------------------------------------------
-    @contextmanager
-    def substituted(self, inputs: Sequence[Any], bind: dict[int, Any]) -> Iterator[None]:
-        """Each array at its place replaced by its input (Tensors: their reads
-        redirected through ``bind``), put back on exit."""
-        undo: list[Callable[[], None]] = []
-        seen: set[int] = set()
-        _SUBSTITUTING.acquire()
+
+def _const(v: Any, _: Any) -> Any:
+    return v
+
+
+class _Plan:
+    """A walk kept for the next calls of the same function: its ``reads`` are
+    read again and, when each compares as before, the walk's key and sites hold
+    and the arrays read are the call's arrays."""
+
+    __slots__ = ("calls", "complete", "fun", "key", "last", "plain", "reads", "sites", "tensors", "untracked")
+
+    def __init__(self, fun: Any, calls: tuple, walk: _Walk):
+        # a function (or bound method) weakly: a lifted lambda made at each step
+        # is dropped with its plan, and what it closes over is not kept alive by
+        # the plan. (A callable object is named in the key, by identity, as in
+        # the program cache's keys: kept.)
+        self.fun: Callable[[], Any] = _Kept(fun)
+        self.reads = walk.reads
+        if isinstance(fun, (types.FunctionType, types.MethodType)):
+            self.fun = weakref.ref(fun, functools_partial(_forget, id(fun)))
+            self.reads = [_weakly(r, fun, self.fun) for r in walk.reads]
+        self.calls, self.sites = calls, walk.sites
+        self.complete = walk.complete
+        self.last: tuple[list, tuple] | None = None  # the last call's values (weakly) and their signature
         try:
-            for site, start, stop in self.sites:
-                old = site.get()
-                new = _put(old, iter(inputs[start:stop]), bind, undo, seen)
-                if new is not old:
-                    site.set(new)
-                    undo.append(functools_partial(site.set, old))
-            yield
-        finally:
-            for u in reversed(undo):
-                u()
-            _SUBSTITUTING.release()
+            self.key: _Static | None = _Static(tuple(walk.key))
+        except TypeError:  # a static part that does not hash: not cached
+            self.key = None
+        types_ = [r[4] for r in walk.reads if r[3] in (_ARRAY_OF, _NUMPY_OF)]
+        # jax arrays only: they are their own values, and none is tracked
+        self.plain = all(_kind_of(t) == _ARRAY and not issubclass(t, Tensor) for t in types_)
+        self.tensors = any(issubclass(t, Tensor) for t in types_)
+        self.untracked = (False,) * len(types_)
+
+    def replay(self) -> list[Any] | None:
+        """The arrays read now, or None when a read differs (walk again)."""
+        arrays: list[Any] = []
+        try:
+            for fn, a, b, check, want in self.reads:
+                v = fn(a, b)
+                if check == _SAME:
+                    if v is not want:
+                        return None
+                elif check == _ARRAY_OF:
+                    if type(v) is not want:
+                        return None
+                    arrays.append(v)
+                elif check == _EQUAL:
+                    if v != want:
+                        return None
+                elif check == _NUMPY_OF:
+                    if type(v) is not want or v.dtype.kind not in "biufc":
+                        return None
+                    arrays.append(v)
+                elif check == _SCALAR_OF:
+                    if v is not want and (type(v) is not type(want) or v != want):
+                        return None
+                elif check == _INEXACT_OF:
+                    if v is not want and (type(v) is not type(want) or repr(v) != repr(want)):
+                        return None
+                elif type(v) is not types.MethodType or v.__func__ is not want[0] or v.__self__ is not want[1]:
+                    return None  # (_METHOD_OF)
+        except Exception:  # a place gone (a deleted name, a shorter list): walk again
+            return None
+        return arrays
+
+    def closure(self, arrays: list[Any]) -> Closure | None:
+        if not self.complete:
+            return None
+        if self.plain:
+            return Closure(self, arrays, arrays, self.untracked)
+        values = [_current(v) for v in arrays]
+        if not self.tensors:
+            return Closure(self, arrays, values, self.untracked)
+        tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in arrays)
+        return Closure(self, arrays, values, tracked)
 
 
 def _put(v: Any, it: Iterator[Any], bind: dict[int, Any], undo: list, seen: set[int]) -> Any:
@@ -462,17 +715,18 @@ def _current(v: Any) -> Any:
     array reused when equal (a transfer costs more than the comparison); a large
     one is copied (a later in-place write must not reach this call's program or
     residuals) and handed to the compiled program like its other inputs."""
-    if isinstance(v, Tensor):
-        return v.value
-    if not isinstance(v, np.ndarray):
-        return v
-    dtype = jax.dtypes.canonicalize_dtype(v.dtype)
+    if type(v) is not np.ndarray:
+        if isinstance(v, Tensor):
+            return v.value
+        if not isinstance(v, np.ndarray):
+            return v
     if v.nbytes > _NUMPY_CACHED_BYTES:
-        return np.array(v, dtype=dtype)
+        return np.array(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype))
     raw = v.tobytes()
     hit = _NUMPY.get(id(v))
-    if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype and hit[3] == raw:
+    if hit is not None and hit[3] == raw and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype:
         return hit[4]
+    dtype = jax.dtypes.canonicalize_dtype(v.dtype)
     x = jnp.asarray(np.array(v, dtype=dtype))
     if isinstance(x, jax.core.Tracer):  # made inside an enclosing trace: valid only there, never cached
         return x
@@ -493,19 +747,76 @@ _NUMPY: dict[int, tuple[Any, tuple, Any, bytes, Any]] = {}
 def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     """What ``fun`` (and the functions among ``statics``) read through closures,
     globals, defaults and a bound object: None when it cannot be taken apart
-    (too large, or arrays held where they cannot be replaced)."""
-    c = Closure()
+    (too large, or arrays held where they cannot be replaced). A repeated call
+    reads again only the places the last walk read (``_Plan``)."""
+    calls = tuple(s for s in statics if callable(s)) if statics else ()
+    plan = _PLANS.get(id(fun))
+    if plan is not None and plan.fun() is fun and (plan.calls is calls or _same_objects(plan.calls, calls)):
+        arrays = plan.replay()
+        if arrays is not None:
+            return plan.closure(arrays)
+    global _WALKS
+    _WALKS += 1
+    walk = _Walk()
     if isinstance(fun, types.FunctionType) and not _module(fun).startswith(_LIBRARY):
-        c.seen[id(fun)] = fun
-        c._function(fun, DEPTH)  # the lifted function itself, rf's own included
+        walk.seen[id(fun)] = fun
+        walk._function(fun, DEPTH)  # the lifted function itself, rf's own included
     else:
-        c._push(fun, DEPTH + 1)
-    for s in statics:
-        if callable(s):
-            c._push(s, DEPTH)
-    c._drain()
-    if not c.complete:
-        return None
-    c.values = [_current(v) for v in c.arrays]
-    c.tracked = tuple(isinstance(v, Tensor) and v.grad_id is not None for v in c.arrays)
-    return c
+        walk._push(fun, DEPTH + 1)
+    for s in calls:
+        walk._push(s, DEPTH)
+    walk._drain()
+    plan = _Plan(fun, calls, walk)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[id(fun)] = plan  # (dropped when fun is: _forget)
+    return plan.closure(walk.arrays)
+
+
+def _forget(key: int, ref: Any) -> None:
+    """The function of a kept plan is gone: the plan too."""
+    plan = _PLANS.get(key)
+    if plan is not None and plan.fun is ref:
+        del _PLANS[key]
+
+
+class _Kept:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _weakly(read: tuple, fun: Any, ref: Callable[[], Any]) -> tuple:
+    """``read`` holding the lifted function itself through ``ref`` only."""
+    fn, a, b, check, want = read
+    if a is fun:
+        fn, a, b = (_function_same_through, ref, b) if fn is _function_same else (_through, ref, (fn, b))
+    if want is fun and check == _SAME:
+        fn, a, b, want = _is_referent, (fn, a, b), ref, True
+    return fn, a, b, check, want
+
+
+def _function_same_through(ref: Callable[[], Any], state: tuple) -> bool:
+    f = ref()
+    code, defaults, kwdefaults = state
+    return f.__code__ is code and f.__defaults__ is defaults and f.__kwdefaults__ is kwdefaults
+
+
+def _through(ref: Callable[[], Any], read: tuple) -> Any:
+    return read[0](ref(), read[1])
+
+
+def _is_referent(read: tuple, ref: Callable[[], Any]) -> bool:
+    return read[0](read[1], read[2]) is ref()
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+_PLANS: dict[int, _Plan] = {}
+_MAX_PLANS = 512

@@ -309,9 +309,10 @@ def _lifted_call(
     ]
     # what fun reads through its closure (Note [Closures of a lifted function])
     clo = _closure.scan(fun, statics)
-    key, hit, cavals = _closure_key(clo, treedef, statics, is_arr, avals, tracked_in)
+    key, hit = _closure_key(clo, treedef, statics, is_arr, avals, tracked_in)
     if key is None and clo is not None:
-        clo, cavals = None, []
+        clo = None
+    cavals: list[Any] = []
     if clo is None:
         try:
             signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
@@ -326,6 +327,7 @@ def _lifted_call(
     if hit is None:
         traced = None
         if clo is not None:
+            cavals = _closure_avals(clo)
             try:
                 traced = _trace(fun, treedef, statics, is_arr, avals, label, clo, cavals)
             except Exception:
@@ -356,7 +358,8 @@ def _lifted_call(
     # closed-over tracked tensors are inputs of the entry too
     cap_tensors = list(captured)
     cvals = clo.values if clo is not None else []
-    all_values = values + cvals + [t.value for t in captured]
+    cap_values = [t.value for t in captured]
+    all_values = values + cvals + cap_values
     outputs, residuals = program.forward(all_values)
     # inputs of the entry: tracked argument tensors, the closure's arrays and captured storages
     carrays = [x if isinstance(x, Tensor) else None for x in clo.arrays] if clo is not None else []
@@ -385,9 +388,7 @@ def _lifted_call(
             out_ids,
             tuple(program.in_avals),
             tuple(program.out_avals),
-            replay=weak_values(values)
-            + tuple(_Strong(v) for v in cvals)
-            + weak_values(all_values[len(values) + len(cvals) :]),
+            replay=weak_values(values) + tuple(map(_Strong, cvals)) + weak_values(cap_values),
         )
     it_o = iter(out_tensors)
     it_s = iter(out_statics)
@@ -400,23 +401,31 @@ _NO_SUBSTITUTION: dict[Any, bool] = {}
 
 def _closure_key(
     clo: _closure.Closure | None, treedef: Any, statics: tuple, is_arr: tuple, avals: list, tracked_in: tuple
-) -> tuple[Any, Any, list]:
+) -> tuple[Any, Any]:
     """The cache key of a call whose closure was taken apart (None when it
-    cannot be), the cached program (None on a miss) and the closure's avals."""
-    if clo is None:
-        return None, None, []
-    cavals = [
-        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in clo.values
-    ]
+    cannot be) and the cached program (None on a miss)."""
+    if clo is None or clo.key is None:
+        return None, None
     try:
-        signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in (*avals, *cavals))
-        key = ("closure", tuple(clo.key), treedef, statics, is_arr, signature, tracked_in + clo.tracked)
+        signature = (*((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals), *clo.signature(_type_of))
+        key = ("closure", clo.key, treedef, statics, is_arr, signature, tracked_in + clo.tracked)
         hash(key)
     except TypeError:
-        return None, None, []
-    if key in _NO_SUBSTITUTION:
-        return None, None, []
-    return key, _PROGRAMS.get(key), cavals
+        return None, None
+    if _NO_SUBSTITUTION and key in _NO_SUBSTITUTION:
+        return None, None
+    return key, _PROGRAMS.get(key)
+
+
+def _type_of(v: Any) -> tuple:
+    return (v.shape, v.dtype, _weak(v), shd.sharding_of(v))
+
+
+def _closure_avals(clo: _closure.Closure) -> list[Any]:
+    """The avals the trace gives the closure's arrays."""
+    return [
+        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in clo.values
+    ]
 
 
 def weak_values(values: Sequence[Any]) -> tuple[Any, ...]:

@@ -10,7 +10,9 @@ equals ``jax.grad`` of the same function at that moment, eagerly and under
 from __future__ import annotations
 
 import functools
+import gc
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -275,3 +277,232 @@ def test_numpy_array_read_inside_an_enclosing_jit_is_not_cached_across_traces():
         x = jnp.concatenate([a, jnp.zeros(1)]) if shape_change else a
         got = jax.jit(rf.grad(rf.lift(loss)))(x)
         np.testing.assert_allclose(got[:3], want)
+
+
+# -- the kept plan: a repeated call reads again only the places the last walk read
+
+
+def _grad_now(lifted, fn, w=_W):
+    """``lifted`` (an ``rf.grad(rf.lift(fn))``) equals ``jax.grad(fn)`` now."""
+    np.testing.assert_allclose(lifted(w), jax.grad(fn)(w), rtol=1e-5, atol=1e-6)
+
+
+def _counts():
+    return closure.walks(), closure.traces()
+
+
+def test_kept_plan_sees_a_cell_rebound_to_another_array_and_a_python_value_changed():
+    y, k = _y(21), 2.0
+
+    def loss(w):
+        return jnp.mean((jnp.tanh(_X @ w) - y) ** 2) * k
+
+    lifted = rf.grad(rf.lift(loss))
+    _grad_now(lifted, loss)
+    walks, traces = _counts()
+    for seed in (22, 23, 24):
+        y = _y(seed)  # the cell rebound to another array of the same shape
+        _grad_now(lifted, loss)
+    assert _counts() == (walks, traces)  # the plan's reads held: no walk, no trace
+    y = jnp.ones((1, 3), jnp.float32)  # another shape: the same plan, a new trace
+    _grad_now(lifted, loss)
+    assert _counts() == (walks, traces + 1)
+    k = -3.0  # a Python value in a cell: walked again, traced again
+    _grad_now(lifted, loss)
+    assert _counts() == (walks + 1, traces + 2)
+
+
+def test_kept_plan_sees_a_numpy_array_written_in_place_with_the_plan_warm():
+    yn = np.array(_y(25))
+
+    def loss(w):
+        return jnp.mean((jnp.tanh(_X @ w) - yn) ** 2)
+
+    lifted = rf.grad(rf.lift(loss))
+    _grad_now(lifted, loss)
+    walks, traces = _counts()
+    for k in range(4):
+        if k == 2:
+            yn[...] = yn.copy()  # written with the same bytes: the last device copy serves
+        else:
+            yn[k, :] += 1.5  # one row written in place
+        _grad_now(lifted, loss)
+        np.testing.assert_array_equal(closure._current(yn), yn)
+    assert _counts() == (walks, traces)
+
+
+def test_numpy_zero_written_as_negative_zero_is_seen():
+    """0.0 and -0.0 compare equal but are different values (arctan2 tells them
+    apart): the NumPy array's bytes are compared, not its values."""
+    z = np.zeros(3, np.float32)
+
+    def loss(w):
+        return jnp.sum(w * jnp.arctan2(z, -1.0))
+
+    lifted = rf.grad(rf.lift(loss))
+    w = jnp.ones(3)
+    _grad_now(lifted, loss, w=w)
+    z[1] = -0.0
+    got = lifted(w)
+    assert float(got[1]) < 0 < float(got[0])
+    _grad_now(lifted, loss, w=w)
+
+
+_PDG = {"y": _y(26)}
+
+
+def loss_dict(w):
+    return jnp.mean((jnp.tanh(_X @ w) - _PDG["y"]) ** 2) * _PDG.get("scale", 1.0)
+
+
+def test_kept_plan_sees_a_dict_global_written_and_its_keys_changed(monkeypatch):
+    lifted = rf.grad(rf.lift(loss_dict))
+    _grad_now(lifted, loss_dict)
+    walks, traces = _counts()
+    monkeypatch.setitem(_PDG, "y", _y(27))  # an array written into the dict
+    _grad_now(lifted, loss_dict)
+    _check(loss_dict)  # (under jit too: the same program, inline)
+    assert _counts() == (walks, traces)
+    monkeypatch.setitem(_PDG, "scale", 3.0)  # a key added: walked, traced
+    _grad_now(lifted, loss_dict)
+    assert _counts() == (walks + 1, traces + 1)
+    del _PDG["scale"]  # back to the first keys: walked, the first program again
+    _grad_now(lifted, loss_dict)
+    assert _counts() == (walks + 2, traces + 1)
+
+
+def test_kept_plan_sees_attributes_added_a_method_patched_and_the_class_swapped(monkeypatch):
+    class Model:
+        def __init__(self, y):
+            self.y = y
+
+        def __call__(self, w):
+            b = self.bias if "bias" in self.__dict__ else 0.0
+            return jnp.mean((jnp.tanh(_X @ w) - self.y) ** 2) + jnp.sum(w * b)
+
+    m = Model(_y(28))
+    lifted = rf.grad(rf.lift(m))
+    _grad_now(lifted, m)
+    walks, traces = _counts()
+    m.y = _y(29)  # an array attribute rebound: no walk, no trace
+    _grad_now(lifted, m)
+    assert _counts() == (walks, traces)
+    m.bias = 0.5  # an attribute the code names, added: walked, traced
+    _grad_now(lifted, m)
+    m.bias = jnp.full((4, 3), 0.25, jnp.float32)  # now an array: walked, traced
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 2, traces + 2)
+    m.bias = jnp.full((4, 3), -1.0, jnp.float32)  # another array: no walk, no trace
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 2, traces + 2)
+    m.scale = 2.0
+    monkeypatch.setattr(Model, "__call__", lambda self, w: jnp.sum(jnp.sin(_X @ w) * self.y) * self.scale)
+    _grad_now(lifted, m)  # the class's method replaced: walked, traced
+    monkeypatch.setattr(Model, "scale", property(lambda self: -4.0), raising=False)
+    _grad_now(lifted, m)  # a property the code reads, new on the class (it hides m.scale): walked, traced
+
+    class Other(Model):
+        def __call__(self, w):
+            return jnp.sum(jnp.cos(_X @ w) * self.y)
+
+    m.__class__ = Other  # the object's class swapped: walked, traced
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 5, traces + 5)
+
+
+def test_kept_plan_sees_code_and_keyword_defaults_replaced():
+    def loss(w, *, y=_Y8):
+        return jnp.sum(jnp.sin(_X @ w) * y)
+
+    def other(w, *, y=_Y8):
+        return jnp.sum(jnp.cos(_X @ w) * y)
+
+    lifted = rf.grad(rf.lift(loss))
+    _grad_now(lifted, loss)
+    walks, traces = _counts()
+    loss.__kwdefaults__["y"] = _y(30)  # written into the keyword defaults: no walk, no trace
+    _grad_now(lifted, loss)
+    assert _counts() == (walks, traces)
+    loss.__code__ = other.__code__  # the code replaced: walked, traced
+    _grad_now(lifted, loss)
+    assert _counts() == (walks + 1, traces + 1)
+
+
+_PLG = [jnp.ones((6, 3), jnp.float32)]
+
+
+def loss_list(w):
+    return sum(jnp.sum(jnp.tanh(_X @ w) * a) for a in _PLG) * abs(-2.0)
+
+
+def test_kept_plan_sees_a_list_grown_and_a_global_that_shadows_a_builtin(monkeypatch):
+    lifted = rf.grad(rf.lift(loss_list))
+    _grad_now(lifted, loss_list)
+    walks, traces = _counts()
+    first = _PLG[0]
+    try:
+        _PLG[0] = _y(31)  # an item rebound: no walk, no trace
+        _grad_now(lifted, loss_list)
+        assert _counts() == (walks, traces)
+        _PLG.append(_y(32))  # the list grown: walked, traced
+        _grad_now(lifted, loss_list)
+        assert _counts() == (walks + 1, traces + 1)
+    finally:
+        _PLG[:] = [first]
+    before = lifted(_W)
+    monkeypatch.setattr(_MOD, "abs", lambda v: 3.0 * v, raising=False)  # read instead of the builtin
+    _grad_now(lifted, loss_list)
+    np.testing.assert_allclose(lifted(_W), before * -3.0, rtol=1e-5, atol=1e-6)
+
+
+def test_bound_method_keeps_its_plan_while_its_object_changes():
+    m = _Model(_y(33))
+    method = m.loss
+    lifted = rf.grad(rf.lift(method))
+    _grad_now(lifted, method)
+    walks, traces = _counts()
+    m.y = _y(34)
+    _grad_now(lifted, method)
+    assert _counts() == (walks, traces)
+
+
+def test_a_lifted_lambda_made_at_each_step_is_not_kept_alive():
+    """The kept plan holds a lifted function weakly: a lambda made at each step,
+    and the arrays it closes over, go when the step is done."""
+
+    def step(w):
+        y = jnp.arange(1.0, 4.0)
+        f = lambda v: jnp.sum(jnp.sin(v) * y)  # noqa: E731
+        rf.grad(rf.lift(f))(w)
+        return weakref.ref(f), weakref.ref(y)
+
+    refs = [step(jnp.ones(3)) for _ in range(3)]
+    gc.collect()
+    assert all(r() is None for pair in refs for r in pair)
+
+
+class _Scaled:
+    scale = 2.0  # class-level values the method reads as self.<name>
+    y = _y(35)
+
+    def __call__(self, w):
+        return jnp.sum(jnp.sin(_X @ w) * self.y) * self.scale
+
+
+def test_class_level_values_read_through_self_are_seen(monkeypatch):
+    """A class-level array or Python value read as ``self.y`` is an input or part
+    of the key like an attribute of the object (it was baked into the first
+    program: later values were not seen)."""
+    m = _Scaled()
+    lifted = rf.grad(rf.lift(m))
+    _grad_now(lifted, m)
+    walks, traces = _counts()
+    monkeypatch.setattr(_Scaled, "y", _y(36))  # a class-level array rebound: walked, not traced
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 1, traces)
+    monkeypatch.setattr(_Scaled, "scale", -3.0)  # a class-level Python value: walked, traced
+    _grad_now(lifted, m)
+    assert _counts() == (walks + 2, traces + 1)
+    m.scale = 0.5  # the object's own attribute hides the class's
+    _check(m)
+    assert isinstance(_Scaled.__dict__["y"], jax.Array) and not isinstance(_Scaled.__dict__["y"], jax.core.Tracer)
