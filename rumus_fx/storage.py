@@ -58,32 +58,10 @@ def current_trace_state() -> Any:
     return _current_trace()
 
 
-try:  # the current trace's weak reference, which the token wraps (read without building a token)
-    from jax._src.core import trace_state as _trace_ref
-except ImportError:  # pragma: no cover - a jax without it: a token per call
-    _trace_ref = None
-
-# [(the current trace's weak reference, its token)]: every storage made under
-# one trace shares its token (tokens compare by the reference they wrap); a
-# new trace has a new reference object, and holding the old one here keeps its
-# identity from being reused. One tuple, replaced whole, so a thread never
-# reads one trace's reference with another's token.
-_LAST_TRACE: list[tuple[Any, Any]] = [(None, None)]
-
-
 def _current_trace() -> Any:
     if _get_opaque_trace_state is None:  # pragma: no cover
         return None
-    if _trace_ref is not None:
-        ref = _trace_ref.value  # this thread's
-        last = _LAST_TRACE[0]
-        if ref is last[0] and ref is not None:
-            return last[1]
-        token = _get_opaque_trace_state(convention="rumus_fx")
-        if getattr(token, "_trace_ref", None) is ref:  # the same reference: cache it
-            _LAST_TRACE[0] = (ref, token)
-        return token
-    return _get_opaque_trace_state(convention="rumus_fx")  # pragma: no cover
+    return _get_opaque_trace_state(convention="rumus_fx")
 
 
 def _trace_of(value: Any) -> Any:

@@ -68,6 +68,7 @@ import numpy as np
 from jax import lax
 
 from ..autograd.record import Record, VersionSnapshot
+from ..autograd.registry import OpDecl, declare
 from ..autograd.tape import Tape, current_tape, new_entry, recording, set_budget, suspend_recording
 from ..autograd.walk import walk
 from ..kernels.dispatch import use as kernel_mode
@@ -970,3 +971,5 @@ def run_on_records(
 
 
 set_budget(check_budget, run_budgeted)  # memory_budget= of rf.grad / value_and_grad / Tape
+
+declare(OpDecl(name="memory_budget", kind="composite", records=(RecordSegmentBackward,), module=__name__))
