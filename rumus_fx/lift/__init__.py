@@ -16,7 +16,6 @@ from . import rules_linalg as rules_linalg
 from . import rules_reduce as rules_reduce
 from . import rules_special as rules_special
 from . import rules_structural as rules_structural
-from .interpreter import lift as lift
 from .library import defrule as defrule
 from .library import undefrule as undefrule
 from .lifted_record import LiftedBackward as LiftedBackward
@@ -25,6 +24,7 @@ from .remat import checkpoint as checkpoint
 from .rules import NON_DIFFERENTIABLE as NON_DIFFERENTIABLE
 from .rules import RULES as RULES
 from .rules import PrimitiveRecord as PrimitiveRecord
+from .tracing import lift as lift
 
 _engine.CREATE_GRAPH = _higher.recorded_backward  # Note [Create graph] in higher.py
 _transforms.set_lift(lift)  # the nested transforms run lifted (Note [Higher order])

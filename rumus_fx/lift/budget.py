@@ -16,7 +16,7 @@ a budget for those saved activations, a function is planned and run in two ways:
 * **Primitive by primitive** (a function whose saved bytes are mostly held by
   lifted calls, ``rf.lift``/``rf.checkpoint``, which records cannot split; and
   ``tape.run``): ``fun`` is traced to a jaxpr and flattened into rf's lifted
-  program (Note [Lifting] in lift/interpreter.py); each step's rule says which of
+  program (Note [Lifting] in lift/tracing.py); each step's rule says which of
   its inputs and outputs its record keeps (``rule.saves``), ``jax.eval_shape``
   gives the extra residuals some rules compute (a scan's stacked carries). The
   atoms are each matmul, convolution or control-flow step alone and each maximal
@@ -73,9 +73,9 @@ from ..autograd.tape import Tape, current_tape, new_entry, recording, set_budget
 from ..autograd.walk import walk
 from ..kernels.dispatch import use as kernel_mode
 from ..tensor import Tensor, next_grad_id
-from .interpreter import is_array_leaf, weak_values
 from .lifted_record import LiftedBackward
 from .program import Program, _Const
+from .tracing import is_array_leaf, weak_values
 
 MAX_HEAVY = 1  # matmuls (convolutions, loops) one segment may recompute
 TRANSIENT = 2  # a segment's recomputed activations and their cotangents, alive during its backward

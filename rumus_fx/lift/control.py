@@ -12,7 +12,7 @@ import jax
 from jax import lax
 
 from ..tensor import Tensor
-from .interpreter import lift
+from .tracing import lift
 
 
 def _arrays(tree: Any) -> Any:

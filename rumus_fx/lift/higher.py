@@ -54,8 +54,8 @@ from ..autograd.record import exact_value
 from ..autograd.tape import Tape, TapeEntry, recording
 from ..errors import AutogradError
 from ..tensor import Tensor
-from .interpreter import call_lifted
 from .lifted_record import LiftedBackward
+from .tracing import call_lifted
 
 
 def _field(op: Any, name: str, index: int | None) -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from ..autograd.registry import BadProgram, TableEntry, lookup, undeclare
-from . import interpreter, program
+from . import program, tracing
 from .rules import NON_DIFFERENTIABLE, RULES, Rule
 from .rules import defrule as _declare_rule
 
@@ -154,7 +154,7 @@ def defrule(
         module=module,
     )
     _PUBLIC.add(name)
-    interpreter.clear_programs()
+    tracing.clear_programs()
     return rule.record
 
 
@@ -170,7 +170,7 @@ def undefrule(primitive: jcore.Primitive | str) -> None:
     if not _registered_here(old):
         raise ValueError(f"rf.undefrule({name!r}): '{name}' has rf's built-in rule; it cannot be removed")
     _remove(name)
-    interpreter.clear_programs()
+    tracing.clear_programs()
 
 
 _PUBLIC: set[str] = set()

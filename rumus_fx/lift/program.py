@@ -1,7 +1,7 @@
 """A lifted function's program: its jaxpr flattened into steps, each with its
 primitive's rule, run forward (values and residuals) and backward (the rows'
 rules in reverse, through the rule runner). Note [Lifting] in
-``lift/interpreter.py`` tells how a call becomes one."""
+``lift/tracing.py`` tells how a call becomes one."""
 
 from __future__ import annotations
 

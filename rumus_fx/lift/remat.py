@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from ..tensor import Tensor
-from .interpreter import is_array_leaf, lift
+from .tracing import is_array_leaf, lift
 
 
 def checkpoint(fun: Callable, *, policy: Callable | None = None, prevent_cse: bool = True) -> Callable:

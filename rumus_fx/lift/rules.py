@@ -36,7 +36,7 @@ values, ``None`` where not saved). Control-flow primitives add ``forward`` (a
 forward that also returns residuals) and keep those in ``extra``.
 
 Nothing here calls JAX's JVP or transpose rules: ``jax.extend.core`` and
-``jax.make_jaxpr`` are the only JAX internals the interpreter uses.
+``jax.make_jaxpr`` are the only JAX internals ``rf.lift`` uses.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 import rumus_fx as rf
-from rumus_fx.lift.interpreter import clear_programs
+from rumus_fx.lift.tracing import clear_programs
 from rumus_fx.testing import check_grads
 
 
