@@ -21,7 +21,6 @@ variant's gradients are first checked against ``jax.grad``'s.
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import warnings
 from collections.abc import Callable
@@ -30,62 +29,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import rumus_fx as rf
 from rumus_fx.lift.budget import MemoryBudgetWarning, memory_plan
 
 from .compare import _interleaved
-from .models import Model, _ce_jax, tiny_gpt
+from .models import Model, gpt_loss_jax, tiny_gpt
 
 BUDGETS = (1.0, 0.5, 0.25)
 
 
-def gpt_jax(model: Model, heads: int, remat: bool) -> Callable:
-    """The plain-JAX TinyGPT loss (as ``models.tiny_gpt``'s), each block inside
-    ``jax.checkpoint`` when ``remat``."""
-
-    def layer_norm(x, p):
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.var(x, axis=-1, keepdims=True)
-        return (x - mean) * lax.rsqrt(var + 1e-5) * p["weight"] + p["bias"]
-
-    def block(h, blk):
-        b, t, d = h.shape
-        hd = d // heads
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        a = layer_norm(h, blk["ln1"])
-        q, k, v = (
-            (a @ blk[n]["weight"] + blk[n]["bias"]).reshape(b, t, heads, hd).transpose(0, 2, 1, 3) for n in "qkv"
-        )
-        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
-        s = jnp.where(causal[None, None], s, -jnp.inf)
-        att = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
-        att = att.transpose(0, 2, 1, 3).reshape(b, t, d)
-        h = h + att @ blk["proj"]["weight"] + blk["proj"]["bias"]
-        m = jax.nn.gelu(layer_norm(h, blk["ln2"]) @ blk["fc1"]["weight"] + blk["fc1"]["bias"])
-        return h + m @ blk["fc2"]["weight"] + blk["fc2"]["bias"]
-
-    step = jax.checkpoint(block) if remat else block
-
-    def loss(params, batch):
-        idx, targets = batch
-        h = params["wte"][idx] + params["wpe"][None]
-        for blk in params["blocks"]:
-            h = step(h, blk)
-        h = layer_norm(h, params["ln_f"])
-        return _ce_jax(h @ params["head"], targets)
-
-    return loss
-
-
 def variants(model: Model, heads: int) -> list[tuple[str, Callable, float | None, Callable]]:
     """(label, grad function, budget, loss the plan is made for)."""
-    plain = gpt_jax(model, heads, remat=False)
+    plain = gpt_loss_jax(heads)
     lifted = rf.lift(plain)
     rows: list[tuple[str, Callable, float | None, Callable]] = [
         ("jax.grad", jax.grad(plain), None, plain),
-        ("jax.grad, jax.checkpoint per block", jax.grad(gpt_jax(model, heads, remat=True)), None, plain),
+        ("jax.grad, jax.checkpoint per block", jax.grad(gpt_loss_jax(heads, remat=True)), None, plain),
         ("rf.grad(loss_rf)", rf.grad(model.loss_rf), None, model.loss_rf),
     ]
     for b in BUDGETS:

@@ -181,34 +181,54 @@ def tiny_gpt(
         h = rf.layer_norm(h, params["ln_f"]["weight"], params["ln_f"]["bias"])
         return rf.cross_entropy(h @ params["head"], targets)
 
-    def layer_norm(x, p):
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.var(x, axis=-1, keepdims=True)
-        return (x - mean) * lax.rsqrt(var + 1e-5) * p["weight"] + p["bias"]
+    return Model(
+        "TinyGPT d128 h4 L2 T64 b16",
+        loss_rf,
+        gpt_loss_jax(heads),
+        params,
+        (x, y),
+        lambda: _torch_gpt(params, (x, y), heads),
+    )
+
+
+def _layer_norm_jax(x: jax.Array, p: dict) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.var(x, axis=-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + 1e-5) * p["weight"] + p["bias"]
+
+
+def gpt_loss_jax(heads: int, remat: bool = False) -> Callable[[Any, Any], Any]:
+    """TinyGPT's plain-JAX loss (``tiny_gpt``'s ``loss_jax``); with ``remat``,
+    each transformer block inside ``jax.checkpoint``."""
+
+    def block(h: jax.Array, blk: dict, causal: jax.Array) -> jax.Array:
+        b, t, d = h.shape
+        hd = d // heads
+        a = _layer_norm_jax(h, blk["ln1"])
+        q, k, v = (
+            (a @ blk[n]["weight"] + blk[n]["bias"]).reshape(b, t, heads, hd).transpose(0, 2, 1, 3) for n in "qkv"
+        )
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
+        s = jnp.where(causal[None, None], s, -jnp.inf)
+        att = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+        att = att.transpose(0, 2, 1, 3).reshape(b, t, d)
+        h = h + att @ blk["proj"]["weight"] + blk["proj"]["bias"]
+        m = jax.nn.gelu(_layer_norm_jax(h, blk["ln2"]) @ blk["fc1"]["weight"] + blk["fc1"]["bias"])
+        return h + m @ blk["fc2"]["weight"] + blk["fc2"]["bias"]
+
+    step = jax.checkpoint(block) if remat else block
 
     def loss_jax(params, batch):
         idx, targets = batch
-        b, t = idx.shape
+        t = idx.shape[1]
         h = params["wte"][idx] + params["wpe"][None]
         causal = jnp.tril(jnp.ones((t, t), bool))
         for blk in params["blocks"]:
-            a = layer_norm(h, blk["ln1"])
-            q, k, v = (
-                (a @ blk[n]["weight"] + blk[n]["bias"]).reshape(b, t, heads, hd).transpose(0, 2, 1, 3) for n in "qkv"
-            )
-            s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
-            s = jnp.where(causal[None, None], s, -jnp.inf)
-            att = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
-            att = att.transpose(0, 2, 1, 3).reshape(b, t, d)
-            h = h + att @ blk["proj"]["weight"] + blk["proj"]["bias"]
-            m = jax.nn.gelu(layer_norm(h, blk["ln2"]) @ blk["fc1"]["weight"] + blk["fc1"]["bias"])
-            h = h + m @ blk["fc2"]["weight"] + blk["fc2"]["bias"]
-        h = layer_norm(h, params["ln_f"])
+            h = step(h, blk, causal)
+        h = _layer_norm_jax(h, params["ln_f"])
         return _ce_jax(h @ params["head"], targets)
 
-    return Model(
-        "TinyGPT d128 h4 L2 T64 b16", loss_rf, loss_jax, params, (x, y), lambda: _torch_gpt(params, (x, y), heads)
-    )
+    return loss_jax
 
 
 MODELS: dict[str, Callable[[], Model]] = {"mlp": mlp, "cnn": cnn, "gpt": tiny_gpt}
