@@ -245,7 +245,10 @@ class _Planner:
         backward runs, the buffers kept up to it and the segment's recomputed
         residuals are alive. The peak is the larger of the end of forward and
         the largest of those moments."""
-        starts = {self.atoms[a][0]: (a, b) for a, b in segs}
+        spans = {}
+        for a, b in segs:
+            start, end, ins, own, c = self._span(a, b)
+            spans[start] = (end, ins, own, c)
         sb = self.slot_bytes
         kept: set[int] = set()
         total = 0
@@ -253,23 +256,29 @@ class _Planner:
         cost = 0.0
         i = 0
         while i < self.n:
-            seg = starts.get(i)
-            if seg is None:
+            span = spans.get(i)
+            if span is None:
                 for s in self.saves[i]:
                     if s not in kept:
                         kept.add(s)
                         total += sb[s]
                 i += 1
                 continue
-            ins, own, c = self._range(*seg)
+            end, ins, own, c = span
             for s in ins:
                 if s not in kept:
                     kept.add(s)
                     total += sb[s]
             transient_peak = max(transient_peak, total + TRANSIENT * sum(sb[s] for s in own if s not in kept))
             cost += c
-            i = self.atoms[seg[1] - 1][1]
+            i = end
         return max(total, transient_peak), cost
+
+    def _span(self, a: int, b: int) -> tuple[int, int, frozenset[int], frozenset[int], float]:
+        """Segment ``(a, b)`` over atoms: its first and past-the-end steps, the
+        slots it reads from before it, the slots its records save, its cost."""
+        ins, own, c = self._range(a, b)
+        return self.atoms[a][0], self.atoms[b - 1][1], ins, own, c
 
     def _moves(
         self, segs: list[tuple[int, int]], width: int, max_heavy: int | None = None
@@ -822,35 +831,11 @@ class RecordPlanner(_Planner):
         self._range_cache[(a, b)] = hit
         return hit
 
-    def estimate(self, segs: Sequence[tuple[int, int]]) -> tuple[int, float]:
-        """As ``_Planner.estimate``, over entries: a segment keeps its slice's
+    def _span(self, a: int, b: int) -> tuple[int, int, frozenset[int], frozenset[int], float]:
+        """As ``_Planner._span``, over entries: a segment keeps its slice's
         inputs, and its records' saved arrays are alive while it runs backward."""
-        starts = {a: b for a, b in segs}
-        sb = self.slot_bytes
-        kept: set[int] = set()
-        total = 0
-        peak = 0
-        cost = 0.0
-        k = 0
-        while k < self.n:
-            b = starts.get(k)
-            if b is None:
-                for s in self.saves[k]:
-                    if s not in kept:
-                        kept.add(s)
-                        total += sb[s]
-                k += 1
-                continue
-            ins, _, c, _ = self._slice(k, b)
-            for s in ins:
-                if s not in kept:
-                    kept.add(s)
-                    total += sb[s]
-            own = {s for j in range(k, b) for s in self.saves[j]}
-            peak = max(peak, total + TRANSIENT * sum(sb[s] for s in own if s not in kept))
-            cost += c
-            k = b
-        return max(total, peak), cost
+        ins, _, c, _ = self._slice(a, b)
+        return a, b, ins, frozenset(s for j in range(a, b) for s in self.saves[j]), c
 
     def step_ranges(self, segs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         return list(segs)
