@@ -520,14 +520,6 @@ def _replay(program: Program, ranges: Sequence[tuple[int, int]]) -> Callable:
         if isinstance(r, int):
             last_use[r] = n
 
-    def bind(st: Any, env: dict[int, Any]) -> None:
-        vals = [x.value if isinstance(x, _Const) else env[x] for x in st.ins]
-        outs = st.prim.bind(*vals, **st.prim.get_bind_params(st.params))
-        if not st.prim.multiple_results:
-            outs = (outs,)
-        for s, o in zip(st.outs, outs):
-            env[s] = o
-
     def segment(lo: int, hi: int) -> tuple[list[int], list[int], Callable]:
         written = {s for i in range(lo, hi) for s in steps[i].outs}
         ins = sorted({x for i in range(lo, hi) for x in steps[i].ins if isinstance(x, int) and x not in written})
@@ -536,7 +528,7 @@ def _replay(program: Program, ranges: Sequence[tuple[int, int]]) -> Callable:
         def run(*vals: Any) -> list:
             env = dict(zip(ins, vals))
             for i in range(lo, hi):
-                bind(steps[i], env)
+                _bind(steps[i], env)
             return [env[s] for s in outs]
 
         return ins, outs, run
@@ -547,7 +539,7 @@ def _replay(program: Program, ranges: Sequence[tuple[int, int]]) -> Callable:
         while i < n:
             hi = seg_at.get(i)
             if hi is None:
-                bind(steps[i], env)
+                _bind(steps[i], env)
                 i += 1
                 continue
             ins, outs, run = segment(i, hi)
