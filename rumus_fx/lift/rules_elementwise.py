@@ -228,7 +228,9 @@ add_table(
 _binary(
     "div",
     lambda r, g: g / _input(r, 1),
-    lambda r, g: -g * _input(r, 0) / (_input(r, 1) * _input(r, 1)),
+    # jax's own form, -(g b^-2) a: the reciprocal square of the (often broadcast) divisor
+    # is computed at its own size, so XLA need not materialise a broadcast of it
+    lambda r, g: -((g * lax.integer_pow(_input(r, 1), -2)) * _input(r, 0)),
     _div_saves,
     program=lambda x, y: x / y,
     samples=binary_samples(normal, positive),
