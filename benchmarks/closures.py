@@ -1,6 +1,6 @@
 """Eager ``rf.grad(rf.lift(loss))`` when ``loss`` reads values through its closure.
 
-Usage: ``python -m benchmarks.closures [--blocks N] [--per-block N] [--runs N]``
+Usage: ``python -m benchmarks.closures [--blocks N] [--per-block N] [--runs N] [--processes N]``
 
 The same [64,32] x [32,10] tanh regression, its target ``y`` (or a scale) reached five
 ways: as an argument, as a module-level jax array, as a module-level NumPy array, a
@@ -10,8 +10,9 @@ the noise of the ratios. Each row's eager gradient call is timed in blocks of it
 taking turns with the other rows' blocks and with blocks of ``jax.grad`` of the same
 function, eager (as ``compare._blocks``: medians over ``--blocks`` turns of
 ``--per-block`` calls, after warm-up; the order of the blocks rotates at each turn),
-``--runs`` times in the one process. The table gives ms per call (median over the
-runs), the ratio to the argument row (median over the runs, and their range) in wall
+``--runs`` times per process, in ``--processes`` fresh processes one after another
+(their runs pooled: a process can carry a bias of its own). The table gives ms per
+call (median over the runs), the ratio to the argument row (median over the runs, and their range) in wall
 time and in the calling thread's CPU time (what the load of a shared machine leaves
 out), the ratio to ``jax.grad`` eager, and the header the traces and full closure
 walks during the timed calls (``rumus_fx.lift.closure.traces()`` and ``walks()``; the
@@ -24,8 +25,12 @@ in between.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -36,6 +41,8 @@ import rumus_fx as rf
 from rumus_fx.lift import closure
 
 from .compare import BLOCK_WARM_S, EAGER_WARMUP, _block
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _rng = np.random.default_rng(0)
 X = jnp.asarray(_rng.standard_normal((64, 32)), jnp.float32)
@@ -102,12 +109,10 @@ def _rows() -> list[tuple[str, object, tuple, object]]:
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, default=10)
-    p.add_argument("--per-block", type=int, default=20)
-    p.add_argument("--runs", type=int, default=3)
-    args = p.parse_args(argv)
+def measure(blocks: int, per_block: int, runs: int) -> dict:
+    """This process's measurement: per run, each fn's median seconds (the rf rows,
+    then their ``jax.grad`` counterparts), wall and calling-thread CPU time, and the
+    traces and closure walks during the timed calls."""
     rows = _rows()
     rf_fns, jax_fns = [], []
     for label, fun, a, change in rows:
@@ -122,24 +127,64 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(EAGER_WARMUP):  # and rf's whole-tape choice is made
             _block(f())
     t0, w0 = closure.traces(), closure.walks()
-    n = len(rows)
     fns = rf_fns + jax_fns
-    runs, cpu_runs = [], []  # per run: each fn's median seconds (wall; the calling thread's CPU time)
-    for _ in range(args.runs):
+    wall_runs, cpu_runs = [], []
+    for _ in range(runs):
         wall: list[list[float]] = [[] for _ in fns]
         cpu: list[list[float]] = [[] for _ in fns]
-        for b in range(args.blocks):  # one turn of blocks, the order rotated at each turn (in a
+        for b in range(blocks):  # one turn of blocks, the order rotated at each turn (in a
             # fixed order the last rf row read 1.06-1.08 of the first, the noise row included)
-            _turn(fns, [(b + i) % len(fns) for i in range(len(fns))], args.per_block, wall, cpu)
-        runs.append([statistics.median(t) for t in wall])
+            _turn(fns, [(b + i) % len(fns) for i in range(len(fns))], per_block, wall, cpu)
+        wall_runs.append([statistics.median(t) for t in wall])
         cpu_runs.append([statistics.median(t) for t in cpu])
-    traces, walks = closure.traces() - t0, closure.walks() - w0
+    return {
+        "wall": wall_runs,
+        "cpu": cpu_runs,
+        "traces": closure.traces() - t0,
+        "walks": closure.walks() - w0,
+        "calls": len(rows) * blocks * per_block * runs,
+    }
+
+
+def _in_processes(args: argparse.Namespace) -> list[dict]:
+    """``measure`` in ``args.processes`` fresh interpreters, one after another: a
+    process can carry a bias of its own (one read the float row at 1.12 in every
+    block of two runs, the next at 1.00), so runs of several processes are pooled."""
+    out = []
+    for _ in range(args.processes):
+        cmd = [sys.executable, "-m", "benchmarks.closures", "--blocks", str(args.blocks)]
+        cmd += ["--per-block", str(args.per_block), "--runs", str(args.runs), "--json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=_ROOT)
+        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, default=10)
+    p.add_argument("--per-block", type=int, default=20)
+    p.add_argument("--runs", type=int, default=3, help="runs per process")
+    p.add_argument("--processes", type=int, default=1, help="fresh processes whose runs are pooled")
+    p.add_argument("--json", action="store_true", help="print this process's measurement as one JSON line")
+    args = p.parse_args(argv)
+    if args.json or args.processes <= 1:
+        parts = [measure(args.blocks, args.per_block, args.runs)]
+        if args.json:
+            print(json.dumps(parts[0]))
+            return
+    else:
+        parts = _in_processes(args)
+    rows = _rows()
+    n = len(rows)
+    runs = [r for part in parts for r in part["wall"]]
+    cpu_runs = [r for part in parts for r in part["cpu"]]
+    traces, walks = sum(x["traces"] for x in parts), sum(x["walks"] for x in parts)
     print(f"# {platform.machine()} {platform.processor() or ''}, jax {jax.__version__}, {jax.devices()[0].platform}")
-    calls = n * args.blocks * args.per_block * args.runs
+    calls = sum(x["calls"] for x in parts)
     print(
-        f"# {args.runs} runs of {args.blocks} alternating blocks of {args.per_block} timed calls per row "
-        f"(medians); during the {calls} timed rf calls (and their untimed warm calls): {traces} traces, "
-        f"{walks} closure walks"
+        f"# {len(parts)} process(es) x {args.runs} runs of {args.blocks} alternating blocks of {args.per_block} "
+        f"timed calls per row (medians); during the {calls} timed rf calls (and their untimed warm calls): "
+        f"{traces} traces, {walks} closure walks"
     )
     print()
     print(
