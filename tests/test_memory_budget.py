@@ -283,3 +283,102 @@ def test_in_place_write_inside_the_function_is_differentiated_as_traced():
             warnings.simplefilter("ignore", MemoryBudgetWarning)
             got = rf.grad(f, memory_budget=fraction)(x)
         np.testing.assert_allclose(got, jax.grad(oracle)(x), rtol=1e-5, atol=1e-6)
+
+
+# -- Note [Recomputation kept apart]: XLA:CPU must not merge the recomputation back ----------
+
+
+def _chain_params(depth=6, width=128, batch=256):
+    keys = jax.random.split(jax.random.key(3), depth + 1)
+    ws = [jax.random.normal(k, (width, width)) * (0.5 / width**0.5) for k in keys[:depth]]
+    return ws, jax.random.normal(keys[depth], (batch, width))
+
+
+def _chain_layer_jnp(w, h):
+    return jnp.tanh(jnp.tanh(h @ w) * 1.5 + 0.1)
+
+
+def _chain(layer, total=jnp.sum):
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = layer(w, h)
+        return total(h * h)
+
+    return loss
+
+
+def _compiled_temp(g, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        return jax.jit(g).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
+def test_rf_checkpoint_recomputes_its_matmuls_under_jit(argnums):
+    """rf.checkpoint around each layer: under jit the compiled program needs far less
+    temporary memory than without it (XLA:CPU merged the recomputed matmuls back into
+    the forward when only a barrier separated them: 1.00x), and the gradients are
+    jax.grad's, for each argument alone and both."""
+    ws, x = _chain_params()
+    plain = _chain(_chain_layer_jnp)
+    ckpt = _chain(rf.checkpoint(_chain_layer_jnp), rf.sum)
+    want = jax.grad(plain, argnums=argnums)(ws, x)
+    _close(jax.jit(rf.grad(ckpt, argnums=argnums))(ws, x), want, rtol=1e-4, atol=1e-5)
+    _close(rf.grad(ckpt, argnums=argnums)(ws, x), want, rtol=1e-4, atol=1e-5)
+    kept = _compiled_temp(rf.grad(ckpt, argnums=argnums), ws, x)
+    full = _compiled_temp(rf.grad(rf.lift(plain), argnums=argnums), ws, x)
+    assert kept < 0.75 * full, (kept, full)
+
+
+def test_users_jax_checkpoint_keeps_jax_grads_program():
+    """A jax.checkpoint written in the user's function is differentiated as jax.grad
+    differentiates it (the barrier alone): the same compiled temporary memory."""
+    ws, x = _chain_params()
+    loss = _chain(jax.checkpoint(_chain_layer_jnp))
+    _close(rf.grad(rf.lift(loss))(ws, x), jax.grad(loss)(ws, x), rtol=1e-4, atol=1e-5)
+    assert _compiled_temp(rf.grad(rf.lift(loss)), ws, x) == _compiled_temp(jax.grad(loss), ws, x)
+
+
+def test_budget_lowers_compiled_memory_well_below_unbudgeted():
+    """With the recomputation kept apart, the budget's plan shows in the compiled
+    program: at 50 % and 25 % of the saved bytes the temporary memory falls well
+    below the unbudgeted program's (before: 0.85-0.89x on a GPT), never rising as
+    the budget falls."""
+    ws, x = _chain_params()
+
+    def loss_rf(ws, x):
+        h = x
+        for w in ws:
+            h = rf.tanh(rf.tanh(h @ w) * 1.5 + 0.1)
+        return rf.sum(h * h)
+
+    temps = [_compiled_temp(rf.grad(loss_rf, memory_budget=b), ws, x) for b in BUDGETS]
+    lifted = [_compiled_temp(rf.grad(rf.lift(_chain(_chain_layer_jnp)), memory_budget=b), ws, x) for b in BUDGETS]
+    for t in (temps, lifted):
+        assert all(b <= a for a, b in itertools.pairwise(t)), t
+        assert t[1] < 0.75 * t[0], t
+
+
+@pytest.mark.parametrize("how", ["vmap", "jvp", "grad_of_grad"])
+def test_kept_apart_recomputation_composes(how, x64):
+    """The conditional that keeps a recomputation apart composes: per-example
+    gradients under vmap (a batched predicate: both branches, the same values), a
+    Hessian-vector product with jax.jvp, and a second rf.grad, all under jit and
+    against jax of the plain function."""
+    ws, x = _chain_params(depth=3, width=8, batch=4)
+    ws = [w.astype(jnp.float64) for w in ws]
+    x = x.astype(jnp.float64)
+    plain = _chain(_chain_layer_jnp)
+    ckpt = _chain(rf.checkpoint(_chain_layer_jnp), rf.sum)
+    if how == "vmap":
+        got = jax.jit(jax.vmap(rf.grad(ckpt), in_axes=(None, 0)))(ws, x[:, None, :])
+        want = jax.vmap(jax.grad(plain), in_axes=(None, 0))(ws, x[:, None, :])
+    elif how == "jvp":
+        t = [jnp.ones_like(w) for w in ws]
+        got = jax.jit(lambda ws: jax.jvp(lambda v: rf.grad(ckpt)(v, x), (ws,), (t,))[1])(ws)
+        want = jax.jvp(lambda v: jax.grad(plain)(v, x), (ws,), (t,))[1]
+    else:
+        got = jax.jit(rf.grad(lambda x: rf.sum(rf.grad(ckpt, argnums=1)(ws, x) ** 2)))(x)
+        want = jax.grad(lambda x: jnp.sum(jax.grad(plain, argnums=1)(ws, x) ** 2))(x)
+    _close(got, want, rtol=1e-9, atol=1e-10)

@@ -35,7 +35,8 @@ segment, a greedy loop takes, among the moves "make one run of atoms a segment",
 block (a heavy atom and the cheap atoms up to the next one) a segment", the one
 that frees the most bytes per FLOP recomputed (FLOPs of ``dot_general``/``conv``;
 the output size of everything else), with at most ``MAX_HEAVY`` heavy atoms per
-segment: cheap elementwise work (a layer norm's, a GELU's, a softmax's
+segment, their number raised one at a time only when no move frees bytes with
+fewer: cheap elementwise work (a layer norm's, a GELU's, a softmax's
 intermediates) is recomputed before matmuls, as PyTorch's activation-memory
 budget does. When the plan has no segment (the budget is at least the
 unbudgeted bytes) ``fun`` runs on the tape exactly as without a budget. The
@@ -48,7 +49,9 @@ The budget is bytes (an ``int``) or a fraction (a ``float`` in (0, 1]) of the
 plan can reach is not silently ignored: the best plan found runs and a
 ``MemoryBudgetWarning`` says the budget, the base and the estimate achieved. The
 estimate is of saved activations, not of XLA's whole temporary memory (which also
-holds cotangents and fusion buffers).
+holds cotangents and fusion buffers). Each segment's backward is kept apart from the
+forward (``apart.recompute``: Note [Recomputation kept apart]), so that XLA:CPU does
+not merge the recomputed matmuls back into the forward.
 Under ``jax.jit`` all of this happens once, at trace time; eagerly each call
 traces ``fun`` once more to plan (use ``jax.jit`` for speed).
 """
@@ -65,7 +68,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..autograd.record import Record, VersionSnapshot
 from ..autograd.registry import OpDecl, declare
@@ -73,11 +75,12 @@ from ..autograd.tape import Tape, current_tape, new_entry, recording, set_budget
 from ..autograd.walk import walk
 from ..kernels.dispatch import use as kernel_mode
 from ..tensor import Tensor, next_grad_id
+from .apart import KEPT_APART, recompute
 from .lifted_record import LiftedBackward
 from .program import Program, _Const
 from .tracing import is_array_leaf, weak_values
 
-MAX_HEAVY = 1  # matmuls (convolutions, loops) one segment may recompute
+MAX_HEAVY = 8  # matmuls (convolutions, loops) one segment may recompute (Note [Memory budget])
 TRANSIENT = 2  # a segment's recomputed activations and their cotangents, alive during its backward
 HEAVY_IN_SLICES = True  # a segment of records may recompute the matmul its records read
 
@@ -543,7 +546,7 @@ def _replay(program: Program, ranges: Sequence[tuple[int, int]]) -> Callable:
                 i += 1
                 continue
             ins, outs, run = segment(i, hi)
-            results = jax.checkpoint(run, prevent_cse=True)(*[env[s] for s in ins])
+            results = jax.checkpoint(run, prevent_cse=True, policy=KEPT_APART)(*[env[s] for s in ins])
             env.update(zip(outs, results))
             i = hi
         return [r.value if isinstance(r, _Const) else env[r] for r in program.out_refs]
@@ -889,21 +892,23 @@ class RecordSegmentBackward(Record):
 
     def backward(self, g, needs):
         seg = self.segment
-        live = [x for x in g if x is not None]
-        # Note [Memory budget]: neither reuse the forward's values nor run ahead of the walk
-        ins, live = lax.optimization_barrier((list(self.inputs), live))
-        it = iter(live)
-        g = [None if x is None else next(it) for x in g]
-        env = dict(zip(seg.slots, ins))
-        for i in seg.order:
-            _bind(seg.program.steps[i], env)
-        entries = [
-            new_entry(_record(e, env), e.inputs, e.outputs, e.input_avals, e.output_avals, (), (), ())
-            for e in seg.entries
-        ]
-        seeds = {o: x for o, x in zip(seg.out_ids, g) if x is not None}
-        grads = walk(entries, seeds, keep=set(seg.in_ids), foreign=lambda gid: None)
-        return tuple(grads.get(i) if n else None for i, n in zip(seg.in_ids, needs))
+
+        def run(ins, g):
+            env = dict(zip(seg.slots, ins))
+            for i in seg.order:
+                _bind(seg.program.steps[i], env)
+            entries = [
+                new_entry(_record(e, env), e.inputs, e.outputs, e.input_avals, e.output_avals, (), (), ())
+                for e in seg.entries
+            ]
+            seeds = {o: x for o, x in zip(seg.out_ids, g) if x is not None}
+            grads = walk(entries, seeds, keep=set(seg.in_ids), foreign=lambda gid: None)
+            return [grads.get(i) if n else None for i, n in zip(seg.in_ids, needs)]
+
+        # Note [Memory budget]: neither reuse the forward's values nor run ahead of the
+        # walk (the barrier over the inputs and the cotangents), nor let XLA:CPU merge
+        # the recomputation back (Note [Recomputation kept apart])
+        return tuple(recompute(run, list(self.inputs), list(g)))
 
     @property
     def label(self) -> str:

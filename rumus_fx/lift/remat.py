@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from ..tensor import Tensor
+from .apart import KEPT_APART, KeptApart
 from .tracing import is_array_leaf, lift
 
 
@@ -16,7 +17,10 @@ def checkpoint(fun: Callable, *, policy: Callable | None = None, prevent_cse: bo
     """``fun`` recorded as one ``RematBackward`` that keeps only its inputs.
 
     Its backward re-runs ``fun``'s forward (with rf's rules) and walks it, so the
-    memory of the activations inside ``fun`` is spent one segment at a time.
+    memory of the activations inside ``fun`` is spent one segment at a time (on
+    XLA:CPU too, where ``jax.checkpoint``'s barrier alone lets the compiler merge the
+    recomputed matmuls back into the forward: Note [Recomputation kept apart] in
+    rumus_fx/lift/apart.py).
     ``fun`` may use rf ops, ``rumus_fx.numpy``, jnp or lifted functions; wrap each
     layer of a deep model (also inside an ``rf.lax.scan`` body).
 
@@ -38,6 +42,8 @@ def checkpoint(fun: Callable, *, policy: Callable | None = None, prevent_cse: bo
             a, k = jax.tree_util.tree_unflatten(tree, [next(it_a) if m else next(it_s) for m in mask])
             return fun(*a, **k)
 
-        return jax.checkpoint(inner, policy=policy, prevent_cse=prevent_cse)(*arrays)
+        return jax.checkpoint(inner, policy=marked, prevent_cse=prevent_cse)(*arrays)
+
+    marked = KEPT_APART if policy is None else KeptApart(policy)  # Note [Recomputation kept apart]
 
     return lift(run, name=f"checkpoint({getattr(fun, '__name__', 'fun')})")

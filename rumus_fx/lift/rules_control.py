@@ -28,6 +28,7 @@ from .. import sharding as shd
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
+from .apart import kept_apart, recompute
 from .program import Program
 from .rules import defrule, is_float
 
@@ -295,9 +296,16 @@ def _remat_forward(step, vals):
 
 def _remat_vjp(r, g):
     prog = r._step.sub
-    ins = lax.optimization_barrier(list(r.ins))  # keep XLA from reusing the forward
-    _, res = prog.run(ins)
-    grads = prog.backward(res, list(g))
+
+    def backward(ins, g):
+        _, res = prog.run(ins)
+        return list(prog.backward(res, g))
+
+    if kept_apart(r.params.get("policy")) and r.params.get("prevent_cse", True):
+        # rf's own segment (rf.checkpoint, memory_budget=): Note [Recomputation kept apart]
+        grads = recompute(backward, list(r.ins), list(g))
+    else:  # a user's jax.checkpoint: the barrier, as jax.grad's program has
+        grads = backward(lax.optimization_barrier(list(r.ins)), list(g))
     return tuple(gr if n else None for gr, n in zip(grads, r.needs))
 
 
