@@ -81,7 +81,7 @@ from .program import Program, _Const
 from .tracing import is_array_leaf, weak_values
 
 MAX_HEAVY = 8  # matmuls (convolutions, loops) one segment may recompute (Note [Memory budget])
-TRANSIENT = 2  # a segment's recomputed activations and their cotangents, alive during its backward
+TRANSIENT = 1  # a segment's recomputed activations and their cotangents, alive during its backward
 HEAVY_IN_SLICES = True  # a segment of records may recompute the matmul its records read
 
 __all__ = ["MemoryBudgetWarning", "MemoryPlan", "check_budget", "memory_plan", "run_budgeted"]
