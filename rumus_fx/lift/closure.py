@@ -608,7 +608,7 @@ class _Plan:
         # is dropped with its plan, and what it closes over is not kept alive by
         # the plan. (A callable object is named in the key, by identity, as in
         # the program cache's keys: kept.)
-        self.fun: Callable[[], Any] = _Kept(fun)
+        self.fun: Callable[[], Any] = Strong(fun)
         self.reads = walk.reads
         if isinstance(fun, (types.FunctionType, types.MethodType)):
             self.fun = weakref.ref(fun, functools_partial(_forget, id(fun)))
@@ -780,14 +780,17 @@ def _forget(key: int, ref: Any) -> None:
         del _PLANS[key]
 
 
-class _Kept:
-    __slots__ = ("obj",)
+class Strong:
+    """A strong reference called as a ``weakref.ref`` is: for values that cannot be
+    weakly referenced or must be kept (a callable object, a Python scalar)."""
 
-    def __init__(self, obj: Any):
-        self.obj = obj
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
 
     def __call__(self) -> Any:
-        return self.obj
+        return self.value
 
 
 def _weakly(read: tuple, fun: Any, ref: Callable[[], Any]) -> tuple:

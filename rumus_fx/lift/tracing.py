@@ -388,7 +388,7 @@ def _lifted_call(
             out_ids,
             tuple(program.in_avals),
             tuple(program.out_avals),
-            replay=weak_values(values) + tuple(map(_Strong, cvals)) + weak_values(cap_values),
+            replay=weak_values(values) + tuple(map(_closure.Strong, cvals)) + weak_values(cap_values),
         )
     it_o = iter(out_tensors)
     it_s = iter(out_statics)
@@ -437,18 +437,8 @@ def weak_values(values: Sequence[Any]) -> tuple[Any, ...]:
         try:
             out.append(weakref.ref(v))
         except TypeError:
-            out.append(_Strong(v))
+            out.append(_closure.Strong(v))
     return tuple(out)
-
-
-class _Strong:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __call__(self) -> Any:
-        return self.value
 
 
 def _closes_over_tensor(objs: Sequence[Any], depth: int = 3) -> bool:
