@@ -862,11 +862,7 @@ class _Segment:
 
 def _bind(step: Any, env: dict[int, Any]) -> None:
     vals = [x.value if isinstance(x, _Const) else env[x] for x in step.ins]
-    outs = step.prim.bind(*vals, **step.prim.get_bind_params(step.params))
-    if not step.prim.multiple_results:
-        outs = (outs,)
-    for s, o in zip(step.outs, outs):
-        env[s] = o
+    env.update(zip(step.outs, step.bind(vals)))
 
 
 def _record(e: _Entry, env: dict[int, Any]) -> Record:

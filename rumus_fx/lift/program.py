@@ -60,6 +60,12 @@ class Step:
     where: str = ""  # the library call and the user's line that emitted it (for errors)
     program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
 
+    def bind(self, vals: Sequence[Any]) -> tuple[Any, ...]:
+        """The primitive applied to ``vals``: its outputs, as a tuple (a call
+        primitive binds its jaxpr as a function, as jax's eval_jaxpr does)."""
+        outs = self.prim.bind(*vals, **self.prim.get_bind_params(self.params))
+        return outs if self.prim.multiple_results else (outs,)
+
 
 def _aval(v: Any) -> Aval:
     a = v.aval
@@ -224,10 +230,7 @@ class Program:
                 outs, extra = step.rule.forward(step, vals)
                 extras.append(extra)
             else:
-                # (a call primitive binds its jaxpr as a function, as jax's eval_jaxpr does)
-                outs = step.prim.bind(*vals, **step.prim.get_bind_params(step.params))
-                if not step.prim.multiple_results:
-                    outs = (outs,)
+                outs = step.bind(vals)
             for s, o in zip(step.outs, outs):
                 env[s] = o
         outputs = [r.value if isinstance(r, _Const) else env[r] for r in self.out_refs]
