@@ -41,11 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import sharding as shd
-
-try:  # a value traced by jax.jit (not vmap, jvp ...)
-    from jax.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
-except ImportError:  # pragma: no cover - a jax without it keeps the barrier alone
-    _JitTracer = ()
+from ..compiler import JitTracer, same_branches
 
 
 class KeptApart:
@@ -72,12 +68,12 @@ def kept_apart(policy: Any) -> bool:
 
 
 def _witness(leaves: list) -> Any:
-    """A scalar element of the first non-empty floating (or complex) operand, or None."""
+    """The first non-empty floating (or complex) operand, or None."""
     for x in leaves:
         dtype = getattr(x, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.inexact) or 0 in jnp.shape(x):
             continue
-        return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
+        return x
     return None
 
 
@@ -91,11 +87,11 @@ def recompute(fn: Callable[..., Any], *operands: Any) -> Any:
     if (
         jax.default_backend() != "cpu"
         or not leaves
-        or not all(isinstance(x, _JitTracer) for x in leaves)
+        or not all(isinstance(x, JitTracer) for x in leaves)
         or any(shd.on_mesh(x) for x in leaves)
     ):
         return fn(*operands)
-    first = _witness(leaves)
-    if first is None:
+    witness = _witness(leaves)
+    if witness is None:
         return fn(*operands)
-    return lax.cond(first == first, fn, fn, *operands)
+    return same_branches(fn, witness, *operands)

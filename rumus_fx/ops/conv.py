@@ -18,7 +18,7 @@ from jax import lax
 
 from .. import sharding as shd
 from ..autograd.record import Record, VersionSnapshot
-from ..compiler import CPU_COMPILER_OPTIONS
+from ..compiler import CPU_COMPILER_OPTIONS, JitTracer, same_branches
 from ..eager import compiled, cpu_options, eager_jit
 from ..errors import ShapeError
 from ..kernels.precision import compute_dtype, upcast
@@ -54,11 +54,6 @@ from ._declare import BadInput, Placeholder, Sample, integers, normal, op, track
 
 Array = jax.Array
 frozen = dataclasses.dataclass(frozen=True, eq=False)
-
-try:  # a value traced by jax.jit (not vmap, jvp ...): Note [Max pool under jit]
-    from jax.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
-except ImportError:  # pragma: no cover - a jax without it keeps the reduction
-    _JitTracer = ()
 
 
 def _out_size(op: str, size: int, k: int, s: int, p: int, what: str) -> int:
@@ -476,7 +471,7 @@ def _max_pool_forward(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tu
     (vmap, jvp, rf.lift, a mesh) inline as one variadic reduction
     (``_max_pool_reduce``); eagerly one cached compiled call of the elementwise
     form (``_max_pool_elementwise``)."""
-    if isinstance(xv, _JitTracer) and not lifting() and not shd.on_mesh(xv) and jax.default_backend() == "cpu":
+    if isinstance(xv, JitTracer) and not lifting() and not shd.on_mesh(xv) and jax.default_backend() == "cpu":
         return _max_pool_materialised(xv, k, s, p, oh, ow)
     if isinstance(xv, jax.core.Tracer):
         return _max_pool_reduce(xv, k, s, p, oh, ow)
@@ -509,8 +504,7 @@ def _max_pool_materialised(xv: Array, k: int, s: int, p: int, oh: int, ow: int) 
     def pool(a: Array) -> tuple[Array, Array]:
         return _max_pool_elementwise(a, k, s, p, oh, ow)
 
-    first = lax.slice(xv, (0,) * xv.ndim, (1,) * xv.ndim).reshape(())
-    return lax.cond(first == first, pool, pool, xv)
+    return same_branches(pool, xv, xv)
 
 
 def _max_pool_elementwise(xv: Array, k: int, s: int, p: int, oh: int, ow: int) -> tuple[Array, Array]:
