@@ -600,7 +600,7 @@ def _top_k_vjp(r, g):
     aval = r.in_avals[0]
     idx = r.outs[1]
     rank = idx.ndim
-    axis = r.params.get("axis", rank - 1)
+    axis = r.params.get("axis", r.params.get("reduction_dimension", rank - 1))  # top_k / approx_top_k
     axis = axis % rank if rank else 0
     others = tuple(d for d in range(rank) if d != axis)
     dn = lax.ScatterDimensionNumbers(
@@ -637,5 +637,41 @@ defrule(
             vmap=True,
         ),
         TableEntry("top_k_axis", _top_k_axis, _with(distinct, (5, 3))),
+    ),
+)
+
+
+def _approx_max_k(x, y):
+    v, i = lax.approx_max_k(x, 3)
+    return v**2 + jnp.take_along_axis(y, i, axis=-1)
+
+
+def _approx_min_k_axis(x):
+    v, _ = lax.approx_min_k(x, 2, reduction_dimension=0)
+    return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
+
+
+def _approx_candidates(x):  # not aggregated to k: more candidates than k come back
+    v, _ = lax.approx_max_k(x, 2, reduction_dimension=0, aggregate_to_topk=False)
+    return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
+
+
+# approx_top_k (``lax.approx_max_k``/``approx_min_k``): the gradient goes back to
+# the positions the returned indices name, along ``reduction_dimension`` (exact
+# top-k on CPU and GPU; on TPU the same rule transposes whatever it selected).
+defrule(
+    "approx_top_k",
+    _top_k_vjp,
+    saves_outputs(1),
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "approx_max_k",
+            _approx_max_k,
+            lambda r: [Sample((distinct(r, 3, 6), normal(r, 3, 6)), diff=(0, 1))],
+            vmap=True,
+        ),
+        TableEntry("approx_min_k_axis", _approx_min_k_axis, _with(distinct, (5, 3))),
+        TableEntry("approx_top_k_candidates", _approx_candidates, _with(distinct, (300, 2))),
     ),
 )
