@@ -154,6 +154,8 @@ COMPLEX_OK.update(
         "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
         "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack",
         "tile", "gather", "scatter", "scatter-add", "scatter-sub", "lu", "triangular_solve", "custom_linear_solve",
+        # Hermitian eigendecomposition (its rule conjugates V: rules_linalg._eigh_vjp)
+        "eigh",
         # calls and control flow (their bodies' rules are checked one by one)
         "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
         "optimization_barrier", "sharding_constraint", "reshard",

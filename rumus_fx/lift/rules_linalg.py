@@ -334,9 +334,12 @@ defrule(
 
 
 def _eigh_vjp(r, g):
-    """Distinct eigenvalues: ``gA = V (F * (V^T gV) + diag(gw)) V^T`` with
+    """Distinct eigenvalues: ``gA = conj(V) (F * (V^T gV) + diag(gw)) V^T`` with
     ``F[i, j] = 1 / (w[j] - w[i])`` off the diagonal, 0 on it (not symmetrized,
-    as JAX's rule; ``jnp.linalg.eigh`` symmetrizes its input)."""
+    as JAX's rule; ``jnp.linalg.eigh`` symmetrizes its input). For a complex
+    Hermitian ``A`` this is the transpose of JAX's linear map ``dA -> (V (F *
+    (V^H dA V)), re diag(V^H dA V))`` (Note [Complex gradients]); ``conj(V) = V``
+    for a real one."""
     n = r.in_avals[0].shape[-1]
     sub = r.params["subset_by_index"]
     if not (sub is None or tuple(sub) == (0, n)):
@@ -349,7 +352,7 @@ def _eigh_vjp(r, g):
     w = w.astype(v.dtype)
     F = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
     K = F * _mm(_T(v), gv) + _diag(gw.astype(v.dtype))
-    return (_mm(_mm(v, K), _T(v)),)
+    return (_mm(_mm(jnp.conj(v), K), _T(v)),)
 
 
 def _eigh(a):

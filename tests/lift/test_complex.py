@@ -78,10 +78,18 @@ BINARY = {
     "conv": lambda z, w: lax.conv(z[None, None], w[None, None, :2, :2], (1, 1), "VALID"),
     "solve": lambda z, w: jnp.linalg.solve(z[:, :3] + 3 * jnp.eye(3, dtype=z.dtype), w[:, 3]),
     "det": lambda z, w: jnp.linalg.det(z[:, :3] * w[:, :3] + 3 * jnp.eye(3, dtype=z.dtype)),
+    "eigh": lambda z, w: _eigh_parts(z[:, :3] * w[:, 1:]),
     "scan": lambda z, w: lax.scan(lambda c, x: (c * x + 1, c * w[0]), jnp.ones(4, z.dtype), z)[1],
     "cond": lambda z, w: lax.cond(True, lambda: z * w, lambda: z),
     "checkpoint": lambda z, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(z, w),
 }
+
+
+def _eigh_parts(a):
+    """Eigenvalues and phase-free functions of the eigenvectors of a complex
+    Hermitian matrix (``jnp.linalg.eigh`` takes ``(a + a^H) / 2``)."""
+    w, v = jnp.linalg.eigh(a)
+    return jnp.concatenate([w.astype(a.dtype), (jnp.abs(v[0]) ** 2).astype(a.dtype), v[1] * jnp.conj(v[2])])
 
 
 def _real_loss(y):
