@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import jax.scipy as jsp
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
@@ -499,14 +498,26 @@ def _linear_solve_prepare(step):
 def _linear_solve_forward(step, vals):
     outs = _bind(step, vals)
     cl, n_c, nb = _linear_solve_split(step)
-    mv = tuple(vals[: cl.matvec])
-    start = cl.matvec + cl.vecmat + cl.solve
-    ts = tuple(vals[start : start + cl.transpose_solve])
-    return outs, (mv, ts, tuple(outs[:nb]))
+    return outs, (tuple(vals[:n_c]), tuple(outs[:nb]))
+
+
+def _transposed_consts(consts, cl):
+    """The consts of ``(matvec, vecmat, solve, transpose_solve)`` reordered for
+    the transposed system ``(vecmat, matvec, transpose_solve, solve)``."""
+    a = cl.matvec
+    b = a + cl.vecmat
+    c = b + cl.solve
+    return (*consts[a:b], *consts[:a], *consts[c:], *consts[b:c])
 
 
 def _linear_solve_vjp(r, g):
-    """``A x = b``: ``gb = A^{-T} gx`` (the ``transpose_solve`` given); the matrix
+    """``A x = b``: ``gb = A^{-T} gx``, solved as the transposed system (one more
+    ``custom_linear_solve``, matvec and vecmat swapped, solved by
+    ``transpose_solve``), as JAX's transpose does: differentiated again, its
+    derivative reaches the matrix through vecmat's consts, where evaluating
+    ``transpose_solve`` alone would differentiate only its own consts (for
+    ``jnp.linalg.solve`` the LU factors of ``stop_gradient(A)``: a Hessian of
+    ``solve``, ``inv`` or ``slogdet`` would lose its matrix terms). The matrix
     (the consts of ``matvec``) gets ``-(d matvec(x) / d consts)^T gb``, taken by
     rf's own rules on the matvec program. The consts of ``vecmat``, ``solve`` and
     ``transpose_solve`` get no gradient (as in JAX); neither do aux outputs."""
@@ -514,13 +525,13 @@ def _linear_solve_vjp(r, g):
     jaxprs = r.params["jaxprs"]
     if jaxprs.transpose_solve is None:
         raise AutogradError("rf.lift: custom_linear_solve needs transpose_solve (or symmetric=True) for its gradient")
-    mv, ts, x = r.extra
-    gx = list(g[:nb])
-    gb = list(jcore.jaxpr_as_fun(jaxprs.transpose_solve)(*ts, *gx))[:nb]
+    consts, x = r.extra
+    params = {**r.params, "const_lengths": cl.transpose(), "jaxprs": jaxprs.transpose()}
+    gb = list(r._step.prim.bind(*_transposed_consts(consts, cl), *g[:nb], **params))[:nb]
     out = [None] * n_c + [gb[i] if r.needs[n_c + i] else None for i in range(nb)]
     sub = r._step.sub
     if sub is not None:
-        _, res = sub.forward([*mv, *x])
+        _, res = sub.forward([*consts[: cl.matvec], *x])
         grads = sub.backward(res, [-v for v in gb])
         for i in range(cl.matvec):
             if r.needs[i]:

@@ -428,6 +428,29 @@ def test_custom_jvp_rule_is_honoured():
     assert "CustomJvpCallBackward" in str(tape)
 
 
+def test_inconsistent_custom_jvp_rule_holds_at_every_order(x64):
+    """A rule that is not its primal's derivative (the identity with derivative 2,
+    as a straight-through estimator is) is applied at every order: the second
+    derivative of ``sum(f(x)^2)`` is ``2 * 2 * 2``. jax.grad gives that when the
+    rule computes its primal output through ``f`` itself (as here); a rule that
+    returns ``p[0]`` instead gets ``2 * 2`` from jax (its outer level
+    differentiates the identity), and rf's 8 then differs by design."""
+
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda p, t: (f(p[0]), 2.0 * t[0]))
+    x, v = jnp.array([0.3, -1.2, 2.0]), jnp.array([1.0, 0.5, -2.0])
+    loss = lambda u: jnp.sum(f(u) ** 2)  # noqa: E731
+    fr = jax.jvp(rf.grad(rf.lift(loss)), (x,), (v,))[1]
+    rr = rf.grad(lambda u: rnp.sum(rf.grad(rf.lift(loss))(u) * v))(x)
+    want = jax.jvp(jax.grad(loss), (x,), (v,))[1]
+    chex.assert_trees_all_close(want, 8.0 * v)
+    chex.assert_trees_all_close(fr, want, rtol=1e-12, atol=1e-12)
+    chex.assert_trees_all_close(rr, want, rtol=1e-12, atol=1e-12)
+
+
 # -- rematerialisation ------------------------------------------------------------------
 
 
@@ -471,6 +494,59 @@ def test_grad_of_grad_rf_ops_and_lifted(jit, x64):
         g = jax.jit(g)
     want = jax.grad(lambda x: jnp.sum(jax.grad(inner_j)(x) ** 2))(x)
     chex.assert_trees_all_close(g(x), want, rtol=1e-9, atol=1e-9)
+
+
+_SOLVES = {
+    "solve_a": (lambda a, b: jnp.sum(jnp.linalg.solve(a, b) ** 2), 0),
+    "solve_b": (lambda a, b: jnp.sum(jnp.linalg.solve(a, b) ** 2), 1),
+    "solve_both": (lambda a, b: jnp.sum(jnp.linalg.solve(a, b) ** 2), (0, 1)),
+    "inv": (lambda a, b: jnp.sum(jnp.linalg.inv(a) ** 2 * b[:, :1]), 0),
+    "slogdet": (lambda a, b: jnp.linalg.slogdet(a)[1], 0),
+    "expm": (lambda a, b: jnp.sum(jax.scipy.linalg.expm(0.3 * a) * b[:, :1]), 0),
+}
+
+
+@pytest.mark.parametrize("name", list(_SOLVES))
+def test_second_order_through_linear_solves(name, x64):
+    """``jnp.linalg.solve`` factors ``stop_gradient(A)`` and differentiates
+    through ``custom_linear_solve``'s matvec: its gradient, differentiated again,
+    must reach A through the transposed solve (it once evaluated
+    ``transpose_solve`` on the stopped factors alone: the Hessians of solve and
+    inv lost terms and slogdet's was 0, with no error). jax.jvp over rf.grad and
+    rf.grad over rf.grad (the backward recorded on the outer tape), eager and
+    jit, each argument alone and both."""
+    f, argnums = _SOLVES[name]
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((3, 3)) + 3 * np.eye(3))
+    b = jnp.asarray(rng.standard_normal((3, 2)))
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    ts = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in (a, b))
+    args = (a, b)
+
+    def hvp(grad, f):
+        def g(*xs):
+            full = list(args)
+            for k, x in zip(nums, xs):
+                full[k] = x
+            return grad(f, argnums=nums)(*full)
+
+        return jax.jvp(g, tuple(args[k] for k in nums), tuple(ts[k] for k in nums))[1]
+
+    want = hvp(jax.grad, f)
+    chex.assert_trees_all_close(hvp(rf.grad, rf.lift(f)), want, rtol=1e-9, atol=1e-9)
+    chex.assert_trees_all_close(jax.jit(lambda: hvp(rf.grad, rf.lift(f)))(), want, rtol=1e-9, atol=1e-9)
+
+    def rr(*xs):
+        full = list(args)
+        for k, x in zip(nums, xs):
+            full[k] = x
+        gs = rf.grad(rf.lift(f), argnums=nums)(*full)
+        return sum(rnp.sum(g * ts[k]) for g, k in zip(gs, nums))
+
+    for jit in (False, True):
+        g2 = rf.grad(rr, argnums=tuple(range(len(nums))))
+        got = (jax.jit(g2) if jit else g2)(*(args[k] for k in nums))
+        chex.assert_trees_all_close(tuple(got), tuple(want), rtol=1e-9, atol=1e-9)
 
 
 def test_third_order(x64):

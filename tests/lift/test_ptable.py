@@ -186,3 +186,66 @@ UNEMITTED = {"add_any", "copy", "copy_p", "real", "expand_dims", "checkpoint", "
 # while: its reverse raises by design (a declared error case of its rule, run by
 # tests/test_errors_audit.py; tests/lift/test_programs.py checks the forward)
 UNEMITTED |= {"while"}
+
+
+# -- second order: every rule's backward differentiated again by jax.jvp ------------------
+
+# entries whose second derivative in their first argument jax.grad itself does not have
+# ("Differentiation rule for 'igamma_grad_a' not implemented"): rf must raise as well
+NO_SECOND_ORDER_IN_JAX = {"igamma", "igammac"}
+# an entry whose custom_jvp rule deliberately differs from its primal (derivative 2 of the
+# identity): rf applies the rule at every order; jax.grad's second order follows how the
+# rule computes its primal output (``p[0]`` here), so the two differ by design
+# (test_programs.py::test_inconsistent_custom_jvp_rule_holds_at_every_order)
+RULE_NOT_ITS_PRIMALS_DERIVATIVE = {"custom_jvp_call"}
+SECOND = [
+    pytest.param(info, id=info.name)
+    for info in ENTRIES
+    if info.name not in RULE_NOT_ITS_PRIMALS_DERIVATIVE
+]
+
+
+def _hvp(info, f, grad, args, diff, subset):
+    """``jax.jvp`` of ``grad(f, argnums=subset)`` along a fixed random direction of
+    the arguments in ``subset`` (the others plain data), float64 under jit."""
+    rng = np.random.default_rng(3)
+    ts = tuple(jnp.asarray(rng.standard_normal(np.shape(args[d])), args[d].dtype) for d in subset)
+
+    def inner(*xs):
+        a = list(args)
+        for d, x in zip(subset, xs):
+            a[d] = x
+        return grad(f, argnums=subset)(*a)
+
+    return jax.jit(lambda: jax.jvp(inner, tuple(args[d] for d in subset), ts)[1])()
+
+
+def _check_second_order(info, subsets):
+    with jax.enable_x64(True):
+        args, f_rf, f_ref, diff = _setup(info, 0, jnp.float64)
+        for subset in subsets(diff):
+            try:
+                want = _hvp(info, f_ref, jax.grad, args, diff, subset)
+            except NotImplementedError:  # a known gap of jax's, not a skip: rf must raise too
+                assert info.name in NO_SECOND_ORDER_IN_JAX, info.name
+                with pytest.raises(NotImplementedError, match="igamma_grad_a"):
+                    _hvp(info, f_rf, rf.grad, args, diff, subset)
+                continue
+            got = _hvp(info, f_rf, rf.grad, args, diff, subset)
+            chex.assert_trees_all_close(got, want, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("info", SECOND)
+def test_second_order_matches_jax(info):
+    """Hessian-vector products ``jax.jvp(rf.grad(f))`` against
+    ``jax.jvp(jax.grad(f))``, all differentiable arguments together: every
+    rule's backward must itself be differentiable in every value it reads (a
+    rule that evaluates a stop-gradient'ed factorisation where JAX re-solves,
+    as custom_linear_solve once did, loses the Hessian's terms silently)."""
+    _check_second_order(info, lambda diff: [tuple(diff)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("info", [p for p in SECOND if len(_samples(p.values[0])[0].diff) > 1])
+def test_second_order_each_argument_alone(info):
+    _check_second_order(info, lambda diff: [(d,) for d in diff])
