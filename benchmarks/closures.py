@@ -1,6 +1,8 @@
 """Eager ``rf.grad(rf.lift(loss))`` when ``loss`` reads values through its closure.
 
 Usage: ``python -m benchmarks.closures [--blocks N] [--per-block N] [--runs N] [--processes N]``
+or ``python -m benchmarks.closures --per-call ROUNDS`` (``per_call``: the rows alternate
+call by call, no blocks)
 
 The same [64,32] x [32,10] tanh regression, its target ``y`` (or a scale) reached five
 ways: as an argument, as a module-level jax array, as a module-level NumPy array, a
@@ -146,6 +148,62 @@ def measure(blocks: int, per_block: int, runs: int) -> dict:
     }
 
 
+def per_call(rounds: int, seed: int = 1) -> dict:
+    """The rf rows called one call each in a shuffled order, ``rounds`` times (no
+    blocks, no ``jax.grad`` calls in between): every call finds the caches as
+    the other rows' calls left them, as a call in a user's loop between other
+    work does. Per row: the median wall and calling-thread CPU seconds, and the
+    ratio of each row's median to the argument row's with a 95 % bootstrap
+    interval (the rounds resampled)."""
+    rows = _rows()
+    fns = []
+    for _label, fun, a, _change in rows:
+        g = rf.grad(rf.lift(fun))
+        fns.append(lambda g=g, a=a: g(*a))
+    for f in fns:
+        for _ in range(EAGER_WARMUP):
+            _block(f())
+    t0, w0 = closure.traces(), closure.walks()
+    rng = np.random.default_rng(seed)
+    n = len(fns)
+    wall, cpu = np.zeros((rounds, n)), np.zeros((rounds, n))
+    for k in range(rounds):
+        for i in rng.permutation(n):
+            s0, c0 = time.perf_counter(), time.thread_time()
+            _block(fns[i]())
+            wall[k, i], cpu[k, i] = time.perf_counter() - s0, time.thread_time() - c0
+    out: dict = {"traces": closure.traces() - t0, "walks": closure.walks() - w0, "calls": rounds * n}
+    for name, t in (("wall", wall), ("cpu", cpu)):
+        med = np.median(t, axis=0)
+        boot = np.array([np.median(t[rng.integers(0, rounds, rounds)], axis=0) for _ in range(300)])
+        boot = boot / boot[:, :1]
+        out[name] = {
+            "median": med.tolist(),
+            "ratio": (med / med[0]).tolist(),
+            "low": np.percentile(boot, 2.5, axis=0).tolist(),
+            "high": np.percentile(boot, 97.5, axis=0).tolist(),
+        }
+    return out
+
+
+def _print_per_call(rounds: int) -> None:
+    out = per_call(rounds)
+    print(f"# {platform.machine()} {platform.processor() or ''}, jax {jax.__version__}, {jax.devices()[0].platform}")
+    print(
+        f"# per call: {rounds} rounds of one call per row in a shuffled order; during the {out['calls']} "
+        f"timed rf calls: {out['traces']} traces, {out['walks']} closure walks"
+    )
+    print()
+    print("| the loss reads | rf ms per call | rf / argument row [95 % interval] | the same, calling thread's CPU time |")
+    print("|---|---|---|---|")
+    w, c = out["wall"], out["cpu"]
+    for i, (label, *_) in enumerate(_rows()):
+        print(
+            f"| {label} | {w['median'][i] * 1e3:.3f} | {w['ratio'][i]:.3f} [{w['low'][i]:.3f}-{w['high'][i]:.3f}] "
+            f"| {c['ratio'][i]:.3f} [{c['low'][i]:.3f}-{c['high'][i]:.3f}] |"
+        )
+
+
 def _in_processes(args: argparse.Namespace) -> list[dict]:
     """``measure`` in ``args.processes`` fresh interpreters, one after another: a
     process can carry a bias of its own (one read the float row at 1.12 in every
@@ -166,7 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=3, help="runs per process")
     p.add_argument("--processes", type=int, default=1, help="fresh processes whose runs are pooled")
     p.add_argument("--json", action="store_true", help="print this process's measurement as one JSON line")
+    p.add_argument("--per-call", type=int, default=0, metavar="ROUNDS", help="rows alternate call by call (per_call)")
     args = p.parse_args(argv)
+    if args.per_call:
+        _print_per_call(args.per_call)
+        return
     if args.json or args.processes <= 1:
         parts = [measure(args.blocks, args.per_block, args.runs)]
         if args.json:

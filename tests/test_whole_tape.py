@@ -123,3 +123,20 @@ def test_compiled_walk_takes_the_records_compiler_options(monkeypatch):
     assert options == [rf.CPU_COMPILER_OPTIONS]
     (state,) = whole_tape._CACHE.values()
     assert isinstance(state, whole_tape._Compiled) and not state.rules
+
+
+def test_one_record_tape_runs_its_compiled_walk_without_a_race(monkeypatch):
+    """A tape of one record (a lifted loss) compiles its walk at the second
+    sighting and keeps it, with no timed walks: the compiled walk is the record's
+    own program with less Python work per call. KEEP_IF_FASTER = 0 would make any
+    race choose the rules; here none runs. Every step equals jax.grad."""
+    monkeypatch.setattr(whole_tape, "KEEP_IF_FASTER", 0.0)
+    whole_tape.clear_cache()
+    w, x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), jnp.ones((2, 4))
+    g = rf.grad(rf.lift(_loss_jax))
+    kinds = []
+    for step in range(5):
+        np.testing.assert_allclose(g(w, x * (1 + step)), jax.grad(_loss_jax)(w, x * (1 + step)), rtol=1e-6, atol=1e-6)
+        (state,) = whole_tape._CACHE.values()
+        kinds.append((type(state).__name__, len(state.seconds), len(getattr(state, "timed", ())), state.rules))
+    assert kinds == [("_Seen", 0, 0, False)] + [("_Compiled", 0, 0, False)] * 4, kinds

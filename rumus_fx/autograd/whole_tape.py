@@ -35,6 +35,14 @@ same tape every step, so here the whole walk is compiled once and replayed:
   benchmark's choice either way. A signature whose compiled walk (its fastest
   call) took more than ``KEEP_IF_FASTER`` times the rule-by-rule walk (its
   fastest) goes back to rule by rule for good.
+* A tape of **one record** (a lifted loss: one ``LiftedBackward``) runs no race:
+  its compiled walk is that record's own rule traced alone, the same program the
+  rule-by-rule walk runs, called with less Python work (no record flattening, no
+  per-record cache lookup). It is compiled at the second sighting and kept. Raced,
+  the two walks' few timed calls of the same program were decided by noise: a
+  closure benchmark's row that drew the rule-by-rule walk ran 11-12 % slower per
+  call for the whole process (benchmarks/RESULTS.md, "Lifted functions that read
+  values through their closure").
 
 Tapes that need the rule-by-rule walk take it: anomaly mode (per-record finite
 checks), explicit shardings (the reshard hook), records whose static fields do
@@ -292,17 +300,18 @@ def run(
     def rules_walk() -> dict[int, jax.Array]:
         return walk(entries, seeds, keep, foreign)
 
-    if not isinstance(hit, _Compiled) and not hit.seconds:  # second sighting: time the (now compiled) rules
+    race = len(entries) > 1  # one record: its own program either way, no race
+    if race and not isinstance(hit, _Compiled) and not hit.seconds:  # second sighting: time the rules
         return _timed(rules_walk, leaves_of, seeds, hit.seconds)
-    if isinstance(hit, _Compiled) and len(hit.timed) == len(hit.seconds) < TIMED:
+    if race and isinstance(hit, _Compiled) and len(hit.timed) == len(hit.seconds) < TIMED:
         # alternating with the compiled walk's timed calls, so both see the same machine
         return _timed(rules_walk, leaves_of, seeds, hit.seconds)
     for i in hit.live:
         entries[i].op.check_versions()
-    if not isinstance(hit, _Compiled):  # third sighting: compile the walk (not timed)
+    if not isinstance(hit, _Compiled):  # third sighting (one record: second): compile the walk (not timed)
         hit = _CACHE[sig] = _compile(sig, hit, type(entries[0]), _options(entries))
         out = hit.fn(leaves_of, list(seeds.values()))
-    elif len(hit.timed) < TIMED:
+    elif race and len(hit.timed) < TIMED:
         out = _timed(lambda: hit.fn(leaves_of, list(seeds.values())), leaves_of, seeds, hit.timed)
         if len(hit.timed) == TIMED:
             hit.rules = min(hit.timed) > KEEP_IF_FASTER * min(hit.seconds)

@@ -720,12 +720,16 @@ def _current(v: Any) -> Any:
             return v.value
         if not isinstance(v, np.ndarray):
             return v
-    if v.nbytes > _NUMPY_CACHED_BYTES:
-        return np.array(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype))
-    raw = v.tobytes()
     hit = _NUMPY.get(id(v))
-    if hit is not None and hit[3] == raw and hit[0]() is v and hit[1] == v.shape and hit[2] == v.dtype:
-        return hit[4]
+    if hit is not None and hit[0]() is v and hit[1] == v.shape and hit[2] is v.dtype:
+        # the same array, shape and dtype as when cached (so small enough): compare the bytes
+        raw = v.tobytes()
+        if raw == hit[3]:
+            return hit[4]
+    elif v.nbytes > _NUMPY_CACHED_BYTES:
+        return np.array(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype))
+    else:
+        raw = v.tobytes()
     dtype = jax.dtypes.canonicalize_dtype(v.dtype)
     x = jnp.asarray(np.array(v, dtype=dtype))
     if isinstance(x, jax.core.Tracer):  # made inside an enclosing trace: valid only there, never cached
