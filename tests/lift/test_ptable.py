@@ -193,6 +193,9 @@ UNEMITTED |= {"while"}
 # entries whose second derivative in their first argument jax.grad itself does not have
 # ("Differentiation rule for 'igamma_grad_a' not implemented"): rf must raise as well
 NO_SECOND_ORDER_IN_JAX = {"igamma", "igammac"}
+# entries whose backward runs a while_loop (the gamma sampler's implicit derivative):
+# differentiated again in reverse mode it raises, in jax.grad as in rf
+NO_REVERSE_OVER_REVERSE_IN_JAX = {"random_gamma"}
 # an entry whose custom_jvp rule deliberately differs from its primal (derivative 2 of the
 # identity): rf applies the rule at every order; jax.grad's second order follows how the
 # rule computes its primal output (``p[0]`` here), so the two differ by design
@@ -220,7 +223,23 @@ def _hvp(info, f, grad, args, diff, subset):
     return jax.jit(lambda: jax.jvp(inner, tuple(args[d] for d in subset), ts)[1])()
 
 
-def _check_second_order(info, subsets):
+def _reverse_over_reverse(f, args, subset):
+    """``rf.grad`` of ``<rf.grad(f), v>`` (the inner backward recorded on the
+    outer tape), float64 under jit, the same direction as ``_hvp``."""
+    rng = np.random.default_rng(3)
+    ts = tuple(jnp.asarray(rng.standard_normal(np.shape(args[d])), args[d].dtype) for d in subset)
+
+    def inner(*xs):
+        a = list(args)
+        for d, x in zip(subset, xs):
+            a[d] = x
+        gs = rf.grad(f, argnums=subset)(*a)
+        return sum(rf.sum(g * t) for g, t in zip(gs, ts))
+
+    return jax.jit(rf.grad(inner, argnums=tuple(range(len(subset)))))(*(args[d] for d in subset))
+
+
+def _check_second_order(info, subsets, reverse=False):
     with jax.enable_x64(True):
         args, f_rf, f_ref, diff = _setup(info, 0, jnp.float64)
         for subset in subsets(diff):
@@ -233,16 +252,25 @@ def _check_second_order(info, subsets):
                 continue
             got = _hvp(info, f_rf, rf.grad, args, diff, subset)
             chex.assert_trees_all_close(got, want, rtol=1e-8, atol=1e-8)
+            if reverse and info.name in NO_REVERSE_OVER_REVERSE_IN_JAX:
+                with pytest.raises(ValueError, match="while_loop"):
+                    jax.grad(lambda *a, s=subset: sum(jnp.sum(g) for g in jax.grad(f_ref, argnums=s)(*a)))(*args)
+                with pytest.raises(rf.AutogradError, match="while_loop"):
+                    _reverse_over_reverse(f_rf, args, subset)
+            elif reverse:
+                got = _reverse_over_reverse(f_rf, args, subset)
+                chex.assert_trees_all_close(tuple(got), tuple(want), rtol=1e-8, atol=1e-8)
 
 
 @pytest.mark.parametrize("info", SECOND)
 def test_second_order_matches_jax(info):
     """Hessian-vector products ``jax.jvp(rf.grad(f))`` against
-    ``jax.jvp(jax.grad(f))``, all differentiable arguments together: every
+    ``jax.jvp(jax.grad(f))``, all differentiable arguments together, float64: every
     rule's backward must itself be differentiable in every value it reads (a
     rule that evaluates a stop-gradient'ed factorisation where JAX re-solves,
-    as custom_linear_solve once did, loses the Hessian's terms silently)."""
-    _check_second_order(info, lambda diff: [tuple(diff)])
+    as custom_linear_solve once did, loses the Hessian's terms silently); and
+    the same product as ``rf.grad`` over ``rf.grad``."""
+    _check_second_order(info, lambda diff: [tuple(diff)], reverse=True)
 
 
 @pytest.mark.slow
