@@ -114,7 +114,15 @@ defrule(
 
 
 def _select_if_vmap_vjp(r: Any, g: Any) -> tuple:
-    return (None, g, None)
+    """The primitive again on the cotangent (its transpose, as equinox's own):
+    outside vmap the first branch takes all of it; under a vmap that batches
+    the predicate (where the forward was ``lax.select``) each example's
+    cotangent goes to the branch its predicate chose."""
+    pred = r.ins[0]
+    zero = jnp.zeros_like(g)
+    gx = eqxi.select_if_vmap_p.bind(pred, g, zero) if r.needs[1] else None
+    gy = eqxi.select_if_vmap_p.bind(pred, zero, g) if r.needs[2] else None
+    return (None, gx, gy)
 
 
 def _select_if_vmap_program(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -125,13 +133,14 @@ def _select_if_vmap_program(x: jax.Array, y: jax.Array) -> jax.Array:
 defrule(
     eqxi.select_if_vmap_p,
     _select_if_vmap_vjp,
-    saves=((), ()),
+    saves=((0,), ()),
     doc="Backward record of equinox's ``select_if_vmap`` primitive (its first branch outside vmap).",
     table=(
         TableEntry(
             "eqx_select_if_vmap",
             _select_if_vmap_program,
             lambda rng: [Sample((normal(rng, 4), normal(rng, 4)), diff=(0, 1))],
+            vmap=True,  # the predicate batched: a select per example, the gradient split the same way
         ),
     ),
 )
