@@ -105,8 +105,9 @@ defrule(
     saves=_maybe_set_saves,
     doc="Backward record of equinox's ``maybe_set`` primitive (a write into a loop's buffer).",
     table=(
-        TableEntry("eqx_maybe_set", _maybe_set_program(False), _buffer_samples),
-        TableEntry("eqx_maybe_set_false_steps", _maybe_set_program(True), _buffer_samples),
+        # equinox's primitives batch by rules of their own: each entry is checked under vmap by default
+        TableEntry("eqx_maybe_set", _maybe_set_program(False), _buffer_samples, vmap=True),
+        TableEntry("eqx_maybe_set_false_steps", _maybe_set_program(True), _buffer_samples, vmap=True),
     ),
 )
 
@@ -182,6 +183,7 @@ defrule(
             lambda x: jnp.sin(eqxi.nondifferentiable_backward(x, symbolic=False)) * 0.0 + jnp.cos(x),
             lambda rng: [Sample((normal(rng, 3),))],
             prims=("nondifferentiable_backward",),
+            vmap=True,
         ),
     ),
     errors=_nondiff_errors,
@@ -265,6 +267,7 @@ defrule(
             _vmapped_buffer_program,
             lambda rng: [Sample((normal(rng, 4, 5, 3), normal(rng, 4, 3)), diff=(0, 1))],
             prims=("vprim",),
+            vmap=True,
         ),
     ),
 )
