@@ -614,14 +614,29 @@ def _top_k_vjp(r, g):
     return (lax.scatter_add(zeros, shd.reshape(idx, (*idx.shape, 1)), g[0], dn),)
 
 
-def _top_k(x, y):
-    v, i = lax.top_k(x, 3)
-    return v**2 + jnp.take_along_axis(y, i, axis=-1)
+def _selected_and_gathered(select):
+    """A program of ``(x, y)``: the values ``select(x)`` picks, squared, plus
+    ``y`` gathered at their indices (both arguments reach the rule)."""
+
+    def f(x, y):
+        v, i = select(x)
+        return v**2 + jnp.take_along_axis(y, i, axis=-1)
+
+    return f
 
 
-def _top_k_axis(x):
-    v, _ = lax.top_k(x, 2, axis=0)
-    return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
+def _selected_weighted(select):
+    """A program of ``x``: the values ``select(x)`` picks, each weighted differently."""
+
+    def f(x):
+        v, _ = select(x)
+        return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
+
+    return f
+
+
+def _pair_samples(r):
+    return [Sample((distinct(r, 3, 6), normal(r, 3, 6)), diff=(0, 1))]
 
 
 defrule(
@@ -630,30 +645,10 @@ defrule(
     saves_outputs(1),
     multiple_results=True,
     table=(
-        TableEntry(
-            "top_k",
-            _top_k,
-            lambda r: [Sample((distinct(r, 3, 6), normal(r, 3, 6)), diff=(0, 1))],
-            vmap=True,
-        ),
-        TableEntry("top_k_axis", _top_k_axis, _with(distinct, (5, 3))),
+        TableEntry("top_k", _selected_and_gathered(lambda x: lax.top_k(x, 3)), _pair_samples, vmap=True),
+        TableEntry("top_k_axis", _selected_weighted(lambda x: lax.top_k(x, 2, axis=0)), _with(distinct, (5, 3))),
     ),
 )
-
-
-def _approx_max_k(x, y):
-    v, i = lax.approx_max_k(x, 3)
-    return v**2 + jnp.take_along_axis(y, i, axis=-1)
-
-
-def _approx_min_k_axis(x):
-    v, _ = lax.approx_min_k(x, 2, reduction_dimension=0)
-    return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
-
-
-def _approx_candidates(x):  # not aggregated to k: more candidates than k come back
-    v, _ = lax.approx_max_k(x, 2, reduction_dimension=0, aggregate_to_topk=False)
-    return v * jnp.arange(1.0, 1.0 + v.size).reshape(v.shape)
 
 
 # approx_top_k (``lax.approx_max_k``/``approx_min_k``): the gradient goes back to
@@ -665,13 +660,16 @@ defrule(
     saves_outputs(1),
     multiple_results=True,
     table=(
+        TableEntry("approx_max_k", _selected_and_gathered(lambda x: lax.approx_max_k(x, 3)), _pair_samples, vmap=True),
         TableEntry(
-            "approx_max_k",
-            _approx_max_k,
-            lambda r: [Sample((distinct(r, 3, 6), normal(r, 3, 6)), diff=(0, 1))],
-            vmap=True,
+            "approx_min_k_axis",
+            _selected_weighted(lambda x: lax.approx_min_k(x, 2, reduction_dimension=0)),
+            _with(distinct, (5, 3)),
         ),
-        TableEntry("approx_min_k_axis", _approx_min_k_axis, _with(distinct, (5, 3))),
-        TableEntry("approx_top_k_candidates", _approx_candidates, _with(distinct, (300, 2))),
+        TableEntry(  # not aggregated to k: more candidates than k come back
+            "approx_top_k_candidates",
+            _selected_weighted(lambda x: lax.approx_max_k(x, 2, reduction_dimension=0, aggregate_to_topk=False)),
+            _with(distinct, (300, 2)),
+        ),
     ),
 )

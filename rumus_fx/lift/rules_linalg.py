@@ -79,11 +79,6 @@ def _diag(v):
     return v[..., :, None] * _eye(v.shape[-1], v.dtype, v.ndim + 1)
 
 
-def _bind(step, vals):
-    outs = step.prim.bind(*vals, **step.params)
-    return tuple(outs) if step.prim.multiple_results else (outs,)
-
-
 def _unpermute(x, perm, axis):
     """``y`` with ``y[..., perm, :] == x`` (``axis=-2``) or ``y[..., perm] == x``
     (``axis=-1``): the transpose of indexing by the permutation ``perm``."""
@@ -262,7 +257,7 @@ def _full_qr_vjp(q, r, gq, gr, n):
 
 
 def _qr_forward(step, vals):
-    outs = _bind(step, vals)
+    outs = tuple(step.bind(vals))
     m, n = step.in_avals[0].shape[-2:]
     extra = (vals[0],) if m < n else ()
     if step.params["pivoting"]:
@@ -375,7 +370,7 @@ defrule(
 
 
 def _svd_forward(step, vals):
-    outs = _bind(step, vals)
+    outs = tuple(step.bind(vals))
     p = step.params
     if p["compute_uv"] and not p["full_matrices"]:
         return outs, outs  # s, U, Vt: what JAX's rule recomputes
@@ -496,7 +491,7 @@ def _linear_solve_prepare(step):
 
 
 def _linear_solve_forward(step, vals):
-    outs = _bind(step, vals)
+    outs = tuple(step.bind(vals))
     cl, n_c, nb = _linear_solve_split(step)
     return outs, (tuple(vals[:n_c]), tuple(outs[:nb]))
 

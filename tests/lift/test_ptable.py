@@ -207,39 +207,38 @@ NO_REVERSE_OVER_REVERSE_IN_JAX = {"random_gamma"}
 # rule computes its primal output (``p[0]`` here), so the two differ by design
 # (test_programs.py::test_inconsistent_custom_jvp_rule_holds_at_every_order)
 RULE_NOT_ITS_PRIMALS_DERIVATIVE = {"custom_jvp_call"}
-SECOND = [
-    pytest.param(info, id=info.name)
-    for info in ENTRIES
-    if info.name not in RULE_NOT_ITS_PRIMALS_DERIVATIVE
-]
+SECOND = [pytest.param(info, id=info.name) for info in ENTRIES if info.name not in RULE_NOT_ITS_PRIMALS_DERIVATIVE]
 
 
-def _hvp(info, f, grad, args, diff, subset):
-    """``jax.jvp`` of ``grad(f, argnums=subset)`` along a fixed random direction of
-    the arguments in ``subset`` (the others plain data), float64 under jit."""
+def _direction(args, subset):
+    """A fixed random direction for the arguments in ``subset``."""
     rng = np.random.default_rng(3)
-    ts = tuple(jnp.asarray(rng.standard_normal(np.shape(args[d])), args[d].dtype) for d in subset)
+    return tuple(jnp.asarray(rng.standard_normal(np.shape(args[d])), args[d].dtype) for d in subset)
 
-    def inner(*xs):
-        a = list(args)
-        for d, x in zip(subset, xs):
-            a[d] = x
-        return grad(f, argnums=subset)(*a)
 
+def _with(args, subset, xs):
+    """``args`` with the arguments in ``subset`` replaced by ``xs``."""
+    a = list(args)
+    for d, x in zip(subset, xs):
+        a[d] = x
+    return a
+
+
+def _hvp(f, grad, args, subset):
+    """``jax.jvp`` of ``grad(f, argnums=subset)`` along ``_direction`` (the other
+    arguments plain data), float64 under jit."""
+    ts = _direction(args, subset)
+    inner = lambda *xs: grad(f, argnums=subset)(*_with(args, subset, xs))  # noqa: E731
     return jax.jit(lambda: jax.jvp(inner, tuple(args[d] for d in subset), ts)[1])()
 
 
 def _reverse_over_reverse(f, args, subset):
     """``rf.grad`` of ``<rf.grad(f), v>`` (the inner backward recorded on the
-    outer tape), float64 under jit, the same direction as ``_hvp``."""
-    rng = np.random.default_rng(3)
-    ts = tuple(jnp.asarray(rng.standard_normal(np.shape(args[d])), args[d].dtype) for d in subset)
+    outer tape), float64 under jit, along the same direction as ``_hvp``."""
+    ts = _direction(args, subset)
 
     def inner(*xs):
-        a = list(args)
-        for d, x in zip(subset, xs):
-            a[d] = x
-        gs = rf.grad(f, argnums=subset)(*a)
+        gs = rf.grad(f, argnums=subset)(*_with(args, subset, xs))
         return sum(rf.sum(g * t) for g, t in zip(gs, ts))
 
     return jax.jit(rf.grad(inner, argnums=tuple(range(len(subset)))))(*(args[d] for d in subset))
@@ -250,13 +249,13 @@ def _check_second_order(info, subsets, reverse=False):
         args, f_rf, f_ref, diff = _setup(info, 0, jnp.float64)
         for subset in subsets(diff):
             try:
-                want = _hvp(info, f_ref, jax.grad, args, diff, subset)
+                want = _hvp(f_ref, jax.grad, args, subset)
             except NotImplementedError:  # a known gap of jax's, not a skip: rf must raise too
                 assert info.name in NO_SECOND_ORDER_IN_JAX, info.name
                 with pytest.raises(NotImplementedError, match="igamma_grad_a"):
-                    _hvp(info, f_rf, rf.grad, args, diff, subset)
+                    _hvp(f_rf, rf.grad, args, subset)
                 continue
-            got = _hvp(info, f_rf, rf.grad, args, diff, subset)
+            got = _hvp(f_rf, rf.grad, args, subset)
             chex.assert_trees_all_close(got, want, rtol=1e-8, atol=1e-8)
             if reverse and info.name in NO_REVERSE_OVER_REVERSE_IN_JAX:
                 with pytest.raises(ValueError, match="while_loop"):
