@@ -71,7 +71,14 @@ def mlp(batch: int = 256, widths: tuple[int, ...] = (784, 512, 512, 10), seed: i
                 h = jax.nn.relu(h)
         return _ce_jax(h, targets)
 
-    return Model("MLP 784-512-512-10 b256", loss_rf, loss_jax, params, (x, y), lambda: _torch_mlp(params, (x, y)))
+    return Model(
+        f"MLP {'-'.join(map(str, widths))} b{batch}",
+        loss_rf,
+        loss_jax,
+        params,
+        (x, y),
+        lambda: _torch_mlp(params, (x, y)),
+    )
 
 
 # ---------------------------------------------------------------------------
