@@ -189,7 +189,7 @@ def tiny_gpt(
         return rf.cross_entropy(h @ params["head"], targets)
 
     return Model(
-        "TinyGPT d128 h4 L2 T64 b16",
+        f"TinyGPT d{d} h{heads} L{blocks} T{seq} b{batch}",
         loss_rf,
         gpt_loss_jax(heads),
         params,
