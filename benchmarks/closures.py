@@ -194,7 +194,9 @@ def _print_per_call(rounds: int) -> None:
         f"timed rf calls: {out['traces']} traces, {out['walks']} closure walks"
     )
     print()
-    print("| the loss reads | rf ms per call | rf / argument row [95 % interval] | the same, calling thread's CPU time |")
+    print(
+        "| the loss reads | rf ms per call | rf / argument row [95 % interval] | the same, calling thread's CPU time |"
+    )
     print("|---|---|---|---|")
     w, c = out["wall"], out["cpu"]
     for i, (label, *_) in enumerate(_rows()):

@@ -175,6 +175,35 @@ def test_compare_scales_each_output_on_its_own(gpu_check):
     assert not n.ok(gpu_check.TOLERANCE["float32"])
 
 
+def test_end_to_end_bound_follows_xla_tf32_error(gpu_check):
+    """On a GPU the end-to-end rows bound each gradient by XLA's own TF32 error on
+    it: a kernel as inexact as XLA passes, a wrong gradient fails however inexact
+    XLA is, and where XLA is exact the bound is TF32's floor (the H200 run of
+    2026-12-04 failed the old fixed bound: the MLP's first bias is 5e-2 off under
+    TF32, and so it is with TF32 emulated on CPU)."""
+    w = jax.random.normal(jax.random.key(0), (64,))
+    wobble = jax.random.normal(jax.random.key(1), (64,))
+    names, noise = ("p",), 0.0
+
+    def tols(xla):
+        return gpu_check.tf32_tolerances(gpu_check.compare(names, (xla,), (w,), noise))
+
+    def passes(kernel, xla):
+        return gpu_check._summary(gpu_check.compare(names, (kernel,), (w,), noise), tols(xla))[0]
+
+    inexact = w + 0.05 * _peak(w) * wobble / _peak(wobble)  # XLA's TF32 error, 5e-2 of the largest
+    assert passes(w - 0.1 * _peak(w) * wobble / _peak(wobble), inexact)  # twice XLA's error, other sign
+    for wrong in (jnp.zeros_like(w), -w, 1.5 * w, jnp.roll(w, 1), w + 0.3 * _peak(w)):
+        assert not passes(wrong, inexact)
+    assert not passes(w + 0.3 * _peak(w) * wobble / _peak(wobble), inexact)  # six times XLA's error
+    # XLA exact: TF32's own floor (its 10-bit mantissa, whatever its rounding)
+    floor = gpu_check.E2E_TF32_FLOOR
+    assert tols(w) == [floor]
+    assert passes(w * (1 + floor[0] / 2), w) and not passes(w * (1 + 2 * floor[0]), w)
+    # XLA's gradient not finite: the floor too, not an infinite bound
+    assert tols(w.at[0].set(jnp.nan)) == [floor]
+
+
 def _run(*flags: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, str(SCRIPT), *flags], env=env, capture_output=True, text=True, timeout=600)
