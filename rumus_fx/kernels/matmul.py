@@ -70,7 +70,7 @@ def _matmul_local(key: tuple, a: jax.Array, b: jax.Array) -> tuple[jax.Array]:
     else:
         a3, b3 = a.reshape(1, -1, k), b.reshape(1, k, n)
     nb, rows = a3.shape[0], a3.shape[1]
-    t = blocks.matmul_blocks(rows, k, n, cfg.target)
+    t = blocks.matmul_blocks(rows, k, n, cfg.target, jnp.dtype(ct).itemsize)
     a3 = pad_to(a3.astype(ct), (nb, t.m_pad, t.k_pad))
     b3 = pad_to(b3.astype(ct), (b3.shape[0], t.k_pad, t.n_pad))
     out_shape = jax.ShapeDtypeStruct((nb, t.m_pad, t.n_pad), out_dtype)
