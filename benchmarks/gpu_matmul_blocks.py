@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 want = np.asarray(jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)))
             xla = _ms(jax.jit(lambda a, b: matmul.matmul_reference(a, b)), a, b)
             for cand in CANDIDATES:
-                blocks.matmul_blocks = lambda m_, k_, n_, target, c=cand: _blocks(*c, m_, k_, n_)
+                blocks.matmul_blocks = lambda m_, k_, n_, target, itemsize=4, c=cand: _blocks(*c, m_, k_, n_)
                 try:
                     local = matmul._matmul_local.__wrapped__  # past its jit cache: a fresh trace per candidate
                     fn = jax.jit(lambda a, b, f=local, key=(cfg, dt, False): f(key, a, b)[0])
@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                     ms = _ms(fn, a, b)
                     cells = [f"{ms:.3f}", f"{ms / xla:.2f}", f"{err:.1e}"]
                 except Exception as exc:  # a candidate that does not fit
-                    cells = [f"FAIL {type(exc).__name__}", "-", "-"]
+                    cells = [
+                        f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}",
+                        "-",
+                        "-",
+                    ]
                 finally:
                     blocks.matmul_blocks = original
                 lines.append(
