@@ -541,9 +541,10 @@ def tf32_tolerances(xla: list[OutputCheck]) -> list[tuple[float, float]]:
     return out
 
 
-def check_e2e(label: str, model: Any, mode: str) -> Row:
+def check_e2e(label: str, model: Any, mode: str, tf32: bool | None = None) -> Row:
     """``rf.grad`` of a model's loss under ``mode`` against the reference mode,
-    parameter by parameter."""
+    parameter by parameter; ``tf32`` (default: not in interpret mode) bounds each
+    parameter by XLA's own error at the default precision (``tf32_tolerances``)."""
     head = [label, f"rf.grad ({mode} vs reference)", "float32"]
     try:
 
@@ -554,7 +555,7 @@ def check_e2e(label: str, model: Any, mode: str) -> Row:
         got, want = grads(mode), grads("reference", "highest")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
         checks = compare(paths, got, want, E2E_NOISE)
-        if mode == "interpret":  # exact float32 products on both sides
+        if not (mode != "interpret" if tf32 is None else tf32):  # exact float32 products on both sides
             ok, cells = _summary(checks, E2E_TOLERANCE)
         else:  # XLA at the kernels' own (default) precision measures what TF32 costs
             ok, cells = _summary(checks, tf32_tolerances(compare(paths, grads("reference"), want, E2E_NOISE)))

@@ -230,3 +230,19 @@ def test_time_limit_is_hard_and_keeps_the_table(tmp_path):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "time limit" in proc.stdout
     assert "SKIPPED (time limit)" in out.read_text()
+
+
+@pytest.mark.parametrize("fault", ["cross_entropy dlogits negated", "matmul masked tail row lost"])
+def test_end_to_end_rows_fail_a_wrong_kernel_under_either_bound(gpu_check, monkeypatch, fault):
+    """The end-to-end rows, with the exact bound (interpret mode) and with the GPU's
+    TF32 bound (here XLA is exact, so it is TF32's floor): clean kernels pass, and a
+    wrong kernel fails the row that reaches it through rf.grad."""
+    (label, model), *_ = gpu_check.e2e_cases("cpu")
+    with jax.numpy_rank_promotion("allow"):
+        for tf32 in (False, True):
+            assert gpu_check.check_e2e(label, model, "interpret", tf32=tf32).ok
+        module, name, _, perturb = FAULTS[fault]
+        _wrap(monkeypatch, module, name, perturb)
+        for tf32 in (False, True):
+            row = gpu_check.check_e2e(label, model, "interpret", tf32=tf32)
+            assert not row.ok and row.cells[3] == "WRONG", row.cells
