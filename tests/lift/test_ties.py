@@ -1,0 +1,119 @@
+"""Derivatives where a program picks among equal values or sits on a kink (max/min
+ties, sort and top-k ties, median, pooling windows with equal entries, scatters with
+duplicate indices, abs/sign/relu/clip at their kinks, ``arctan2(0, 0)``): rf's rule
+must choose what jax's does. Each program under ``rf.grad(rf.lift(f))`` against
+``jax.grad(f)`` in float64, eager and jit, per-example ``jax.vmap`` and as a
+Hessian-vector product (``jax.jvp`` of the gradient)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import rumus_fx as rf
+
+# rows with ties (1 3 3 0), all equal (2 2 2 2), and a zero/negative mix; every
+# program's value at this point has equal candidates or a kink
+X = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, -1.0, 5.0]])
+IDX = np.array([1, 1, 3])
+SEGMENTS = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2])
+
+PROGRAMS = {
+    "max": lambda a: jnp.max(a),
+    "max_axis": lambda a: jnp.sum(jnp.max(a, axis=1) * jnp.array([1.0, 2.0, 3.0])),
+    "min_axis0": lambda a: jnp.sum(jnp.min(a, axis=0) * jnp.arange(1.0, 5.0)),
+    "reduce_max": lambda a: jnp.sum(lax.reduce_max(a, (1,)) ** 2),
+    "maximum_tie": lambda a: jnp.sum(jnp.maximum(a, 2.0)),
+    "maximum_self": lambda a: jnp.sum(jnp.maximum(a, a[::-1])),
+    "minimum": lambda a: jnp.sum(jnp.minimum(a, 0.0) * a),
+    "relu0": lambda a: jnp.sum(jax.nn.relu(a - 2.0)),
+    "abs0": lambda a: jnp.sum(jnp.abs(a - 2.0)),
+    "clip_bounds": lambda a: jnp.sum(jnp.clip(a, 0.0, 3.0) * a),
+    "cummax": lambda a: jnp.sum(lax.cummax(a, axis=1) * jnp.arange(1.0, 5.0)),
+    "cummin_rev": lambda a: jnp.sum(lax.cummin(a, axis=1, reverse=True) * jnp.arange(1.0, 5.0)),
+    "sort_ties": lambda a: jnp.sum(jnp.sort(a, axis=1) * jnp.arange(1.0, 5.0)),
+    "argsort_take": lambda a: jnp.sum(jnp.take_along_axis(a, jnp.argsort(a, axis=1), 1) * jnp.arange(1.0, 5.0)),
+    "top_k_ties": lambda a: jnp.sum(lax.top_k(a, 2)[0] * jnp.array([1.0, 2.0])),
+    "median": lambda a: jnp.median(a),
+    "median_axis": lambda a: jnp.sum(jnp.median(a, axis=1) * jnp.array([1.0, 2.0, 3.0])),
+    "quantile": lambda a: jnp.quantile(a, 0.3),
+    "percentile_nearest": lambda a: jnp.percentile(a, 40.0, method="nearest"),
+    "maxpool": lambda a: jnp.sum(
+        lax.reduce_window(a, -jnp.inf, lax.max, (2, 2), (1, 1), "VALID") * jnp.arange(1.0, 7.0).reshape(2, 3)
+    ),
+    "minpool_same": lambda a: jnp.sum(lax.reduce_window(a, jnp.inf, lax.min, (2, 2), (1, 1), "SAME") ** 2),
+    "scatter_set_dup": lambda a: jnp.sum(jnp.zeros(5).at[IDX].set(a[0, :3]) * jnp.arange(1.0, 6.0)),
+    "scatter_set_dup_base": lambda a: jnp.sum(a[1].at[jnp.array([0, 0, 2])].set(a[2, :3]) * jnp.arange(1.0, 5.0)),
+    "scatter_max_ties": lambda a: jnp.sum(a[1].at[jnp.array([0, 0, 1])].max(a[0, :3]) * jnp.arange(1.0, 5.0)),
+    "scatter_min_ties": lambda a: jnp.sum(a[1].at[jnp.array([0, 0, 1])].min(a[2, :3] + 2.0) * jnp.arange(1.0, 5.0)),
+    "scatter_mul_dup": lambda a: jnp.sum(a[1].at[jnp.array([0, 0, 1])].mul(a[0, :3]) * jnp.arange(1.0, 5.0)),
+    "segment_max": lambda a: jnp.sum(jax.ops.segment_max(a.ravel(), SEGMENTS, 3) * jnp.array([1.0, 2.0, 3.0])),
+    "segment_min": lambda a: jnp.sum(jax.ops.segment_min(a.ravel(), SEGMENTS, 3) * jnp.array([1.0, 2.0, 3.0])),
+    "logsumexp_ties": lambda a: jax.nn.logsumexp(a * 100.0),
+    "softmax_big": lambda a: jnp.sum(jax.nn.softmax(a * 1e3, axis=1) * jnp.arange(1.0, 5.0)),
+    "norm_zero": lambda a: jnp.linalg.norm(a - a),
+    "norm_inf": lambda a: jnp.linalg.norm(a, ord=jnp.inf),
+    "norm_axis_inf": lambda a: jnp.sum(jnp.linalg.norm(a, ord=jnp.inf, axis=1)),
+    "norm_1": lambda a: jnp.linalg.norm(a, ord=1),
+    "matrix_norm_2": lambda a: jnp.linalg.norm(a, ord=2),
+    "amax_where": lambda a: jnp.max(a, where=a < 3, initial=-10.0),
+    "nanmax": lambda a: jnp.nanmax(jnp.where(a > 2, jnp.nan, a)),
+    "ptp": lambda a: jnp.ptp(a),
+    "sign0": lambda a: jnp.sum(jnp.sign(a - 2.0) * a),
+    "where_eq": lambda a: jnp.sum(jnp.where(a == 2.0, a * 3.0, a)),
+    "pow0": lambda a: jnp.sum((a - 2.0) ** 2.0 + jnp.abs(a) ** 0.5),
+    "sqrt0": lambda a: jnp.sum(jnp.sqrt(jnp.maximum(a, 0.0) + 0.0)),
+    "hypot0": lambda a: jnp.sum(jnp.hypot(a - 2.0, a - 2.0)),
+    "arctan2_00": lambda a: jnp.sum(jnp.arctan2(a - 2.0, a - 2.0)),
+    "xlogy0": lambda a: jnp.sum(jax.scipy.special.xlogy(a - 2.0, jnp.abs(a) + 1)),
+    "x_log_x0": lambda a: jnp.sum(jax.scipy.special.entr(jnp.abs(a - 2.0))),
+    "round": lambda a: jnp.sum(jnp.round(a * 0.5) * a),
+    "max_keepdims_bcast": lambda a: jnp.sum(a - jnp.max(a, axis=1, keepdims=True)),
+    "argmax_gather": lambda a: jnp.sum(a[jnp.arange(3), jnp.argmax(a, axis=1)]),
+    "lax_max_tie": lambda a: jnp.sum(lax.max(a, jnp.full_like(a, 2.0))),
+    "lax_min_self": lambda a: jnp.sum(lax.min(a, a)),
+    "max_self": lambda a: jnp.sum(jnp.maximum(a, a)),
+}
+
+
+def _outcome(fun):
+    try:
+        return np.asarray(fun())
+    except Exception as exc:  # jax refuses: rf must refuse too
+        return exc
+
+
+def _same(got, want, rtol=1e-10, atol=1e-12):
+    if isinstance(want, Exception) or isinstance(got, Exception):
+        assert isinstance(want, Exception) and isinstance(got, Exception), (got, want)
+        return
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_ties_and_kinks_match_jax_grad(name, jit):
+    f = PROGRAMS[name]
+    with jax.enable_x64(True):
+        x = jnp.asarray(X)
+        g = rf.grad(rf.lift(f))
+        _same(_outcome(lambda: (jax.jit(g) if jit else g)(x)), _outcome(lambda: jax.grad(f)(x)))
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_ties_and_kinks_per_example_and_second_order(name):
+    f = PROGRAMS[name]
+    with jax.enable_x64(True):
+        x = jnp.asarray(X)
+        xs = jnp.stack([x, x[::-1], jnp.round(x * 0.5)])  # ties at other places
+        _same(_outcome(lambda: jax.vmap(rf.grad(rf.lift(f)))(xs)), _outcome(lambda: jax.vmap(jax.grad(f))(xs)))
+        v = jnp.asarray(np.random.default_rng(0).standard_normal(X.shape))
+        _same(
+            _outcome(lambda: jax.jvp(rf.grad(rf.lift(f)), (x,), (v,))[1]),
+            _outcome(lambda: jax.jvp(jax.grad(f), (x,), (v,))[1]),
+            rtol=1e-9,
+            atol=1e-11,
+        )
