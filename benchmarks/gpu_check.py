@@ -555,10 +555,10 @@ def check_e2e(label: str, model: Any, mode: str, tf32: bool | None = None) -> Ro
         got, want = grads(mode), grads("reference", "highest")
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
         checks = compare(paths, got, want, E2E_NOISE)
-        if not (mode != "interpret" if tf32 is None else tf32):  # exact float32 products on both sides
-            ok, cells = _summary(checks, E2E_TOLERANCE)
-        else:  # XLA at the kernels' own (default) precision measures what TF32 costs
+        if tf32 if tf32 is not None else mode != "interpret":  # XLA at the kernels' precision: what TF32 costs
             ok, cells = _summary(checks, tf32_tolerances(compare(paths, grads("reference"), want, E2E_NOISE)))
+        else:  # exact float32 products on both sides
+            ok, cells = _summary(checks, E2E_TOLERANCE)
         return Row(head + ["ok" if ok else "WRONG"] + cells + ["-", "-", "-"], ok)
     except Exception as exc:
         msg = str(exc).splitlines()[0][:80] if str(exc) else ""

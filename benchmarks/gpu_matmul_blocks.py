@@ -15,12 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.gpu_check import _time
 from rumus_fx.kernels import blocks, matmul
 from rumus_fx.kernels._pallas import Config
 
@@ -43,21 +41,12 @@ CANDIDATES = [  # (bm, bn, bk, num_warps, num_stages); the first is blocks.matmu
     (128, 128, 128, 8, 3),
 ]
 SHAPES = [(4096, 4096, 4096), (256, 784, 512), (4096, 1024, 4096)]
+CALLS = 20  # timed calls per product (median, after a warm-up call)
 
 
 def _blocks(bm: int, bn: int, bk: int, warps: int, stages: int, m: int, k: int, n: int) -> blocks.MatmulBlocks:
     r = blocks.round_up
     return blocks.MatmulBlocks(bm, bk, bn, r(k, bk) // bk, r(m, bm), r(k, bk), r(n, bn), warps, stages)
-
-
-def _ms(fn: Any, *args: Any) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "## GPU matmul blocks (`benchmarks/gpu_matmul_blocks.py`)",
         "",
         f"- Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; jax {jax.__version__}; "
-        f"{jax.devices()[0].device_kind}; median of 20 calls",
+        f"{jax.devices()[0].device_kind}; median of {CALLS} calls",
         "",
         "| dtype | M x K x N | XLA ms | bm, bn, bk, warps, stages | kernel ms | kernel / XLA | max rel err |",
         "|---|---|---|---|---|---|---|",
@@ -103,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dt)
             with jax.default_matmul_precision("highest"):
                 want = np.asarray(jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)))
-            xla = _ms(jax.jit(lambda a, b: matmul.matmul_reference(a, b)), a, b)
+            xla = _time(jax.jit(lambda a, b: matmul.matmul_reference(a, b)), (a, b), CALLS)
             for cand in CANDIDATES:
                 blocks.matmul_blocks = lambda m_, k_, n_, target, itemsize=4, c=cand: _blocks(*c, m_, k_, n_)
                 try:
@@ -111,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     fn = jax.jit(lambda a, b, f=local, key=(cfg, dt, False): f(key, a, b)[0])
                     got = np.asarray(jax.block_until_ready(fn(a, b)), np.float32)
                     err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-                    ms = _ms(fn, a, b)
+                    ms = _time(fn, (a, b), CALLS)
                     cells = [f"{ms:.3f}", f"{ms / xla:.2f}", f"{err:.1e}"]
                 except Exception as exc:  # a candidate that does not fit
                     cells = [

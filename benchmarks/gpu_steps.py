@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import os
-import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import jax.numpy as jnp
 
 import rumus_fx as rf
 from benchmarks import models
+from benchmarks.compare import _interleaved
 
 WAYS = ("jax.grad", "rf triton", "rf mosaic", "rf reference")
 
@@ -80,16 +80,8 @@ def measure(model: models.Model, mode: str, repeats: int) -> dict[str, Any]:
     args = (model.params, model.batch)
     steps = {way: _compiled(model, way, mode) for way in WAYS}
     outs = {way: jax.block_until_ready(f(*args)) for way, f in steps.items()}
-    times: dict[str, list[float]] = {way: [] for way in WAYS}
-    for _ in range(2):  # warm-up
-        for f in steps.values():
-            jax.block_until_ready(f(*args))
-    for _ in range(repeats):
-        for way, f in steps.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[way].append(time.perf_counter() - t0)
-    ms = {way: 1e3 * statistics.median(t) for way, t in times.items()}
+    medians = _interleaved([functools.partial(f, *args) for f in steps.values()], repeats)
+    ms = {way: 1e3 * t for way, t in zip(steps, medians, strict=True)}
     err = {way: _max_rel(outs[way][1], outs["jax.grad"][1]) for way in WAYS[1:]}
     return {"model": model.name, "ms": ms, "err": err}
 

@@ -3,37 +3,12 @@ tiny shapes) and say so when asked for a GPU on a machine without one."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
-import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import gpu_matmul_blocks, gpu_steps
 
 
-@pytest.fixture(scope="module")
-def gpu_steps():
-    yield _script("gpu_steps")
-    sys.modules.pop("gpu_steps", None)
-
-
-@pytest.fixture(scope="module")
-def gpu_matmul_blocks():
-    yield _script("gpu_matmul_blocks")
-    sys.modules.pop("gpu_matmul_blocks", None)
-
-
-def test_steps_table_has_every_way_and_agrees_with_jax(gpu_steps, tmp_path):
+def test_steps_table_has_every_way_and_agrees_with_jax(tmp_path):
     out = tmp_path / "steps.md"
     with jax.numpy_rank_promotion("allow"):  # the benchmark models' plain-jax losses broadcast biases
         assert gpu_steps.main(["--cpu", "--repeats", "1", "--out", str(out)]) == 0
@@ -47,7 +22,7 @@ def test_steps_table_has_every_way_and_agrees_with_jax(gpu_steps, tmp_path):
             assert err < 1e-5, row
 
 
-def test_matmul_candidates_all_compute_the_product(gpu_matmul_blocks, tmp_path):
+def test_matmul_candidates_all_compute_the_product(tmp_path):
     out = tmp_path / "blocks.md"
     assert gpu_matmul_blocks.main(["--cpu", "--dtypes", "float32", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| float32")]
@@ -56,6 +31,6 @@ def test_matmul_candidates_all_compute_the_product(gpu_matmul_blocks, tmp_path):
         assert "FAIL" not in row and float(row.split("|")[-2]) < 1e-5, row
 
 
-def test_no_gpu_says_so(gpu_steps, gpu_matmul_blocks, capsys):
+def test_no_gpu_says_so(capsys):
     assert gpu_steps.main([]) == 0 and capsys.readouterr().out.startswith("no GPU")
     assert gpu_matmul_blocks.main([]) == 0 and capsys.readouterr().out.startswith("no GPU")
