@@ -209,6 +209,12 @@ class Record:
     # own (and for a whole-tape walk holding it): Note [Eager compiler options]
     # in rumus_fx/eager.py. A record may make it a property of its fields.
     compiler_options: ClassVar[Mapping[str, str] | None] = None
+    # a lifted program's row: the equation it runs, set per instance by
+    # ``lift.program.Program.records`` (the rules of control flow and custom_jvp
+    # read their sub-programs there). It is not pytree data, so such a record
+    # runs inline, never as a compiled call of its flattened fields
+    # (``runner._run``).
+    _step: ClassVar[Any] = None
     _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
     _array_fields: ClassVar[tuple[str, ...] | None] = None
     _static_fields: ClassVar[tuple[str, ...] | None] = None

@@ -140,7 +140,9 @@ def _run(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:
     if any(isinstance(g, tracer) for g in g_leaves):
         return op.backward(grad_out, needs)
     leaves, treedef = jax.tree_util.tree_flatten(op)
-    if any(isinstance(c, tracer) for c in leaves):
+    if op._step is not None or any(isinstance(c, tracer) for c in leaves):
+        # a lifted program's row with concrete values (its parts that a jax.vmap
+        # or jax.jvp around rf.grad leaves unbatched): its step is not pytree data
         return op.backward(grad_out, needs)
     opts = op.compiler_options
     walk = _ANOMALY_WALK.get()

@@ -670,3 +670,43 @@ def test_lifted_weight_gradient_merges_rows_only_for_a_computed_lhs(monkeypatch,
             # against jax.grad, and float64 finite differences through the same path
             rf.testing.check_grads(rf.lift(loss), (x, w), argnums, oracle=loss, jit=jit, atol=1e-4, rtol=1e-4)
     assert any(merged) == (jit and lhs == "computed" and not under_mesh)
+
+
+# -- parts of a program that a transformation around rf.grad leaves unbatched ----------
+
+# each program adds a term of y alone (a custom_jvp, a cond, a scan, a while-free
+# fori loop, a custom_vjp) to a term of x: under jax.vmap over x (per-example
+# gradients with shared parameters) or jax.jvp along x, that term's rows get
+# concrete cotangents and residuals and run eagerly inside the transformation.
+# Their rules read their sub-programs from the row's step, which a compiled call
+# of the flattened record dropped (AttributeError: '...Backward' object has no
+# attribute '_step').
+_UNBATCHED_TERMS = {
+    "custom_jvp": lambda y: jnp.sum(jax.nn.relu(y) + jax.nn.softplus(y)),
+    "cond": lambda y: jnp.sum(lax.cond(jnp.sum(y) > 0, jnp.sin, jnp.cos, y)),
+    "scan": lambda y: jnp.sum(lax.scan(lambda c, v: (c * v + 1.0, c), 1.0, y)[1]),
+    "fori": lambda y: jnp.sum(lax.fori_loop(0, 3, lambda i, v: jnp.sin(v) * 1.5, y)),
+    "switch": lambda y: jnp.sum(lax.switch(1, [jnp.sin, jnp.tanh], y)),
+    "checkpoint": lambda y: jnp.sum(jax.checkpoint(lambda v: jnp.exp(jnp.tanh(v)) * v)(y)),
+}
+
+
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1)], ids=["x", "y", "xy"])
+@pytest.mark.parametrize("term", list(_UNBATCHED_TERMS))
+def test_unbatched_rows_under_vmap_and_jvp(term, argnums):
+    t = _UNBATCHED_TERMS[term]
+
+    def f(x, y):
+        return jnp.sum(jnp.tanh(x) * x) + t(y) * 0.5
+
+    with jax.enable_x64(True):
+        xs = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4)))
+        y = jnp.asarray([-1.5, -0.2, 0.4, 1.3])
+        g_rf = rf.grad(rf.lift(f), argnums=argnums)
+        g_jax = jax.grad(f, argnums=argnums)
+        got = jax.vmap(lambda x: g_rf(x, y))(xs)
+        want = jax.vmap(lambda x: g_jax(x, y))(xs)
+        _close(got, want, 1e-10)
+        got = jax.jvp(lambda x: g_rf(x, y), (xs[0],), (xs[1],))
+        want = jax.jvp(lambda x: g_jax(x, y), (xs[0],), (xs[1],))
+        _close(got, want, 1e-10)
