@@ -83,7 +83,9 @@ def _check_blocks(eqn, problems: list[str], where: str, target: str) -> None:
                 problems.append(f"{where}: block dim {b} of {dims} is neither a power of two nor the array's {full}")
             if f % b:
                 problems.append(f"{where}: array {full} is not padded to a multiple of block {dims}")
-        if target == blocks.TPU and len(kept) >= 2:  # Triton asks powers of two only (the GPU float32 matmul's 64 lanes)
+        if (
+            target == blocks.TPU and len(kept) >= 2
+        ):  # Triton asks powers of two only (the GPU float32 matmul's 64 lanes)
             (b2, f2), (b1, f1) = kept[-2], kept[-1]
             if not ((b2 % blocks.SUBLANE == 0 or b2 == f2) and (b1 % blocks.LANE == 0 or b1 == f1)):
                 problems.append(f"{where}: TPU tiling rule broken by block {dims} of array {full}")
