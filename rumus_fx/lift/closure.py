@@ -46,11 +46,23 @@ moment (a Tensor rebound or written in place between calls is seen by the next c
 Within one call they are snapshotted: writing one in place between that call and its
 backward raises ``rf.VersionMismatch``, as for a tracked input.
 
-What the walk does not reach (an array three objects deep in an attribute not named
-by the code, a list of thousands of elements, a function more than ``DEPTH`` calls
-away) is read at trace time: a Tensor read that way is captured and the call traced
-afresh each time (correct, not cached); a raw array read that way is a constant of
-the program, as in ``jax.jit``. While a trace runs (the first call, or after a
+Reads the walk cannot see. Some reads are not walked: an attribute or a global
+named by a computed string (``getattr``, ``vars``, ``globals()``, ``eval``,
+``attrgetter``), a module imported inside the function, an object's
+``__getattr__`` or ``__slots__``, a user's function wrapped by a library
+(``jax.jit(f)``), a function or object more than ``DEPTH`` steps away, a walk over
+``MAX_NODES`` values. Whatever such a read finds is baked into the trace (an
+array as a constant, a Python value as a literal), and a cached program would
+keep it: a wrong gradient with no error once the value changes. So when the walk
+meets one of them in the user's own code (installed packages' functions are taken
+to read their own, fixed, state that way), or when the traced program holds a
+device array it was not given, the function is *volatile*: it is traced on every
+call, as ``jax.grad`` runs it, and its compiled program is reused only while the
+trace is the same (its text, literals included, and its constants:
+``tracing._fingerprint``). A user's class read as a value (``Config.scale``)
+is walked: its values under the names the code reads are read again each call.
+A Tensor read where the walk does not reach is captured and the call traced
+afresh each time (correct, not cached). While a trace runs (the first call, or after a
 static change) the closure's places hold the trace's inputs: another thread reading
 the same global at that moment sees them (traces of lifted functions themselves take
 turns). A function that needs a closed-over array's value
@@ -60,7 +72,9 @@ input: it is traced per call with the value baked in, as ``jax.jit`` would bake 
 
 from __future__ import annotations
 
+import dis
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -76,7 +90,7 @@ import numpy as np
 from ..tensor import Tensor
 
 DEPTH = 6  # functions / objects followed this many steps from the lifted function
-MAX_NODES = 512  # values looked at per call; beyond, the closure is not taken apart
+MAX_NODES = 512  # values looked at per walk; beyond, the closure is not taken apart (traced per call)
 
 # modules whose functions and objects are not looked into (their globals are the
 # library's own); rumus_fx's functions are looked into only as the lifted function
@@ -244,7 +258,8 @@ _NAMES: dict[Any, tuple[str, ...]] = {}
 
 
 def _code_names(code: types.CodeType) -> tuple[str, ...]:
-    """The names a code object (and the code objects nested in it) reads."""
+    """The names a code object (and the code objects nested in it) reads, and
+    the identifiers among its string constants."""
     names = _NAMES.get(code)
     if names is None:
         out: dict[str, None] = {}
@@ -252,12 +267,69 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
         while todo:
             c = todo.pop()
             out.update(dict.fromkeys(c.co_names))
+            # names given as strings (``self.__dict__["w"]``, ``hasattr(self, "w")``)
+            out.update(dict.fromkeys(x for x in c.co_consts if type(x) is str and x.isidentifier()))
             todo.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
         names = tuple(out)
         if len(_NAMES) > 4096:
             _NAMES.clear()
         _NAMES[code] = names
     return names
+
+
+# names through which a function reads what no walk can follow (an attribute
+# or a global named by a string, a module imported inside it)
+_DYNAMIC = frozenset(
+    {"getattr", "vars", "globals", "locals", "eval", "exec", "__import__", "import_module", "attrgetter",
+     "methodcaller", "__getattribute__"}
+)  # fmt: skip
+_IMPORTS = frozenset(dis.opmap[n] for n in ("IMPORT_NAME", "IMPORT_FROM") if n in dis.opmap)
+_OPAQUE_CODE: dict[Any, bool] = {}
+
+
+def _code_opaque(code: types.CodeType) -> bool:
+    """Whether a code object (or one nested in it) reads state by a computed
+    name or imports a module: what it reads that way is not walked."""
+    found = _OPAQUE_CODE.get(code)
+    if found is None:
+        found = bool(_DYNAMIC.intersection(_code_names(code)))
+        todo = [code]
+        while todo and not found:
+            c = todo.pop()
+            found = any(op in _IMPORTS for op in c.co_code[::2])
+            todo.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
+        if len(_OPAQUE_CODE) > 4096:
+            _OPAQUE_CODE.clear()
+        _OPAQUE_CODE[code] = found
+    return found
+
+
+_TRUSTED: dict[str, bool] = {}
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` is an installed package's (site-packages, the standard
+    library, rumus_fx): its computed reads are taken to be of its own state,
+    which does not change between a user's calls. A user's own modules
+    (``__main__``, a project's files, a notebook) are not."""
+    found = _TRUSTED.get(module)
+    if found is None:
+        root = module.partition(".")[0]
+        m = sys.modules.get(root)
+        path = getattr(m, "__file__", None) or ""
+        found = root in sys.stdlib_module_names or root == _OWN or any(
+            d in path for d in ("site-packages", "dist-packages")
+        )
+        _TRUSTED[module] = found
+    return found
+
+
+def _wraps_user_code(v: Any) -> bool:
+    try:
+        wrapped = v.__wrapped__
+    except Exception:
+        return False
+    return wrapped is not None and not _installed(_module(wrapped))
 
 
 def _module(v: Any) -> str:
@@ -328,6 +400,10 @@ def _cell_value(cell: Any, _: Any) -> Any:
         return cell.cell_contents
     except ValueError:
         return _MISSING
+
+
+def _class_value(cls: type, name: str) -> Any:
+    return cls.__dict__.get(name, _MISSING)
 
 
 def _keys(d: dict, _: Any) -> tuple:
@@ -407,6 +483,10 @@ class _Walk:
         self.todo: list[tuple[Any, int, bool]] = []
         self.nodes = 0
         self.complete = True
+        # something fun may read was not walked (Note [Closures of a lifted
+        # function], "Reads the walk cannot see"): its program is traced on every call
+        self.opaque = False
+        self.classes: list[type] = []
 
     def _read(self, fn: Callable[[Any, Any], Any], a: Any, b: Any, depth: int) -> Any:
         """The key of ``fn(a, b)``, a value held at a place that may change
@@ -462,16 +542,29 @@ class _Walk:
                 return ("f", v.__code__)
             if mod.startswith(_OWN):  # not looked into, but the attributes it names count
                 self.names.update(_code_names(v.__code__))
+            elif not _installed(mod):
+                self.opaque = True  # a function too far away to be walked
             return _Ident(v)
         if kind == _METHOD:  # a new object at each attribute read
             self.todo.append((v, depth - 1, True))
             return "m"
-        if depth > 0:
-            if kind == _MODULE:
-                if not v.__name__.startswith(_SKIPPED):
+        if kind == _MODULE:
+            if not v.__name__.startswith(_SKIPPED):
+                if depth > 0:
                     self.todo.append((v, depth - 1, True))
-            elif not isinstance(v, type) and hasattr(v, "__dict__") and not _module(t).startswith(_LIBRARY):
+                elif not _installed(v.__name__):
+                    self.opaque = True
+            return _Ident(v)
+        if isinstance(v, type):
+            if not _installed(_module(v)) and v not in self.classes:
+                self.classes.append(v)  # its values are read at the end (``read_classes``)
+        elif not _module(t).startswith(_LIBRARY):
+            if depth > 0 and hasattr(v, "__dict__"):
                 self.todo.append((v, depth - 1, True))
+            elif not _installed(_module(t)):
+                self.opaque = True  # an object too far away, or without a __dict__ (slots)
+        elif _wraps_user_code(v):
+            self.opaque = True  # a library wrapper of a user's function (jax.jit(f)): f is not walked
         return _Ident(v)
 
     def _site(self, site: Any, read: tuple | None, v: Any, tag: Any, depth: int) -> None:
@@ -483,6 +576,8 @@ class _Walk:
     def _function(self, f: types.FunctionType, depth: int) -> None:
         code = f.__code__
         names = _code_names(code)
+        if _code_opaque(code) and not _installed(f.__module__ or ""):
+            self.opaque = True
         self.names.update(names)
         self.key.append(("fn", code))
         defaults, kwdefaults = f.__defaults__, f.__kwdefaults__
@@ -511,6 +606,12 @@ class _Walk:
         self.key.append(("o", _Ident(obj)))
         cls = type(obj)
         attrs = getattr(obj, "__dict__", None)
+        if any(
+            n in c.__dict__ and not _installed(_module(c))
+            for c in cls.__mro__[:-1]
+            for n in ("__getattr__", "__getattribute__")
+        ):
+            self.opaque = True  # attributes computed on access
         class_names = None
         if not isinstance(obj, types.ModuleType):
             done: set[str] = set()
@@ -566,6 +667,17 @@ class _Walk:
         for n in found:  # (written back into the dictionary: frozen dataclasses too)
             self._site(_Item(attrs, n), (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
+    def read_classes(self) -> None:
+        """The values (not functions or descriptors) that the user's classes the
+        walk reached hold under the names the code reads (``Config.scale``),
+        each read again by the next call."""
+        for c in self.classes:
+            for k in c.__mro__[:-1]:
+                for n in sorted(self.names.intersection(k.__dict__)):
+                    v = k.__dict__[n]
+                    if not hasattr(type(v), "__get__"):
+                        self._site(_ClassItem(k, n), (_class_value, k, n), v, ("cv", n), 0)
+
     def _drain(self) -> None:
         while self.todo:
             v, depth, _ = self.todo.pop(0)
@@ -601,7 +713,9 @@ class _Plan:
     read again and, when each compares as before, the walk's key and sites hold
     and the arrays read are the call's arrays."""
 
-    __slots__ = ("calls", "complete", "fun", "key", "last", "plain", "reads", "sites", "tensors", "untracked")
+    __slots__ = (
+        "calls", "complete", "fun", "key", "last", "opaque", "plain", "reads", "sites", "tensors", "untracked"
+    )  # fmt: skip
 
     def __init__(self, fun: Any, calls: tuple, walk: _Walk):
         # a function (or bound method) weakly: a lifted lambda made at each step
@@ -615,6 +729,7 @@ class _Plan:
             self.reads = [_weakly(r, fun, self.fun) for r in walk.reads]
         self.calls, self.sites = calls, walk.sites
         self.complete = walk.complete
+        self.opaque = walk.opaque
         self.last: tuple[list, tuple] | None = None  # the last call's values (weakly) and their signature
         try:
             self.key: _Static | None = _Static(tuple(walk.key))
@@ -770,6 +885,7 @@ def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
     for s in calls:
         walk._push(s, DEPTH)
     walk._drain()
+    walk.read_classes()
     plan = _Plan(fun, calls, walk)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -779,6 +895,8 @@ def scan(fun: Any, statics: Sequence[Any] = ()) -> Closure | None:
 
 def _forget(key: int, ref: Any) -> None:
     """The function of a kept plan is gone: the plan too."""
+    if _PLANS is None:  # (at interpreter exit, this module's globals are gone)
+        return
     plan = _PLANS.get(key)
     if plan is not None and plan.fun is ref:
         del _PLANS[key]

@@ -309,6 +309,8 @@ def _lifted_call(
     ]
     # what fun reads through its closure (Note [Closures of a lifted function])
     clo = _closure.scan(fun, statics)
+    # the walk could not see all that fun reads: traced on every call
+    volatile = clo is None or clo.plan.opaque
     key, hit = _closure_key(clo, treedef, statics, is_arr, avals, tracked_in)
     if key is None and clo is not None:
         clo = None
@@ -324,6 +326,8 @@ def _lifted_call(
         if hit is not None and _closes_over_tensor((fun, *statics)):
             hit = None  # a closure holds a Tensor: trace again (capture it, snapshot it)
     constants: list[Any] = []
+    if hit is not None and (volatile or key in _VOLATILE):
+        hit = None
     if hit is None:
         traced = None
         if clo is not None:
@@ -340,18 +344,30 @@ def _lifted_call(
         if traced is None:
             traced = _trace(fun, treedef, statics, is_arr, avals, label)
         closed, out_info, captured, constants = traced
-        ctracked = clo.tracked if clo is not None else ()
-        program = Program(closed, tracked_in + ctracked + (True,) * len(captured), label)
-        hit = (program, out_info)
-        if (
-            key is not None
-            and not captured
-            and not constants
-            and (clo is not None or not _closes_over_tensor((fun, *statics)))
-        ):
-            if len(_PROGRAMS) >= _MAX_PROGRAMS:
-                _PROGRAMS.clear()
-            _PROGRAMS[key] = hit
+        fingerprint = None
+        if key is not None and (volatile or key in _VOLATILE or _reads_arrays(closed)):
+            # (Note [Closures of a lifted function], "Reads the walk cannot see")
+            if len(_VOLATILE) >= _MAX_PROGRAMS:
+                _VOLATILE.clear()
+            _VOLATILE[key] = True
+            fingerprint = _fingerprint(key, closed)
+            hit = _PROGRAMS.get(fingerprint) if fingerprint is not None else None
+        if hit is None:
+            ctracked = clo.tracked if clo is not None else ()
+            program = Program(closed, tracked_in + ctracked + (True,) * len(captured), label)
+            hit = (program, out_info)
+            if (
+                key is not None
+                and not captured
+                and not constants
+                and (clo is not None or not _closes_over_tensor((fun, *statics)))
+                and (fingerprint is not None or key not in _VOLATILE)
+            ):
+                if len(_PROGRAMS) >= _MAX_PROGRAMS:
+                    _PROGRAMS.clear()
+                _PROGRAMS[key if fingerprint is None else fingerprint] = hit
+        else:
+            hit = (hit[0], out_info)  # (this trace's static outputs)
     else:
         captured = []
     program, (out_tree, out_statics, out_mask) = hit
@@ -397,6 +413,30 @@ def _lifted_call(
 
 
 _NO_SUBSTITUTION: dict[Any, bool] = {}
+# keys of functions that read what the walk does not see: traced on every call,
+# their programs cached under ``_fingerprint``
+_VOLATILE: dict[Any, bool] = {}
+
+
+def _reads_arrays(closed: Any) -> bool:
+    """Whether the traced program holds a device array it was not given: the
+    function read it from a place the walk did not reach."""
+    return any(isinstance(c, jax.Array) for c in closed.consts)
+
+
+def _fingerprint(key: Any, closed: Any) -> Any:
+    """The program's identity for a volatile function: its text (Python values
+    it read are literals there) and its constants (device arrays by identity,
+    NumPy ones by value); None when a constant is too large to compare."""
+    parts = []
+    for c in closed.consts:
+        if isinstance(c, jax.Array):
+            parts.append(_closure._Ident(c))
+        elif isinstance(c, np.ndarray) and c.nbytes <= 1 << 16:
+            parts.append((c.dtype.str, c.shape, c.tobytes()))
+        else:
+            return None
+    return ("volatile", key, str(closed.jaxpr), tuple(parts))
 
 
 def _closure_key(

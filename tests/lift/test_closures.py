@@ -506,3 +506,108 @@ def test_class_level_values_read_through_self_are_seen(monkeypatch):
     m.scale = 0.5  # the object's own attribute hides the class's
     _check(m)
     assert isinstance(_Scaled.__dict__["y"], jax.Array) and not isinstance(_Scaled.__dict__["y"], jax.core.Tracer)
+
+
+# -- reads the walk cannot see: traced on every call ------------------------------
+
+
+class _Holder:
+    pass
+
+
+class _Slotted:
+    __slots__ = ("v",)
+
+
+class _Config:  # a user's class whose attributes the loss reads as ``_Config.v``
+    v = 1.0
+
+
+class _Lazy:
+    def __init__(self):
+        self.store = {}
+
+    def __getattr__(self, name):
+        return self.store[name]
+
+
+def _chain(depth):
+    """A loss reaching ``_DEEP["v"]`` through ``depth`` helper calls (beyond the walk's ``DEPTH``)."""
+
+    def leaf(w):
+        return w * _DEEP["v"]
+
+    f = leaf
+    for _ in range(depth):
+        f = functools.partial(lambda g, w: g(w), f)  # (a partial of a function: followed)
+        f = (lambda g: lambda w: g(w))(f)
+    return f
+
+
+_DEEP = {"v": 1.0}
+_HOLDER = _Holder()
+_SLOTTED = _Slotted()
+_LAZY = _Lazy()
+_NAMED = 1.0
+
+
+def _jitted_helper(h):
+    return h * _NAMED
+
+
+_JITTED = jax.jit(_jitted_helper)
+
+# (loss reading v, set v): v is an array [6, 3] or a Python float
+_HIDDEN = {
+    "getattr": (lambda h: h * getattr(_HOLDER, "v"), lambda v: setattr(_HOLDER, "v", v)),  # noqa: B009
+    "vars": (lambda h: h * vars(_HOLDER)["v"], lambda v: setattr(_HOLDER, "v", v)),
+    "globals": (lambda h: h * globals()["_NAMED"], lambda v: setattr(_MOD, "_NAMED", v)),
+    "eval": (lambda h: h * eval("_NAMED"), lambda v: setattr(_MOD, "_NAMED", v)),
+    "import": (
+        lambda h: h * __import__("tests.lift.test_closures", fromlist=["_"])._NAMED,
+        lambda v: setattr(_MOD, "_NAMED", v),
+    ),
+    "class attribute": (lambda h: h * _Config.v, lambda v: setattr(_Config, "v", v)),
+    "slots": (lambda h: h * _SLOTTED.v, lambda v: setattr(_SLOTTED, "v", v)),
+    "__getattr__": (lambda h: h * _LAZY.v, lambda v: _LAZY.store.__setitem__("v", v)),
+    "jax.jit helper": (lambda h: _JITTED(h), lambda v: setattr(_MOD, "_NAMED", v)),
+    "beyond the walk's depth": (_chain(closure.DEPTH + 2), lambda v: _DEEP.__setitem__("v", v)),
+}
+
+
+@pytest.mark.parametrize("value", ["array", "float"])
+@pytest.mark.parametrize("how", list(_HIDDEN))
+def test_values_read_where_the_walk_cannot_see_are_read_at_every_call(how, value):
+    # a loss reading a value through getattr/vars/globals()/eval/an import/a
+    # class attribute/__slots__/__getattr__/a jitted helper/a long call chain:
+    # each eager call equals jax.grad at that moment (a cached program would
+    # keep the value of its trace: a wrong gradient with no error)
+    read, write = _HIDDEN[how]
+
+    def loss(w):
+        return jnp.sum(read(jnp.tanh(_X @ w)))
+
+    values = [_y(40 + i) for i in range(3)] if value == "array" else [1.0, -2.5, 0.5]
+    write(values[0])
+    try:
+        lifted = rf.grad(rf.lift(loss))
+        for v in values:
+            write(v)
+            np.testing.assert_allclose(lifted(_W), jax.grad(loss)(_W), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(lifted(_W), jax.grad(loss)(_W), rtol=1e-5, atol=1e-6)
+    finally:
+        write(1.0)
+
+
+def test_a_function_read_behind_the_walk_is_traced_each_call_and_compiled_once():
+    # traced on every call; its program is kept while what it read is the same
+    from rumus_fx.lift import tracing
+
+    _HOLDER.v = 2.0
+    lifted = rf.grad(rf.lift(lambda w: jnp.sum(jnp.tanh(_X @ w)) * getattr(_HOLDER, "v")))  # noqa: B009
+    lifted(_W)
+    traces, programs = closure.traces(), set(map(id, tracing._PROGRAMS.values()))
+    for _ in range(3):
+        lifted(_W)
+    assert closure.traces() == traces + 3
+    assert set(map(id, tracing._PROGRAMS.values())) == programs
