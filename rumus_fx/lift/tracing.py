@@ -427,9 +427,12 @@ def _reads_arrays(closed: Any) -> bool:
 def _fingerprint(key: Any, closed: Any) -> Any:
     """The program's identity for a volatile function: its text (Python values
     it read are literals there) and its constants (device arrays by identity,
-    NumPy ones by value); None when a constant is too large to compare."""
+    NumPy ones by value); None when a constant is too large to compare or is
+    an enclosing trace's tracer (then the program is not kept)."""
     parts = []
     for c in closed.consts:
+        if isinstance(c, _Tracer):  # an enclosing trace's value: valid only there, never cached
+            return None
         if isinstance(c, jax.Array):
             parts.append(_closure._Ident(c))
         elif isinstance(c, np.ndarray) and c.nbytes <= 1 << 16:

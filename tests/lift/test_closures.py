@@ -611,3 +611,19 @@ def test_a_function_read_behind_the_walk_is_traced_each_call_and_compiled_once()
         lifted(_W)
     assert closure.traces() == traces + 3
     assert set(map(id, tracing._PROGRAMS.values())) == programs
+
+
+def test_a_traced_value_read_behind_the_walk_inside_jit_is_right_and_not_kept():
+    from rumus_fx.lift import tracing
+
+    def step(w, y):
+        _HOLDER.v = y  # an enclosing jit's tracer, read by getattr: a constant of the lifted trace
+        return rf.grad(rf.lift(lambda v: jnp.sum(jnp.tanh(_X @ v)) * getattr(_HOLDER, "v")))(w)  # noqa: B009
+
+    kept = len(tracing._PROGRAMS)
+    for scale in (1.0, -2.0):
+        got = jax.jit(step)(_W, jnp.float32(scale))
+        want = jax.grad(lambda v, s=scale: jnp.sum(jnp.tanh(_X @ v)) * s)(_W)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(tracing._PROGRAMS) == kept  # no program holds the tracer
+    _HOLDER.v = 1.0
