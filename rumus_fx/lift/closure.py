@@ -325,11 +325,20 @@ def _installed(module: str) -> bool:
 
 
 def _wraps_user_code(v: Any) -> bool:
+    """Whether a library's function or object calls a user's function it holds
+    (``__wrapped__``, or a closure cell as in ``jax.vmap(f)``), which the walk
+    does not follow."""
     try:
-        wrapped = v.__wrapped__
+        held = [v.__wrapped__]
     except Exception:
-        return False
-    return wrapped is not None and not _installed(_module(wrapped))
+        held = []
+    if type(v) is types.FunctionType:
+        for c in v.__closure__ or ():
+            try:
+                held.append(c.cell_contents)
+            except ValueError:
+                pass
+    return any(callable(h) and not isinstance(h, type) and not _installed(_module(h)) for h in held if h is not None)
 
 
 def _module(v: Any) -> str:
@@ -542,8 +551,10 @@ class _Walk:
                 return ("f", v.__code__)
             if mod.startswith(_OWN):  # not looked into, but the attributes it names count
                 self.names.update(_code_names(v.__code__))
-            elif not _installed(mod):
-                self.opaque = True  # a function too far away to be walked
+            elif not _installed(mod) or _wraps_user_code(v):
+                # a function too far away to be walked, or a library's wrapper of a
+                # user's function (``jax.vmap(f)``): f is not walked
+                self.opaque = True
             return _Ident(v)
         if kind == _METHOD:  # a new object at each attribute read
             self.todo.append((v, depth - 1, True))

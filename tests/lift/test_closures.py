@@ -627,3 +627,25 @@ def test_a_traced_value_read_behind_the_walk_inside_jit_is_right_and_not_kept():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert len(tracing._PROGRAMS) == kept  # no program holds the tracer
     _HOLDER.v = 1.0
+
+
+_WRAPPED_SCALE = 1.0
+# jax's wrappers hold the user's function in a closure cell, which the walk does not follow
+_VMAPPED = jax.vmap(lambda r: r * _WRAPPED_SCALE)
+_GRADDED = jax.grad(lambda r: jnp.sum(r**2) * _WRAPPED_SCALE)
+
+
+@pytest.mark.parametrize("wrapper", ["vmap", "grad"])
+def test_a_global_read_inside_a_jax_transformation_of_a_helper_is_read_at_every_call(wrapper):
+    helper = _VMAPPED if wrapper == "vmap" else _GRADDED
+
+    def loss(w):
+        return jnp.sum(helper(jnp.tanh(_X @ w)))
+
+    lifted = rf.grad(rf.lift(loss))
+    try:
+        for scale in (1.0, -2.5, 0.5):
+            _MOD._WRAPPED_SCALE = scale
+            np.testing.assert_allclose(lifted(_W), jax.grad(loss)(_W), rtol=1e-5, atol=1e-6)
+    finally:
+        _MOD._WRAPPED_SCALE = 1.0
