@@ -315,8 +315,10 @@ def _installed(module: str) -> bool:
     found = _TRUSTED.get(module)
     if found is None:
         root = module.partition(".")[0]
-        m = sys.modules.get(root)
-        path = getattr(m, "__file__", None) or ""
+        try:
+            path = getattr(sys.modules.get(root), "__file__", None) or ""
+        except Exception:  # (a module's own __getattr__ refusing)
+            path = ""
         found = root in sys.stdlib_module_names or root == _OWN or any(
             d in path for d in ("site-packages", "dist-packages")
         )
@@ -411,6 +413,9 @@ def _cell_value(cell: Any, _: Any) -> Any:
         return _MISSING
 
 
+_KNOWN_DESCRIPTORS = (types.FunctionType, property, staticmethod, classmethod)
+
+
 def _class_value(cls: type, name: str) -> Any:
     return cls.__dict__.get(name, _MISSING)
 
@@ -495,7 +500,8 @@ class _Walk:
         # something fun may read was not walked (Note [Closures of a lifted
         # function], "Reads the walk cannot see"): its program is traced on every call
         self.opaque = False
-        self.classes: list[type] = []
+        self.classes: list[type] = []  # the user's classes reached as values
+        self.instance_classes: set[type] = set()  # the user's classes of the objects walked
 
     def _read(self, fn: Callable[[Any, Any], Any], a: Any, b: Any, depth: int) -> Any:
         """The key of ``fn(a, b)``, a value held at a place that may change
@@ -617,6 +623,10 @@ class _Walk:
         self.key.append(("o", _Ident(obj)))
         cls = type(obj)
         attrs = getattr(obj, "__dict__", None)
+        if not _installed(_module(cls)):
+            self.instance_classes.add(cls)
+        if isinstance(obj, types.ModuleType) and "__getattr__" in obj.__dict__ and not _installed(obj.__name__):
+            self.opaque = True  # a module's computed attributes (PEP 562)
         if any(
             n in c.__dict__ and not _installed(_module(c))
             for c in cls.__mro__[:-1]
@@ -679,15 +689,38 @@ class _Walk:
             self._site(_Item(attrs, n), (operator.getitem, attrs, n), attrs[n], ("a", n), depth)
 
     def read_classes(self) -> None:
-        """The values (not functions or descriptors) that the user's classes the
-        walk reached hold under the names the code reads (``Config.scale``),
-        each read again by the next call."""
-        for c in self.classes:
+        """What the user's classes the walk reached hold under the names the code
+        reads: a value (``Config.scale``) is read again by each call, a function
+        (``Helpers.f``: a static or class method, a property) is walked; and a
+        descriptor of another kind there, on a class of a walked object too,
+        computes what it returns: not walked (``opaque``)."""
+        done: set[tuple[int, str]] = set()
+        while True:
+            todo = []
+            for c in self.classes:
+                for k in c.__mro__[:-1]:
+                    todo.extend((k, n) for n in sorted(self.names.intersection(k.__dict__)) if (id(k), n) not in done)
+            if not todo:
+                break
+            for k, n in todo:
+                done.add((id(k), n))
+                v = k.__dict__[n]
+                if not hasattr(type(v), "__get__"):
+                    self._site(_ClassItem(k, n), (_class_value, k, n), v, ("cv", n), 0)
+                    continue
+                fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
+                if isinstance(fn, types.FunctionType):
+                    self._push(fn, 2)
+                elif not _installed(_module(type(v))):
+                    self.opaque = True
+            self._drain()
+        for c in self.instance_classes:
             for k in c.__mro__[:-1]:
-                for n in sorted(self.names.intersection(k.__dict__)):
+                for n in self.names.intersection(k.__dict__):
                     v = k.__dict__[n]
-                    if not hasattr(type(v), "__get__"):
-                        self._site(_ClassItem(k, n), (_class_value, k, n), v, ("cv", n), 0)
+                    if hasattr(type(v), "__get__") and not isinstance(v, _KNOWN_DESCRIPTORS):
+                        if not _installed(_module(type(v))):
+                            self.opaque = True
 
     def _drain(self) -> None:
         while self.todo:
