@@ -48,9 +48,10 @@ backward raises ``rf.VersionMismatch``, as for a tracked input.
 
 Reads the walk cannot see. Some reads are not walked: an attribute or a global
 named by a computed string (``getattr``, ``vars``, ``globals()``, ``eval``,
-``attrgetter``), a module imported inside the function, an object's
-``__getattr__`` or ``__slots__``, a user's function wrapped by a library
-(``jax.jit(f)``), a function or object more than ``DEPTH`` steps away, a walk over
+``attrgetter``), a module imported inside the function, an object's or a module's
+``__getattr__``, ``__slots__``, a descriptor of the user's own (not a function or
+property), a user's function held by a library's wrapper (``jax.jit(f)``,
+``jax.vmap(f)``), a function or object more than ``DEPTH`` steps away, a walk over
 ``MAX_NODES`` values. Whatever such a read finds is baked into the trace (an
 array as a constant, a Python value as a literal), and a cached program would
 keep it: a wrong gradient with no error once the value changes. So when the walk
