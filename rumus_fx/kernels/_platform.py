@@ -14,12 +14,23 @@ kernel in Pallas' interpreter (plain XLA ops, correct on any platform) on the
 others. In a dispatch branch the interpreter copy is dead code (the branch is
 never selected on those platforms) and exists only so that the branch lowers;
 a single-platform lowering (``jax.jit`` on a GPU) never builds it.
+
+jax 0.11 deprecates Pallas' Triton backend and warns (a ``DeprecationWarning``)
+each time a Triton ``pallas_call`` is lowered. Which backend runs rf's kernels is
+rf's choice, not its user's, and a user can do nothing about it (a test suite
+that turns warnings into errors would fail on every compiled step), so
+:func:`own_kernels` silences that one message while rf lowers its own kernels,
+and nowhere else: a user's own Triton kernels still warn. If jax removes the
+backend, ``"auto"`` falls back to the reference with a ``KernelFallbackWarning``
+(SPEC section 6).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +43,18 @@ _BACKEND_PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
 
 native_or_interpret_p = jex_core.Primitive("rumus_fx_native_or_interpret")
 native_or_interpret_p.multiple_results = True
+
+
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@contextlib.contextmanager
+def own_kernels() -> Iterator[None]:
+    """While rf lowers its own kernels: jax's deprecation of the Triton backend
+    is not shown (only that message, only as a ``DeprecationWarning``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+        yield
 
 
 def native_or_interpret(
@@ -56,14 +79,16 @@ def _impl(*args, native, interpret, platforms, out_avals):
     del out_avals
     here = _BACKEND_PLATFORMS.get(jax.default_backend(), ())
     fn = native if any(p in platforms for p in here) else interpret
-    return list(jax.jit(fn)(*args))
+    with own_kernels():
+        return list(jax.jit(fn)(*args))
 
 
 def _lowering(platform: str):
     def rule(ctx, *args, native, interpret, platforms, out_avals):
         del out_avals
         fn = native if platform in platforms else interpret
-        return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+        with own_kernels():
+            return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
 
     return rule
 

@@ -253,6 +253,18 @@ def call(reference: Callable[..., Any], pallas: Callable[..., Any] | None, *args
         return pallas(*args, cfg=Config(_INTERPRET_TARGET.get(), True), **static)
     if m == "auto" and not _accelerator_present():
         return run_reference(reference, args, static)
+    if not has_tracer(args):
+        # eagerly, the choice of platform is one cached compiled call too (Note
+        # [Eager compilation]): a bare lax.platform_dependent would bind its
+        # platform index on its own and read it back to the host, every call
+        fixed = ("reference", "pallas", "m", *sorted(static))
+        return compiled(_by_platform, static_argnames=fixed)(*args, reference=reference, pallas=pallas, m=m, **static)
+    return _by_platform(*args, reference=reference, pallas=pallas, m=m, **static)
+
+
+def _by_platform(*args: Any, reference: Callable[..., Any], pallas: Callable[..., Any], m: str, **static: Any) -> Any:
+    """The kernel on the platforms it was written for, the reference elsewhere,
+    chosen when the program is lowered (SPEC section 6)."""
     name = kernel_name(pallas)
     ref = functools.partial(reference, **static)
     gpu = _gpu_branch(name, pallas, ref, m, static)

@@ -29,14 +29,13 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import kept_apart, recompute
+from .jax_versions import bwd_cotangents, closed, scan_counts
 from .program import Program
 from .rules import defrule, is_float
 
 
-def _program(closed, tracked, name):
-    if isinstance(closed, jcore.Jaxpr):
-        closed = jcore.ClosedJaxpr(closed, ())
-    return Program(closed, tracked, name)
+def _program(jaxpr, tracked, name):
+    return Program(closed(jaxpr), tracked, name)
 
 
 def _zeros_like_aval(a, sharding=None):
@@ -63,7 +62,7 @@ def _float_or_none(gs, avals):
 
 def _scan_prepare(step):
     p = step.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     body = p["jaxpr"]
     needs = list(step.needs)
     tracked = [bool(n) for n in needs]
@@ -96,7 +95,7 @@ def _forwarded(prog, nc, nk):
 
 def _scan_forward(step, vals):
     p = step.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     prog = step.sub
     consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
     forwarded = _forwarded(prog, nc, nk)
@@ -118,7 +117,7 @@ def _scan_forward(step, vals):
 
 def _scan_vjp(r, g):
     p = r.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     prog = r._step.sub
     g = list(g)
     ct_carry, ct_ys = g[:nk], g[nk:]
@@ -351,13 +350,13 @@ def _custom_vjp_prepare(step):
     perturbed = [bool(n) for n in step.needs[nc:]]
     fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*perturbed)
     out_tree, res_tree, input_fwds = p["out_trees"]()
-    closed = jcore.ClosedJaxpr(fwd_jaxpr, fwd_consts) if isinstance(fwd_jaxpr, jcore.Jaxpr) else fwd_jaxpr
+    fwd = closed(fwd_jaxpr, fwd_consts)
     # residuals that are constants of the fwd (a Python bool or int the fwd returns)
     # stay static values: the bwd may branch on them in Python
     n_res = sum(k is None for k in input_fwds)
-    static = {j: v.val for j, v in enumerate(closed.jaxpr.outvars[:n_res]) if isinstance(v, jcore.Literal)}
+    static = {j: v.val for j, v in enumerate(fwd.jaxpr.outvars[:n_res]) if isinstance(v, jcore.Literal)}
     return {
-        "fwd": closed,
+        "fwd": fwd,
         "input_fwds": tuple(input_fwds),
         "n_out": out_tree.num_leaves,
         "nc": nc,
@@ -424,8 +423,7 @@ def _custom_vjp_vjp(r, g):
             else:
                 gk = _zeros_like_aval(a, r.out_sharding(k))
         cts.append(gk)
-    grads = r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts)
-    grads = list(grads)
+    grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
     out = [None] * nc
     for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):
         if not n or _is_zero_ct(gr) or not is_float(a) or getattr(gr, "dtype", None) == jax.dtypes.float0:

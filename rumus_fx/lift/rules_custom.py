@@ -40,6 +40,7 @@ from ..autograd.record import Aval
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
+from .jax_versions import closed, scan_counts
 from .program import Program
 from .rules import defrule, is_float
 
@@ -77,7 +78,7 @@ def _body_input(step, k: int) -> int | None:
     checkpoint) becomes, when it is the same value in every run of the body."""
     name = step.prim.name
     if name == "scan":
-        return k if k < step.params["num_consts"] else None
+        return k if k < scan_counts(step.params)[0] else None
     if name == "cond":
         return k - 1 if k >= 1 else None
     if name in ("checkpoint", "remat2"):
@@ -155,21 +156,23 @@ def _custom_jvp_prepare(step) -> _Linear:
     jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*in_zeros)
     const_refs = [_closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
     nz = tuple(k for k in range(n) if not in_zeros[k])
-    tangent_avals = tuple(v.aval for v in jaxpr.invars[n:])
+    # the rule's inputs past its constants (jax 0.11 reads an open jaxpr's constvars as invars)
+    invars = closed(jaxpr, consts).jaxpr.invars
+    tangent_avals = tuple(v.aval for v in invars[n:])
     const_avals = [jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts]
 
     def linear(cs, primals, tangents):
-        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, list(cs)))(*primals, *tangents)
+        return jcore.jaxpr_as_fun(closed(jaxpr, list(cs)))(*primals, *tangents)
 
     def spec(a):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
 
-    closed = jax.make_jaxpr(linear)(
-        const_avals, [spec(v.aval) for v in jaxpr.invars[:n]], [spec(a) for a in tangent_avals]
+    linear_jaxpr = jax.make_jaxpr(linear)(
+        const_avals, [spec(v.aval) for v in invars[:n]], [spec(a) for a in tangent_avals]
     )
     tracked = [False] * (len(consts) + n) + [bool(needs[k]) and is_float(step.in_avals[nc + k]) for k in nz]
     try:
-        program = Program(closed, tracked, f"the JVP rule of custom_jvp {name}")
+        program = Program(linear_jaxpr, tracked, f"the JVP rule of custom_jvp {name}")
     except AutogradError as e:
         raise AutogradError(f"{e} (rf.lift differentiates the JVP rule of jax.custom_jvp '{name}')") from e
     n_out = len(out_zeros)

@@ -77,6 +77,14 @@ _unary("exp", lambda r, g: formulas.exp(g, _output(r)), saves_outputs(0), progra
 _unary("exp2", lambda r, g: g * _output(r) * jnp.asarray(math.log(2.0), g.dtype), saves_outputs(0), program=jnp.exp2)
 _unary("log", lambda r, g: formulas.log(g, _input(r)), saves_inputs(0), program=jnp.log, gen=positive)
 _unary("log1p", lambda r, g: g / (_input(r) + 1), saves_inputs(0), program=jnp.log1p, gen=positive)
+if hasattr(lax, "log2_p"):  # jax 0.11's own primitive (0.10's jnp.log2 divides a log by log(2))
+    _unary(
+        "log2",
+        lambda r, g: g / (_input(r) * jnp.asarray(math.log(2.0), g.dtype)),
+        saves_inputs(0),
+        program=jnp.log2,
+        gen=positive,
+    )
 _unary("expm1", lambda r, g: g * (_output(r) + 1), saves_outputs(0), program=jnp.expm1)
 _unary("tanh", lambda r, g: formulas.tanh(g, _output(r)), saves_outputs(0), program=jnp.tanh, vmap=True)
 _unary("logistic", lambda r, g: formulas.sigmoid(g, _output(r)), saves_outputs(0), program=jax.nn.sigmoid)

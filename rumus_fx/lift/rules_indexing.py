@@ -17,8 +17,11 @@ mathematics leaves a choice:
   transposes swap the two behaviours); rf's values are the forward's
   derivatives (finite differences agree).
 * ``scatter`` (``.at[].set``) with possibly duplicate indices: the winning update
-  at each position is found in the backward by scattering update ids (1, 2, ...)
-  with the forward's indices and mode and gathering them back (default mode). An
+  at each position is found by scattering update ids (1, 2, ...) with the
+  forward's indices and mode, once, in the forward (XLA leaves the winner to the
+  device, and a GPU's changes from run to run: ``_scatter_forward`` builds the
+  output from those winners and keeps the ids), and gathering them back in the
+  backward (default mode). An
   update gets its cotangent where its id came back; the operand gets it where no
   id landed. This is the scheme of jax's own derivative, so ``mode='clip'``
   behaves as there too (a clamped out-of-bounds write gives its gradient to
@@ -407,6 +410,52 @@ defrule(
 # -- scatter (.at[].set) ----------------------------------------------------------
 
 
+def _update_ids(dn, up_shape, sharding):
+    """A distinct id (1, 2, ...) for each update of a scatter, as an updates-shaped
+    array (one id per window: a window is written as a whole)."""
+    ids_shape = [1 if d in dn.update_window_dims else s for d, s in enumerate(up_shape)]
+    n_ids = math.prod(ids_shape)
+    id_dtype = np.uint64 if n_ids > _UINT32_MAX else np.uint32
+    ids = lax.iota(id_dtype, n_ids).reshape(ids_shape) + jnp.ones((), id_dtype)
+    return lax.broadcast_in_dim(ids, up_shape, tuple(range(len(up_shape))), out_sharding=sharding)
+
+
+def _scatter_forward(step, vals):
+    """A ``scatter`` whose indices may repeat, run so that its backward knows
+    which update won each position (Note [Indexing and sorting rules]).
+
+    XLA leaves the winner among duplicate writes to the implementation, and on a
+    GPU it changes from run to run: a second scatter in the backward could pick
+    another winner than the forward did, and give the gradient to an update whose
+    value is not in the output. So the forward scatters update ids once, keeps
+    them (the record's ``extra``), and builds its output from them: the winning
+    update where an id landed (a scatter-add of the winners alone onto ``-0.0``,
+    exact, signed zeros included), the operand elsewhere. The value is the
+    scatter's own, read back with its mode, as jax's derivative builds its
+    primal."""
+    if step.params["unique_indices"]:
+        return step.bind(vals), ()
+    x, idx, u = vals
+    p = step.params
+    kw = dict(
+        dimension_numbers=p["dimension_numbers"],
+        indices_are_sorted=p["indices_are_sorted"],
+        unique_indices=False,
+        mode=p["mode"],
+    )
+    sh = step.in_shardings or (None,) * 3
+    ids = _update_ids(p["dimension_numbers"], tuple(step.in_avals[2].shape), sh[2])
+    landed = lax.scatter(shd.zeros(x.shape, ids.dtype, sh[0]), idx, ids, **kw)
+    gd, sizes = _gather_of_scatter(p["dimension_numbers"], x.shape, u.shape)
+    mode = p["mode"]
+    if mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
+        mode = lax.GatherScatterMode.FILL_OR_DROP
+    won = ids == lax.gather(landed, idx, gd, sizes, mode=mode, fill_value=0)
+    nothing = jnp.array(-0.0, u.dtype)
+    written = lax.scatter_add(jnp.full_like(x, nothing), idx, lax.select(won, u, jnp.full_like(u, nothing)), **kw)
+    return (lax.select(landed == 0, x, written),), landed
+
+
 def _scatter_vjp(r, g):
     idx = r.ins[1]
     dn = r.params["dimension_numbers"]
@@ -418,17 +467,12 @@ def _scatter_vjp(r, g):
         if r.needs[2]:
             g_up = _read_back(r, g, mode=_written(r), fill_value=0)
         return g_op, None, g_up
-    # which update won each position: scatter update ids, read them back
-    ids_shape = [1 if d in dn.update_window_dims else s for d, s in enumerate(up_shape)]
-    n_ids = math.prod(ids_shape)
-    id_dtype = np.uint64 if n_ids > _UINT32_MAX else np.uint32
-    ids = lax.iota(id_dtype, n_ids).reshape(ids_shape) + jnp.ones((), id_dtype)
-    ids = lax.broadcast_in_dim(ids, up_shape, tuple(range(len(up_shape))), out_sharding=r.in_sharding(2))
-    landed = lax.scatter(shd.zeros(r.in_avals[0].shape, id_dtype, r.in_sharding(0)), idx, ids, **_scatter_kw(r))
+    # which update won each position: the ids the forward scattered (``_scatter_forward``)
+    landed = r.extra
     if r.needs[0]:
         g_op = lax.select(landed == 0, g, jnp.zeros_like(g))
     if r.needs[2]:
-        won = ids == _read_back(r, landed)
+        won = _update_ids(dn, up_shape, r.in_sharding(2)) == _read_back(r, landed)
         g_up = _read_back(r, g, mode=_written(r), fill_value=0)
         g_up = lax.select(won, g_up, jnp.zeros_like(g_up))
     return g_op, None, g_up
@@ -461,6 +505,7 @@ defrule(
     "scatter",
     _scatter_vjp,
     saves_inputs(1),
+    forward=_scatter_forward,
     table=(
         TableEntry(
             "scatter_set",

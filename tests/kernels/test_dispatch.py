@@ -183,3 +183,27 @@ class TestStagedAutoOnCpu:
         exported = jax.export.export(jax.jit(program), platforms=("cpu",))(x, jnp.ones(5))
         assert "pallas" not in exported.mlir_module()
         chex.assert_trees_all_close(exported.call(x, jnp.ones(5)), program(x, jnp.ones(5)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["softmax", "matmul", "layer_norm"])
+def test_eager_kernel_dispatch_is_one_compiled_call(op):
+    """Eagerly, with the kernels chosen (``pallas``; ``auto`` on a GPU), an op's
+    choice of platform is inside its compiled call: a bare
+    ``lax.platform_dependent`` bound its platform index one primitive at a time
+    and read it back to the host on every call (seen on an H200 as
+    ``platform_index`` in rf's eager-dispatch test)."""
+    from tests._eager import primitives_bound_one_by_one
+
+    rng = np.random.default_rng(0)
+    x, w, g, b = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((8, 16), (16, 16), (16,), (16,)))
+    fun, args = {
+        "softmax": (lambda x: rf.sum(rf.softmax(x, axis=-1) * x), (x,)),
+        "matmul": (lambda x, w: rf.sum(rf.matmul(x, w)), (x, w)),
+        "layer_norm": (lambda x, g, b: rf.sum(rf.layer_norm(x, g, b) * x), (x, g, b)),
+    }[op]
+    vg = rf.value_and_grad(fun, argnums=tuple(range(len(args))))
+    with rf.kernels.use("pallas"):
+        assert primitives_bound_one_by_one(lambda: vg(*args)) == []
+        got = vg(*args)
+    want = vg(*args)  # the reference (this CPU's auto)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)

@@ -423,6 +423,11 @@ def test_conv2d_eager_takes_the_cpu_plan_and_options(rng, c_in, stride):
     give jax.grad's gradients, each argument alone."""
     from rumus_fx.ops._conv_plan import conv_plan
 
+    with jax.default_device(jax.devices("cpu")[0]):  # a GPU host's CPU device too
+        _conv2d_cpu_plan_and_options(rng, c_in, stride, conv_plan)
+
+
+def _conv2d_cpu_plan_and_options(rng, c_in, stride, conv_plan):
     x = jnp.asarray(rng.standard_normal((3, c_in, 9, 9)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, c_in, 3, 3)) / np.sqrt(9 * c_in), jnp.float32)
     b = jnp.asarray(rng.standard_normal(4), jnp.float32)
@@ -449,6 +454,11 @@ def test_conv2d_eager_takes_the_cpu_plan_and_options(rng, c_in, stride):
 def test_cpu_options_only_for_concrete_arrays_on_one_cpu_device():
     from rumus_fx.eager import cpu_options
 
+    with jax.default_device(jax.devices("cpu")[0]):  # a GPU host's CPU device too
+        _cpu_options_cases(cpu_options)
+
+
+def _cpu_options_cases(cpu_options):
     x = jnp.ones(3)
     assert cpu_options(x, None, jnp.zeros(2)) is rf.CPU_COMPILER_OPTIONS
     assert cpu_options() is None and cpu_options(None) is None

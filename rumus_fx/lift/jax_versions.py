@@ -1,0 +1,67 @@
+"""What the rules read from jax's own data structures, on every jax rf supports.
+
+rf reads jaxprs and primitive parameters, which jax does not keep stable between
+releases. Three changes in jax 0.11 broke ``rf.lift`` on a GPU machine running
+jax 0.11.2 while every test passed on 0.10.2 (both versions are supported,
+``jax>=0.10.2``). Each is read here through one function that works on both, by
+looking at the data itself, not at a version number:
+
+- **One class for jaxprs.** From 0.11 ``ClosedJaxpr`` is ``Jaxpr``: a jaxpr
+  carries its constants, and an *open* one (constvars with no values attached,
+  as a rule's tracing returns it) reads its constvars as leading invars until
+  its constants are attached. :func:`closed` attaches them, and leaves a jaxpr
+  that already carries its constants alone (re-wrapping it with ``()`` would
+  turn its constants into inputs).
+- **scan's parameters.** ``num_consts``/``num_carry`` became ``ft_in``/``ft_out``
+  (flat trees of the constants, the carry and the scanned-over inputs):
+  :func:`scan_counts`.
+- **A custom_vjp bwd's result.** The flattened bwd returns ``(cotangents, logs)``
+  from 0.11 (``defvjp_with_logs``), the cotangents alone before:
+  :func:`bwd_cotangents`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.extend import core as jcore
+
+# jax >= 0.11: ClosedJaxpr is Jaxpr (a jaxpr carries its constants)
+ONE_JAXPR_CLASS = jcore.ClosedJaxpr is jcore.Jaxpr
+
+
+def closed(jaxpr: Any, consts: Sequence[Any] = ()) -> Any:
+    """``jaxpr`` as a closed jaxpr whose constvars are bound to ``consts``.
+
+    A jaxpr that is already closed (jax 0.10: a ``ClosedJaxpr``; jax 0.11: one
+    with constants attached) is returned as it is when ``consts`` is empty."""
+    if ONE_JAXPR_CLASS:
+        if jaxpr.consts and not consts:
+            return jaxpr
+    elif isinstance(jaxpr, jcore.ClosedJaxpr):
+        if consts:
+            raise ValueError("constants given for a jaxpr that already has its own")
+        return jaxpr
+    return jcore.ClosedJaxpr(jaxpr, list(consts))
+
+
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """``(number of constants, number of carries)`` of a scan equation; the
+    scanned-over inputs follow them."""
+    if "num_consts" in params:  # jax 0.10
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # jax 0.11: flat trees
+    return len(consts), len(carry)
+
+
+def bwd_cotangents(out: Any) -> list[Any]:
+    """The input cotangents a custom_vjp's flattened bwd returned.
+
+    jax 0.11's returns ``(cotangents, logs)``; 0.10's the cotangents alone,
+    each an array or a zero marker, never a list, so a pair whose first element
+    is a list is the new form."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple)):
+        if out[1] is None or isinstance(out[1], dict):
+            return list(out[0])
+    return list(out)
