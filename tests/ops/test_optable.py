@@ -179,7 +179,7 @@ def test_cases_carry_their_ops_marks():
         assert tuple(p.marks) == tuple(p.values[0].marks)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "jit"])
 @pytest.mark.parametrize("info,k", VIEW_CASES)
 def test_grad_through_noncontiguous_view(info: OpInfo, k: int, jit: bool):
     """Differentiable inputs with two axes longer than 1 arrive transposed and
