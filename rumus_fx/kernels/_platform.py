@@ -51,7 +51,10 @@ TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 @contextlib.contextmanager
 def own_kernels() -> Iterator[None]:
     """While rf lowers its own kernels: jax's deprecation of the Triton backend
-    is not shown (only that message, only as a ``DeprecationWarning``)."""
+    is not shown (only that message, only as a ``DeprecationWarning``). Python's
+    ``catch_warnings`` is process-wide: two threads lowering at once can leave
+    this filter installed after both return, or undo a filter that another
+    thread set in the meantime."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
         yield

@@ -19,7 +19,8 @@ mathematics leaves a choice:
 * ``scatter`` (``.at[].set``) with possibly duplicate indices: the winning update
   at each position is found by scattering update ids (1, 2, ...) with the
   forward's indices and mode, once, in the forward (XLA leaves the winner to the
-  device, and a GPU's changes from run to run: ``_scatter_forward`` builds the
+  device; an H200 keeps another than this CPU, and not the same one in every
+  program: ``_scatter_forward`` builds the
   output from those winners and keeps the ids), and gathering them back in the
   backward (default mode). An
   update gets its cotangent where its id came back; the operand gets it where no
@@ -425,7 +426,7 @@ def _scatter_forward(step, vals):
     which update won each position (Note [Indexing and sorting rules]).
 
     XLA leaves the winner among duplicate writes to the implementation, and on a
-    GPU it changes from run to run: a second scatter in the backward could pick
+    GPU it is not the same in every program: a second scatter in the backward could pick
     another winner than the forward did, and give the gradient to an update whose
     value is not in the output. So the forward scatters update ids once, keeps
     them (the record's ``extra``), and builds its output from them: the winning
