@@ -437,21 +437,13 @@ def _scatter_forward(step, vals):
     if step.params["unique_indices"]:
         return step.bind(vals), ()
     x, idx, u = vals
-    p = step.params
-    kw = dict(
-        dimension_numbers=p["dimension_numbers"],
-        indices_are_sorted=p["indices_are_sorted"],
-        unique_indices=False,
-        mode=p["mode"],
-    )
+    dn = step.params["dimension_numbers"]
+    kw = _scatter_kw(step)
     sh = step.in_shardings or (None,) * 3
-    ids = _update_ids(p["dimension_numbers"], tuple(step.in_avals[2].shape), sh[2])
+    ids = _update_ids(dn, tuple(step.in_avals[2].shape), sh[2])
     landed = lax.scatter(shd.zeros(x.shape, ids.dtype, sh[0]), idx, ids, **kw)
-    gd, sizes = _gather_of_scatter(p["dimension_numbers"], x.shape, u.shape)
-    mode = p["mode"]
-    if mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
-        mode = lax.GatherScatterMode.FILL_OR_DROP
-    won = ids == lax.gather(landed, idx, gd, sizes, mode=mode, fill_value=0)
+    gd, sizes = _gather_of_scatter(dn, x.shape, u.shape)
+    won = ids == lax.gather(landed, idx, gd, sizes, mode=_written(step), fill_value=0)
     nothing = jnp.array(-0.0, u.dtype)
     written = lax.scatter_add(jnp.full_like(x, nothing), idx, lax.select(won, u, jnp.full_like(u, nothing)), **kw)
     return (lax.select(landed == 0, x, written),), landed
