@@ -97,6 +97,20 @@ _PROGRAMS: dict[Any, tuple[Program, Any]] = {}
 _MAX_PROGRAMS = 2048
 
 
+def _config_key() -> tuple:
+    """The jax settings a trace depends on (``jax.enable_x64``, the promotion
+    modes, the default matmul precision), read where a context manager may have
+    set them: a program traced under one is not reused under another, as
+    ``jax.jit`` does not reuse one either."""
+    c = jax.config
+    return (
+        c.jax_enable_x64,
+        c.jax_numpy_rank_promotion,
+        c.jax_numpy_dtype_promotion,
+        c.jax_default_matmul_precision,
+    )
+
+
 def clear_programs() -> None:
     """Forget every lifted program (a rule was registered or removed: the next
     call traces again and reads the rules anew)."""
@@ -318,7 +332,7 @@ def _lifted_call(
     if clo is None:
         try:
             signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
-            key = (fun, treedef, statics, is_arr, signature, tracked_in)
+            key = (fun, treedef, statics, is_arr, signature, tracked_in, _config_key())
             hash(key)
         except TypeError:
             key = None
@@ -451,7 +465,7 @@ def _closure_key(
         return None, None
     try:
         signature = (*((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals), *clo.signature(_type_of))
-        key = ("closure", clo.key, treedef, statics, is_arr, signature, tracked_in + clo.tracked)
+        key = ("closure", clo.key, treedef, statics, is_arr, signature, tracked_in + clo.tracked, _config_key())
         hash(key)
     except TypeError:
         return None, None

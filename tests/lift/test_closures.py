@@ -678,3 +678,34 @@ def test_a_global_read_inside_a_jax_transformation_of_a_helper_is_read_at_every_
             np.testing.assert_allclose(lifted(_W), jax.grad(loss)(_W), rtol=1e-5, atol=1e-6)
     finally:
         _MOD._WRAPPED_SCALE = 1.0
+
+
+def _to_default_float(w):
+    return jnp.sum(jnp.tanh(w.astype(float)) * 1.5)
+
+
+def _rank_promoting(w):
+    return jnp.sum(w * jnp.ones((2, 1, 1), w.dtype))
+
+
+def test_a_program_traced_under_one_jax_setting_is_not_reused_under_another():
+    """``jax.enable_x64`` and the promotion modes change what a trace makes;
+    a cached lifted program is keyed by them, as ``jax.jit``'s cache is."""
+    w = jnp.asarray(_W)  # float32
+    lifted = rf.lift(_to_default_float)
+    with jax.enable_x64(True):
+        got = rf.grad(lifted)(w)
+        assert got.dtype == jax.grad(_to_default_float)(w).dtype == jnp.float32
+        np.testing.assert_allclose(got, jax.grad(_to_default_float)(w), rtol=1e-6)
+        assert rf.lift(_to_default_float)(w).dtype == jnp.float64
+    # traced again without x64: a float32 program (the float64 one raised here before)
+    np.testing.assert_allclose(rf.grad(lifted)(w), jax.grad(_to_default_float)(w), rtol=1e-6)
+    assert rf.lift(_to_default_float)(w).dtype == jnp.float32
+    # a program traced where rank promotion is allowed does not skip a "raise" later
+    with jax.numpy_rank_promotion("allow"):
+        np.testing.assert_allclose(rf.grad(rf.lift(_rank_promoting))(w), jax.grad(_rank_promoting)(w))
+    with jax.numpy_rank_promotion("raise"):
+        with pytest.raises(ValueError, match="rank_promotion='raise'"):
+            jax.grad(_rank_promoting)(w)
+        with pytest.raises(rf.ShapeError, match="rank_promotion='raise'"):
+            rf.grad(rf.lift(_rank_promoting))(w)
