@@ -134,6 +134,7 @@ def eager_jit(fun: Callable[..., Any] | None = None, *, static_argnums: Sequence
 reshape = eager_jit(jnp.reshape, static_argnums=(1,))  # (x, shape: a tuple of ints)
 transpose = eager_jit(jnp.transpose, static_argnums=(1,))  # (x, axes: a tuple of ints)
 _ones = jax.jit(jnp.ones, static_argnums=(0, 1))
+_zeros = jax.jit(jnp.zeros, static_argnums=(0, 1))
 
 
 def _relayout(x: Any, before: tuple[int, ...], axes: tuple[int, ...], after: tuple[int, ...]) -> Any:
@@ -153,6 +154,14 @@ def ones_like_value(x: Any) -> Any:
     if isinstance(x, _Tracer):
         return jnp.ones(x.shape, x.dtype)
     return _ones(tuple(x.shape), x.dtype)
+
+
+def zeros_like_value(x: Any) -> Any:
+    """``jnp.zeros(x.shape, x.dtype)`` (the gradient of an argument the function
+    did not use); one cached compiled call when ``x`` is concrete."""
+    if isinstance(x, _Tracer):
+        return jnp.zeros(x.shape, x.dtype)
+    return _zeros(tuple(x.shape), x.dtype)
 
 
 PY_SCALARS = (int, float)  # python scalars, tested by exact type (not bool, not numpy scalars)

@@ -304,3 +304,20 @@ def test_saved_zero_scalars_keep_one_unshared_pattern(monkeypatch):
         np.testing.assert_allclose(g, want(w, a, b, c), rtol=1e-6, atol=1e-7)
     (state,) = [s for s in whole_tape._CACHE.values() if isinstance(s, whole_tape._Compiled)]
     assert len(state.fns) <= whole_tape.MAX_PATTERNS + 1
+
+
+def test_an_unused_argument_gets_its_zero_gradient_in_one_compiled_call():
+    """Eagerly, the zeros of an argument the function does not read come from a
+    cached compiled call, not ``jnp.zeros``' primitives bound one by one."""
+    from tests._eager import primitives_bound_one_by_one
+
+    x, unused = jnp.ones((4, 3)), jnp.ones((2, 5), jnp.float32)
+    vg = rf.value_and_grad(lambda a, b: rf.sum(rf.tanh(a)), argnums=(0, 1))
+    _, (gx, gu) = vg(x, unused)
+    np.testing.assert_array_equal(gu, np.zeros((2, 5), np.float32))
+    assert gu.dtype == jnp.float32
+    np.testing.assert_allclose(gx, 1 - np.tanh(1.0) ** 2, rtol=1e-6)
+    assert primitives_bound_one_by_one(lambda: vg(x, unused)) == []
+    # under jit the zeros are traced inline
+    _, (_, gj) = jax.jit(vg)(x, unused)
+    np.testing.assert_array_equal(gj, np.zeros((2, 5), np.float32))

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import lazy, sharding
+from ..eager import zeros_like_value
 from ..errors import AutogradError
 from ..tensor import Tensor, is_leaf_id
 from . import whole_tape
@@ -86,8 +86,10 @@ def gradients(
         if g is None:
             if t is None:
                 g = np.zeros(like.shape, jax.dtypes.float0)
+            elif (shd := sharding.sharding_of(like)) is not None:
+                g = sharding.zeros(like.shape, like.dtype, shd)
             else:
-                g = sharding.zeros(like.shape, like.dtype, sharding.sharding_of(like))
+                g = zeros_like_value(like)
         out.append(g)
     return out
 
@@ -125,7 +127,7 @@ class GradientStore(Mapping):
                 raise KeyError("this Tensor is not tracked (requires_grad=False), so it has no gradient")
             g = self._grads.get(key.grad_id)
             if g is None:
-                return jnp.zeros(key.shape, key.dtype)
+                return zeros_like_value(key)
             return g
         return self._grads[key]
 
