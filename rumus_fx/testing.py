@@ -100,15 +100,17 @@ def check_fd(
             g, f = jax.jit(g), jax.jit(f)
         grads = g(*args64)
         rng = np.random.default_rng(seed)
+        # the steps and dot products in NumPy (the same float64 arithmetic): jnp
+        # eagerly would compile a program per primitive and shape
         for _ in range(directions):
-            vs = [jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape)), args64[i]) for i in nums]
+            vs = [jax.tree_util.tree_map(lambda x: rng.standard_normal(np.shape(x)), args64[i]) for i in nums]
             plus, minus = list(args64), list(args64)
             for i, v in zip(nums, vs):
-                plus[i] = jax.tree_util.tree_map(lambda x, d: x + eps * d, args64[i], v)
-                minus[i] = jax.tree_util.tree_map(lambda x, d: x - eps * d, args64[i], v)
+                plus[i] = jax.tree_util.tree_map(lambda x, d: jnp.asarray(np.asarray(x) + eps * d), args64[i], v)
+                minus[i] = jax.tree_util.tree_map(lambda x, d: jnp.asarray(np.asarray(x) - eps * d), args64[i], v)
             numeric = (float(f(*plus)) - float(f(*minus))) / (2 * eps)
             terms = [
-                float(jnp.vdot(gl, vl))
+                float(np.vdot(np.asarray(gl), vl))
                 for gi, vi in zip(grads, vs)
                 for gl, vl in zip(jax.tree_util.tree_leaves(gi), jax.tree_util.tree_leaves(vi))
             ]
