@@ -105,7 +105,7 @@ def test_rule_matches_jax_grad(info, k, dtype, jit):
         args, f_rf, f_ref, diff = _setup(info, k, dtype)
         _check(info, args, f_rf, f_ref, diff, dtype, jit)
         # the forward value is jax's own
-        chex.assert_trees_all_close(rf.lift(info.fun)(*args), info.fun(*args), rtol=1e-6, atol=1e-6)
+        chex.assert_trees_all_close(rf.lift(info.fun)(*args), jax.jit(info.fun)(*args), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("info,k", FIRST)
@@ -161,13 +161,18 @@ def test_noncontiguous_tensor_inputs(info, k):
     chex.assert_trees_all_close(got, want, **_tols(info, jnp.float32))
 
 
+# under jax.jit by default: rf's ops see the same batch tracers as eagerly, where each
+# batched primitive is dispatched (and compiled) on its own, 5-10x the time; eagerly too
+# with -m slow
+@pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["jit", "eager"])
 @pytest.mark.parametrize("info,k", VMAP)
-def test_vmap_per_example(info, k):
+def test_vmap_per_example(info, k, jit):
     args, f_rf, f_ref, diff = _setup(info, k, jnp.float32)
     batched = [jnp.stack([a, a * 0.5 + 0.1]) if j in diff else a for j, a in enumerate(args)]
     axes = tuple(0 if j in diff else None for j in range(len(args)))
-    got = jax.vmap(rf.grad(f_rf, argnums=diff), in_axes=axes)(*batched)
-    want = jax.vmap(jax.grad(f_ref, argnums=diff), in_axes=axes)(*batched)
+    maybe_jit = jax.jit if jit else (lambda f: f)
+    got = maybe_jit(jax.vmap(rf.grad(f_rf, argnums=diff), in_axes=axes))(*batched)
+    want = maybe_jit(jax.vmap(jax.grad(f_ref, argnums=diff), in_axes=axes))(*batched)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -220,7 +225,12 @@ NO_REVERSE_OVER_REVERSE_IN_JAX = {"random_gamma"}
 # rule computes its primal output (``p[0]`` here), so the two differ by design
 # (test_programs.py::test_inconsistent_custom_jvp_rule_holds_at_every_order)
 RULE_NOT_ITS_PRIMALS_DERIVATIVE = {"custom_jvp_call"}
-SECOND = [pytest.param(info, id=info.name) for info in ENTRIES if info.name not in RULE_NOT_ITS_PRIMALS_DERIVATIVE]
+# (info, reverse): rf.grad over rf.grad too for every other entry (the rest with -m slow)
+SECOND = [
+    pytest.param(info, j % 2 == 0, id=info.name)
+    for j, info in enumerate(ENTRIES)
+    if info.name not in RULE_NOT_ITS_PRIMALS_DERIVATIVE
+]
 
 
 def _direction(args, subset):
@@ -280,18 +290,26 @@ def _check_second_order(info, subsets, reverse=False):
                 chex.assert_trees_all_close(tuple(got), tuple(want), rtol=1e-8, atol=1e-8)
 
 
-@pytest.mark.parametrize("info", SECOND)
-def test_second_order_matches_jax(info):
+@pytest.mark.parametrize("info,reverse", SECOND)
+def test_second_order_matches_jax(info, reverse):
     """Hessian-vector products ``jax.jvp(rf.grad(f))`` against
     ``jax.jvp(jax.grad(f))``, all differentiable arguments together, float64: every
     rule's backward must itself be differentiable in every value it reads (a
     rule that evaluates a stop-gradient'ed factorisation where JAX re-solves,
     as custom_linear_solve once did, loses the Hessian's terms silently); and
-    the same product as ``rf.grad`` over ``rf.grad``."""
+    (``reverse``) the same product as ``rf.grad`` over ``rf.grad``."""
+    _check_second_order(info, lambda diff: [tuple(diff)], reverse=reverse)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("info,reverse", [p for p in SECOND if not p.values[1]])
+def test_reverse_over_reverse_other_entries(info, reverse):
     _check_second_order(info, lambda diff: [tuple(diff)], reverse=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("info", [p for p in SECOND if len(_samples(p.values[0])[0].diff) > 1])
+@pytest.mark.parametrize(
+    "info", [pytest.param(p.values[0], id=p.id) for p in SECOND if len(_samples(p.values[0])[0].diff) > 1]
+)
 def test_second_order_each_argument_alone(info):
     _check_second_order(info, lambda diff: [(d,) for d in diff])

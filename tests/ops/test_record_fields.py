@@ -41,7 +41,8 @@ def _reads(rec, g, needs) -> set[str]:
 
     cls.__getattribute__ = spy
     try:
-        rec.backward(g, needs)
+        # traced, not run: the reads are Python's, and nothing compiles
+        jax.eval_shape(lambda: rec.backward(g, needs))
     finally:
         del cls.__getattribute__
     return seen
