@@ -102,12 +102,13 @@ def check_fd(
         rng = np.random.default_rng(seed)
         # the steps and dot products in NumPy (the same float64 arithmetic): jnp
         # eagerly would compile a program per primitive and shape
+        host = {i: jax.tree_util.tree_map(np.asarray, args64[i]) for i in nums}
         for _ in range(directions):
-            vs = [jax.tree_util.tree_map(lambda x: rng.standard_normal(np.shape(x)), args64[i]) for i in nums]
+            vs = [jax.tree_util.tree_map(lambda x: rng.standard_normal(np.shape(x)), host[i]) for i in nums]
             plus, minus = list(args64), list(args64)
             for i, v in zip(nums, vs):
-                plus[i] = jax.tree_util.tree_map(lambda x, d: jnp.asarray(np.asarray(x) + eps * d), args64[i], v)
-                minus[i] = jax.tree_util.tree_map(lambda x, d: jnp.asarray(np.asarray(x) - eps * d), args64[i], v)
+                plus[i] = jax.tree_util.tree_map(lambda x, d: jnp.asarray(x + eps * d), host[i], v)
+                minus[i] = jax.tree_util.tree_map(lambda x, d: jnp.asarray(x - eps * d), host[i], v)
             numeric = (float(f(*plus)) - float(f(*minus))) / (2 * eps)
             terms = [
                 float(np.vdot(np.asarray(gl), vl))
