@@ -158,6 +158,8 @@ COMPLEX_OK.update(
         "eigh",
         # calls and control flow (their bodies' rules are checked one by one)
         "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
+        # a custom JVP rule's reverse walk: every step of it is checked as above
+        "custom_jvp_call",
         "optimization_barrier", "sharding_constraint", "reshard",
     }
 )  # fmt: skip

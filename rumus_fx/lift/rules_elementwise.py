@@ -99,7 +99,9 @@ _unary("cosh", lambda r, g: g * lax.sinh(_input(r)), saves_inputs(0), program=jn
 _unary("asinh", lambda r, g: g * lax.rsqrt(_input(r) * _input(r) + 1), saves_inputs(0), program=jnp.arcsinh)
 _unary(
     "acosh",
-    lambda r, g: g * lax.rsqrt((_input(r) - 1) * (_input(r) + 1)),
+    # 1/(sqrt(z-1) sqrt(z+1)), not 1/sqrt(z^2-1): the two differ in sign for complex z
+    # off the real axis (the principal branch of acosh is log(z + sqrt(z-1) sqrt(z+1)))
+    lambda r, g: g * lax.rsqrt(_input(r) - 1) * lax.rsqrt(_input(r) + 1),
     saves_inputs(0),
     program=jnp.arccosh,
     gen=_plus_one_and_a_half,
