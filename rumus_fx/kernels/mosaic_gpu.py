@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -289,6 +290,18 @@ def _plgpu() -> Any:
     return plgpu
 
 
+def _load(ref: Any, layout: Any) -> Any:
+    """The whole of a shared-memory ``ref`` in ``layout``. jax 0.10's ``plgpu.load``
+    takes the index as a second argument; jax 0.11 deprecates that (the index goes
+    into the ref, ``ref.at[idx]``) and makes it optional: pass it only where it is
+    required (read from the signature, not the version)."""
+    plgpu = _plgpu()
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
     plgpu = _plgpu()
     if len(shape) == 1:
@@ -339,16 +352,16 @@ def _row_kernel(
         row_idx = list(range(n_t + n_p, n_in))
         if row_idx:
             copy_in(row_idx, lambda i: gm_in[i].at[rows])
-        row_vals = [plgpu.load(sm_in[i], (), layout=row_layout) for i in row_idx]
+        row_vals = [_load(sm_in[i], row_layout) for i in row_idx]
 
         def load(c):
             cols = pl.ds(c * CHUNK, CHUNK)
             copy_in(range(n_t), lambda i: gm_in[i].at[rows, cols])
             if n_p:
                 copy_in(range(n_t, n_t + n_p), lambda i: gm_in[i].at[cols])
-            got = [plgpu.load(sm_in[i], (), layout=wgmma).astype(jnp.float32) for i in range(n_t)]
+            got = [_load(sm_in[i], wgmma).astype(jnp.float32) for i in range(n_t)]
             for i in range(n_t, n_t + n_p):
-                v = plgpu.load(sm_in[i], (), layout=col_layout).astype(jnp.float32)
+                v = _load(sm_in[i], col_layout).astype(jnp.float32)
                 got.append(lax.broadcast_in_dim(v, shape, [1]))
             return got
 

@@ -85,6 +85,13 @@ if hasattr(lax, "log2_p"):  # jax 0.11's own primitive (0.10's jnp.log2 divides 
         program=jnp.log2,
         gen=positive,
     )
+if hasattr(lax, "one_minus_square_p"):  # jax 0.11's 1 - x^2 (its asin/acos/atanh/tanh JVPs use it)
+    _unary(
+        "one_minus_square",
+        lambda r, g: g * (-2 * _input(r)),
+        saves_inputs(0),
+        program=lambda x: lax.one_minus_square(x),
+    )
 _unary("expm1", lambda r, g: g * (_output(r) + 1), saves_outputs(0), program=jnp.expm1)
 _unary("tanh", lambda r, g: formulas.tanh(g, _output(r)), saves_outputs(0), program=jnp.tanh, vmap=True)
 _unary("logistic", lambda r, g: formulas.sigmoid(g, _output(r)), saves_outputs(0), program=jax.nn.sigmoid)

@@ -509,6 +509,27 @@ defrule(
 )
 
 
+def _unstack_vjp(r, g):
+    """``lax.unstack`` (``jnp.unstack``; on jax 0.11 also iterating over an array
+    and ``jnp.concat`` of one): the cotangents stacked back along the axis."""
+    return (jnp.stack(list(g), axis=r.params["axis"]).astype(r.in_avals[0].dtype),)
+
+
+defrule(
+    "unstack",
+    _unstack_vjp,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "unstack",
+            lambda x: sum((k + 1.0) * jnp.sin(a) for k, a in enumerate(jnp.unstack(x, axis=1))),
+            unary_samples([(3, 4)]),
+        ),
+        TableEntry("unstack_one_output_used", lambda x: jnp.unstack(x)[1] ** 2, unary_samples([(3, 2)])),
+    ),
+)
+
+
 # -- sharding annotations -----------------------------------------------------------
 
 
