@@ -565,7 +565,8 @@ def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]
             + jnp.sum(jnp.tanh(a.at[:, idx].add(u[:, :4])))
             + jnp.sum(jnp.take_along_axis(a, tidx, axis=1) ** 2)
             + jnp.sum(a[:, 3] ** 2)
-            + jnp.sum(a.at[:, 1].set(0.0) ** 2)
+            # updates sharded as the rows they land in (jax 0.11 refuses a scalar's replicated broadcast)
+            + jnp.sum(a.at[:, 1].set(a[:, 0] * 0.0) ** 2)
         )
 
     def conv_pool(a, k):

@@ -172,7 +172,7 @@ def _trace(
         # have rules, a Pallas kernel call has none (the kernels run where rf ops
         # are called on the tape directly)
         with suspend_recording(), kernel_mode("reference"):
-            closed = _make_jaxpr(flat, (*avals, *cavals))
+            closed = jax.make_jaxpr(flat)(*avals, *cavals)
     except Exception as e:
         _raise_sharding_error(e, name, avals)
         if isinstance(e, (TypeError, ValueError)):
@@ -195,41 +195,9 @@ def _trace(
                 tensor_mod.CAPTURE = inner
 
         with suspend_recording(), kernel_mode("reference"):
-            closed = _make_jaxpr(flat2, (*avals, *cavals, *cap_avals))
+            closed = jax.make_jaxpr(flat2)(*avals, *cavals, *cap_avals)
         return closed, out_info, captured, list(cap.constants.values())
     return closed, out_info, [], list(cap.constants.values())
-
-
-def _make_jaxpr(flat: Callable, avals: Sequence[Any]) -> Any:
-    """``jax.make_jaxpr(flat)(*avals)``; when JAX refuses a sharding and no mesh
-    is set, traced again as under ``jax.set_mesh`` of the operands' Explicit mesh.
-
-    jax 0.11 broadcasts a meshless scalar to a replicated value, whatever
-    ``out_sharding=`` asks, when no mesh is set (Note [Broadcasting a meshless
-    value] in rumus_fx/sharding.py), and some jax.numpy code relies on that
-    broadcast keeping its sharding: ``x.at[:, 1].set(0.0)`` on an ``x`` sharded
-    over its rows then scatters replicated updates into sharded rows, which JAX
-    refuses. With the mesh set, the broadcast keeps its sharding on every jax
-    version; the program then runs without it (its broadcasts keep their
-    sharding in ``Step.bind``). A function that traces without the mesh is
-    traced as before."""
-    try:
-        return jax.make_jaxpr(flat)(*avals)
-    except Exception as e:
-        mesh = _operands_mesh(avals) if shd.is_sharding_failure(e) else None
-        if mesh is None or not jax.sharding.get_abstract_mesh().empty:
-            raise
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.make_jaxpr(flat)(*avals)
-
-
-def _operands_mesh(avals: Sequence[Any]) -> Any:
-    """The abstract mesh of the operands' Explicit shardings when they share one."""
-    meshes = {s.mesh for a in avals if (s := shd.explicit(getattr(a, "sharding", None))) is not None}
-    if len(meshes) != 1:
-        return None
-    mesh = meshes.pop()
-    return getattr(mesh, "abstract_mesh", mesh)
 
 
 def _raise_sharding_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
