@@ -40,6 +40,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -170,19 +172,61 @@ def conform(g: jax.Array, sharding: NamedSharding | None) -> jax.Array:
     return jax.sharding.reshard(g, sharding)
 
 
+# Note [Broadcasting a meshless value]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# jax 0.11 made ``broadcast_in_dim`` a standard primitive, whose sharding
+# inference (``call_sharding_rule`` in jax/_src/lax/utils.py) skips the
+# primitive's rule -- and with it the ``out_sharding=`` it was given -- when
+# neither the context mesh (``jax.set_mesh``) nor the operand's type has
+# Explicit axes: under ``jax.jit`` without ``set_mesh``, broadcasting a meshless
+# value (the seed of a backward pass, a constant, an iota) to an explicit
+# sharding gives a replicated result, which the engine then has to reshard.
+# ``jnp.zeros(out_sharding=)`` and ``jnp.full_like`` broadcast a scalar the same
+# way. jax 0.10 honoured ``out_sharding=`` there. :func:`onto_mesh` first puts
+# such an operand on the sharding's mesh, replicated (no data moves: it is the
+# same on every device), so that the broadcast's rule runs on both versions.
+
+
+def onto_mesh(x: Any, sharding: NamedSharding | None) -> Any:
+    """``x`` replicated on ``sharding``'s mesh when ``sharding`` is explicit, no
+    mesh is set and ``x`` (traced, or a constant in a traced program) has no mesh
+    in its type (Note [Broadcasting a meshless value]); else ``x``."""
+    if sharding is None or not jax.sharding.get_abstract_mesh().empty:
+        return x
+    have = _type_sharding(x)
+    if not getattr(getattr(have, "mesh", None), "empty", True):
+        return x
+    if not isinstance(x, jax.core.Tracer) and not _staging():
+        return x  # eagerly, Explicit axes need jax.set_mesh, which sets the context mesh
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
+
+
+def _staging() -> bool:
+    """Whether jax is tracing a program (not running op by op)."""
+    return type(jcore.find_top_trace(())).__name__ != "EvalTrace"
+
+
 def zeros(shape: Sequence[int], dtype: Any, sharding: NamedSharding | None) -> jax.Array:
     """``jnp.zeros`` with ``sharding`` (when explicit)."""
     if sharding is None:
         return jnp.zeros(shape, dtype)
+    if jax.sharding.get_abstract_mesh().empty and _staging():
+        # jnp.zeros broadcasts a meshless scalar (Note [Broadcasting a meshless value])
+        return broadcast_to(jnp.zeros((), dtype), shape, sharding)
     return jnp.zeros(shape, dtype, out_sharding=sharding)
 
 
-def broadcast_to(g: jax.Array, shape: Sequence[int], sharding: NamedSharding | None) -> jax.Array:
+def broadcast_to(g: Any, shape: Sequence[int], sharding: NamedSharding | None) -> jax.Array:
     """``jnp.broadcast_to`` producing ``sharding`` (when explicit): the gradient
     of a reduction, broadcast back to its input's sharded shape."""
     if sharding is None:
         return jnp.broadcast_to(g, shape)
-    return jnp.broadcast_to(g, shape, out_sharding=sharding)
+    return jnp.broadcast_to(onto_mesh(g, sharding), shape, out_sharding=sharding)
+
+
+def broadcast_in_dim(g: Any, shape: Sequence[int], dims: Sequence[int], sharding: NamedSharding | None) -> jax.Array:
+    """``lax.broadcast_in_dim`` producing ``sharding`` (when explicit)."""
+    return lax.broadcast_in_dim(onto_mesh(g, sharding), tuple(shape), tuple(dims), out_sharding=sharding)
 
 
 def describe(x: Any) -> str:

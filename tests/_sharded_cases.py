@@ -565,7 +565,8 @@ def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]
             + jnp.sum(jnp.tanh(a.at[:, idx].add(u[:, :4])))
             + jnp.sum(jnp.take_along_axis(a, tidx, axis=1) ** 2)
             + jnp.sum(a[:, 3] ** 2)
-            + jnp.sum(a.at[:, 1].set(0.0) ** 2)
+            # updates sharded as the rows they land in (jax 0.11 refuses a scalar's replicated broadcast)
+            + jnp.sum(a.at[:, 1].set(a[:, 0] * 0.0) ** 2)
         )
 
     def conv_pool(a, k):
@@ -1049,8 +1050,44 @@ GROUPS: dict[str, Callable[[], list[str]]] = {
 }
 
 
+def emulate_jax011_broadcast() -> bool:
+    """Make ``broadcast_in_dim`` infer its result's sharding as jax 0.11 does
+    (``SHARDED_EMULATE_JAX011=1``), so that jax 0.10 runs check what 0.11 needs.
+
+    jax 0.10 gave ``broadcast_in_dim`` its own abstract evaluation, which always
+    honours its ``sharding`` (``out_sharding=``) parameter. jax 0.11 makes it a
+    standard primitive (jax/_src/lax/lax.py ``broadcast_in_dim_p =
+    standard_primitive(...)``), whose sharding inference
+    (jax/_src/lax/utils.py ``call_sharding_rule``) skips the rule -- and the
+    parameter -- when neither the context mesh (``jax.set_mesh``) nor the
+    operand's type has Explicit axes: broadcasting a meshless value (a constant,
+    the seed of a backward pass) to ``out_sharding=`` gives a replicated result
+    when no mesh is set; so do ``jnp.zeros(..., out_sharding=)`` and
+    ``jnp.full_like`` of a sharded tracer, which broadcast a scalar. Returns
+    whether the emulation was installed (not on a jax that already does this)."""
+    from jax._src import mesh as mesh_lib
+    from jax._src.lax import lax as lax_internal
+
+    prim = lax_internal.broadcast_in_dim_p
+    if not hasattr(lax_internal, "_broadcast_in_dim_abstract_eval"):
+        return False  # jax 0.11 and later: already the standard primitive
+    orig = prim.abstract_eval
+
+    def abstract_eval(x, **params):
+        out, effects = orig(x, **params)
+        cur, mesh = mesh_lib.get_abstract_mesh(), x.sharding.mesh
+        if (cur.empty or cur._are_all_axes_auto_or_manual) and (mesh.empty or mesh._are_all_axes_auto_or_manual):
+            out = out.update(sharding=NamedSharding(cur if mesh.empty else mesh, P()))
+        return out, effects
+
+    prim.abstract_eval = abstract_eval
+    return True
+
+
 def main(names: list[str]) -> int:
     assert jax.device_count() == 8, jax.devices()
+    if os.environ.get("SHARDED_EMULATE_JAX011"):
+        print(f"emulating jax 0.11's broadcast_in_dim: {emulate_jax011_broadcast()}", flush=True)
     failures = []
     for n in names:
         failures += GROUPS[n]()

@@ -63,6 +63,10 @@ class Step:
     def bind(self, vals: Sequence[Any]) -> tuple[Any, ...]:
         """The primitive applied to ``vals``: its outputs, as a tuple (a call
         primitive binds its jaxpr as a function, as jax's eval_jaxpr does)."""
+        if self.prim.name == "broadcast_in_dim" and (sh := shd.explicit(self.params.get("sharding"))) is not None:
+            # jax 0.11 drops the traced sharding for a meshless operand when no mesh
+            # is set (Note [Broadcasting a meshless value] in rumus_fx/sharding.py)
+            vals = (shd.onto_mesh(vals[0], sh), *vals[1:])
         outs = self.prim.bind(*vals, **self.prim.get_bind_params(self.params))
         return outs if self.prim.multiple_results else (outs,)
 

@@ -418,7 +418,7 @@ def _update_ids(dn, up_shape, sharding):
     n_ids = math.prod(ids_shape)
     id_dtype = np.uint64 if n_ids > _UINT32_MAX else np.uint32
     ids = lax.iota(id_dtype, n_ids).reshape(ids_shape) + jnp.ones((), id_dtype)
-    return lax.broadcast_in_dim(ids, up_shape, tuple(range(len(up_shape))), out_sharding=sharding)
+    return shd.broadcast_in_dim(ids, up_shape, tuple(range(len(up_shape))), sharding)  # ids: meshless (an iota)
 
 
 def _scatter_forward(step, vals):
@@ -445,7 +445,13 @@ def _scatter_forward(step, vals):
     gd, sizes = _gather_of_scatter(dn, x.shape, u.shape)
     won = ids == lax.gather(landed, idx, gd, sizes, mode=_written(step), fill_value=0)
     nothing = jnp.array(-0.0, u.dtype)
-    written = lax.scatter_add(jnp.full_like(x, nothing), idx, lax.select(won, u, jnp.full_like(u, nothing)), **kw)
+    # (not jnp.full_like: on jax 0.11 it drops x's sharding under jit without set_mesh,
+    # Note [Broadcasting a meshless value] in rumus_fx/sharding.py)
+    fill_x, fill_u = (
+        jnp.full_like(v, nothing) if s is None else shd.broadcast_to(nothing, v.shape, s)
+        for v, s in ((x, sh[0]), (u, sh[2]))
+    )
+    written = lax.scatter_add(fill_x, idx, lax.select(won, u, fill_u), **kw)
     return (lax.select(landed == 0, x, written),), landed
 
 

@@ -26,7 +26,9 @@ def _expand(g, aval, axes, sharding=None):
     """Broadcast a reduced gradient back over ``axes`` to ``aval``'s shape (with
     the operand's explicit ``sharding``)."""
     kept = tuple(d for d in range(len(aval.shape)) if d not in axes)
-    return lax.broadcast_in_dim(g, tuple(aval.shape), kept, out_sharding=sharding)
+    # (shd.broadcast_in_dim: jax 0.11 drops out_sharding= for a meshless ``g``, such as
+    # a backward seed, under jit without set_mesh; Note [Broadcasting a meshless value])
+    return shd.broadcast_in_dim(g, aval.shape, kept, sharding)
 
 
 def _reduce_sum_vjp(r, g):
