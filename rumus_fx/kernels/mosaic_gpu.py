@@ -102,6 +102,25 @@ def check_rules(dtype: Any, buffers: int = 2) -> str | None:
     return None
 
 
+@functools.cache
+def _load_takes_an_index() -> bool:
+    """Whether ``plgpu.load`` needs its index argument: jax 0.10's does (``()`` for
+    the whole ref); jax 0.11's makes it optional and warns (a ``DeprecationWarning``,
+    an error under a test suite's ``-W error``) when one is passed."""
+    import inspect
+
+    param = inspect.signature(_plgpu().load).parameters.get("idx")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _load_whole(ref: Any, *, layout: Any) -> jax.Array:
+    """``plgpu.load`` of the whole ``ref`` with ``layout``, on jax 0.10 and 0.11."""
+    plgpu = _plgpu()
+    if _load_takes_an_index():
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -339,16 +358,16 @@ def _row_kernel(
         row_idx = list(range(n_t + n_p, n_in))
         if row_idx:
             copy_in(row_idx, lambda i: gm_in[i].at[rows])
-        row_vals = [plgpu.load(sm_in[i], (), layout=row_layout) for i in row_idx]
+        row_vals = [_load_whole(sm_in[i], layout=row_layout) for i in row_idx]
 
         def load(c):
             cols = pl.ds(c * CHUNK, CHUNK)
             copy_in(range(n_t), lambda i: gm_in[i].at[rows, cols])
             if n_p:
                 copy_in(range(n_t, n_t + n_p), lambda i: gm_in[i].at[cols])
-            got = [plgpu.load(sm_in[i], (), layout=wgmma).astype(jnp.float32) for i in range(n_t)]
+            got = [_load_whole(sm_in[i], layout=wgmma).astype(jnp.float32) for i in range(n_t)]
             for i in range(n_t, n_t + n_p):
-                v = plgpu.load(sm_in[i], (), layout=col_layout).astype(jnp.float32)
+                v = _load_whole(sm_in[i], layout=col_layout).astype(jnp.float32)
                 got.append(lax.broadcast_in_dim(v, shape, [1]))
             return got
 
