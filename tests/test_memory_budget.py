@@ -4,6 +4,7 @@ those of jax.grad (and of the unbudgeted rf.grad), and the compiled program's
 temporary memory falls as the budget falls."""
 
 import itertools
+import re
 import warnings
 
 import jax
@@ -338,6 +339,25 @@ def test_users_jax_checkpoint_keeps_jax_grads_program():
     loss = _chain(jax.checkpoint(_chain_layer_jnp))
     _close(rf.grad(rf.lift(loss))(ws, x), jax.grad(loss)(ws, x), rtol=1e-4, atol=1e-5)
     assert _compiled_temp(rf.grad(rf.lift(loss)), ws, x) == _compiled_temp(jax.grad(loss), ws, x)
+
+
+def _barriers(g, *args):
+    text = jax.jit(g).lower(*args).as_text()
+    return sorted(re.findall(r"stablehlo\.optimization_barrier (.*?) :", text))
+
+
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_users_jax_checkpoint_has_jax_grads_barriers(prevent_cse):
+    """The cause behind the test above, visible on any XLA: rf's backward of a user's
+    jax.checkpoint holds jax.grad's optimisation barriers, operand for operand:
+    the inputs and the cotangents (jax's remat_transpose pins both; with only the
+    inputs pinned, XLA:CPU of jax 0.11 scheduled the recomputation in the forward),
+    and none with prevent_cse=False."""
+    ws, x = _chain_params(depth=2)
+    loss = _chain(jax.checkpoint(_chain_layer_jnp, prevent_cse=prevent_cse))
+    want = _barriers(jax.grad(loss), ws, x)
+    assert len(want) == (2 if prevent_cse else 0)
+    assert [b.count("%") for b in _barriers(rf.grad(rf.lift(loss)), ws, x)] == [b.count("%") for b in want]
 
 
 def test_budget_lowers_compiled_memory_well_below_unbudgeted():

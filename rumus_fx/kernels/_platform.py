@@ -23,6 +23,16 @@ that turns warnings into errors would fail on every compiled step), so
 and nowhere else: a user's own Triton kernels still warn. If jax removes the
 backend, ``"auto"`` falls back to the reference with a ``KernelFallbackWarning``
 (SPEC section 6).
+
+Lowering the GPU kernels for cuda from a process without a GPU (``jax.export``
+for ``["cpu", "cuda", "tpu"]`` on a CPU host): jax 0.10's Triton lowering
+assumed compute capability 9.0 when it found no GPU; jax 0.11's asks
+``gpu_info.get_gpu_info()`` for the GPU, which reads the abstract mesh's
+``AbstractDevice``, else the default device, and raises "No supported GPU
+devices found" when neither is a GPU. :func:`gpu_target` supplies an abstract
+H100 (compute capability 9.0, jax 0.10's assumption) around rf's own GPU
+kernels in that case only: a GPU in the process, or an ``AbstractDevice`` the
+user set with ``jax.sharding.use_abstract_mesh``, decides instead.
 """
 
 from __future__ import annotations
@@ -60,6 +70,39 @@ def own_kernels() -> Iterator[None]:
         yield
 
 
+# What a cuda lowering without a GPU targets: jax 0.10's fallback (compute
+# capability 9.0); jax 0.11 maps this kind to 9.0 (pallas/triton/gpu_info.py).
+ABSTRACT_GPU = dict(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+
+
+def _needs_abstract_gpu() -> bool:
+    """No GPU for a Pallas GPU lowering to read: neither the abstract mesh's
+    device (a mesh of CPU devices names a CPU one) nor the default backend is a
+    GPU (jax's own order of lookups)."""
+    if not hasattr(jax.sharding, "AbstractDevice"):  # a jax without abstract devices
+        return False
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and device.platform in ("gpu", *_BACKEND_PLATFORMS["gpu"]):
+        return False
+    return jax.default_backend() != "gpu"
+
+
+@contextlib.contextmanager
+def gpu_target() -> Iterator[None]:
+    """While rf lowers its own GPU kernels: the abstract mesh names an abstract
+    GPU (:data:`ABSTRACT_GPU`) when the process has none (see the module doc).
+    The mesh has no axes: a kernel's program uses none, and the current mesh
+    with another device would fail jax's check that an array's mesh is the
+    context's inside ``shard_map``. jax 0.10 never reads the device (the
+    lowered module is the same with or without it)."""
+    if not _needs_abstract_gpu():
+        yield
+        return
+    device = jax.sharding.AbstractDevice(**ABSTRACT_GPU)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        yield
+
+
 def native_or_interpret(
     native: Callable[..., Sequence[jax.Array]],
     interpret: Callable[..., Sequence[jax.Array]],
@@ -90,7 +133,8 @@ def _lowering(platform: str):
     def rule(ctx, *args, native, interpret, platforms, out_avals):
         del out_avals
         fn = native if platform in platforms else interpret
-        with own_kernels():
+        target = gpu_target() if fn is native and platform in _BACKEND_PLATFORMS["gpu"] else contextlib.nullcontext()
+        with own_kernels(), target:
             return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
 
     return rule

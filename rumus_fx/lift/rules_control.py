@@ -17,6 +17,8 @@ and re-runs the body's forward in backward. ``custom_vjp_call`` runs the user's
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -293,6 +295,30 @@ def _remat_forward(step, vals):
     return outs, ()
 
 
+def _cse_flags(prevent_cse: Any, n: int) -> list[bool]:
+    """Which of a checkpoint's ``n`` inputs ``prevent_cse`` pins: a bool for all of
+    them, or (jax 0.11) a tuple with one bool per input of the equation."""
+    if isinstance(prevent_cse, (tuple, list)) and len(prevent_cse) == n:
+        return [bool(f) for f in prevent_cse]
+    return [bool(prevent_cse)] * n
+
+
+def _pinned(prevent_cse: Any, ins: list, g: list) -> tuple[list, list]:
+    """The inputs and cotangents of a user's ``jax.checkpoint`` backward behind the
+    optimisation barrier jax.grad's program has: ``remat_transpose`` (jax's
+    ad_checkpoint.py, 0.10 and 0.11) pins the inputs ``prevent_cse`` selects *and*
+    the cotangents whenever any is pinned, in one barrier. The cotangents matter: on
+    XLA:CPU with jax 0.11 a barrier over the inputs alone lets the recomputation be
+    scheduled in the forward (no memory saved), one that also holds the cotangents
+    cannot run before them."""
+    flags = _cse_flags(prevent_cse, len(ins))
+    if not any(flags):
+        return ins, g
+    kept, g = lax.optimization_barrier(([x for x, f in zip(ins, flags) if f], g))
+    kept = iter(kept)
+    return [next(kept) if f else x for x, f in zip(ins, flags)], list(g)
+
+
 def _remat_vjp(r, g):
     prog = r._step.sub
 
@@ -300,11 +326,12 @@ def _remat_vjp(r, g):
         _, res = prog.run(ins)
         return list(prog.backward(res, g))
 
-    if kept_apart(r.params.get("policy")) and r.params.get("prevent_cse", True):
+    prevent_cse = r.params.get("prevent_cse", True)
+    if kept_apart(r.params.get("policy")) and any(_cse_flags(prevent_cse, len(r.ins))):
         # rf's own segment (rf.checkpoint, memory_budget=): Note [Recomputation kept apart]
         grads = recompute(backward, list(r.ins), list(g))
-    else:  # a user's jax.checkpoint: the barrier, as jax.grad's program has
-        grads = backward(lax.optimization_barrier(list(r.ins)), list(g))
+    else:  # a user's jax.checkpoint: the barrier jax.grad's program has
+        grads = backward(*_pinned(prevent_cse, list(r.ins), list(g)))
     return tuple(gr if n else None for gr, n in zip(grads, r.needs))
 
 

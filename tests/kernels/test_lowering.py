@@ -188,3 +188,59 @@ def test_one_export_for_cpu_cuda_and_tpu_holds_every_kernel_and_runs_the_referen
     with rf.kernels.use("reference"):
         want = rf.grad(_every_op, argnums=argnums)(*args)
     chex.assert_trees_all_close(exported.call(*args), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------ cuda from a host without a GPU
+
+
+def _gpu_info_module():
+    """jax 0.11's ``gpu_info`` (what its Triton lowering asks for the GPU), or
+    None on a jax whose lowering does not ask (0.10 assumes compute capability 9.0)."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return None
+    return gpu_info
+
+
+def test_rfs_gpu_kernels_lower_under_an_abstract_gpu_when_the_process_has_none():
+    """jax 0.11 raises "No supported GPU devices found" when a Triton kernel is
+    lowered for cuda with no GPU in the process and no ``AbstractDevice`` named;
+    rf's lowering rule names an abstract H100 (compute capability 9.0, jax 0.10's
+    assumption) around its own native GPU kernels only."""
+    from rumus_fx.kernels import _platform
+
+    seen = {}
+
+    def native(x):
+        seen["native"] = jax.sharding.get_abstract_mesh().abstract_device
+        return [x + 1]
+
+    def interpret(x):
+        seen["interpret"] = jax.sharding.get_abstract_mesh().abstract_device
+        return [x + 1]
+
+    def f(x):
+        return _platform.native_or_interpret(native, interpret, ("cuda", "rocm"), (x,), x)[0]
+
+    x = jax.ShapeDtypeStruct((3,), f32)
+    jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+    jax.jit(f).trace(x).lower(lowering_platforms=("cpu",))
+    if jax.default_backend() == "gpu":
+        assert seen["native"] is None
+    else:
+        assert (seen["native"].platform, seen["native"].device_kind) == ("gpu", "NVIDIA H100")
+    assert seen["interpret"] is None  # the interpreter asks for no GPU; the mesh is left alone
+    with _platform.gpu_target():
+        info = _gpu_info_module()
+        if info is not None and jax.default_backend() != "gpu":
+            assert info.get_gpu_info().compute_capability == 90
+
+
+def test_an_abstract_gpu_the_user_names_is_kept():
+    from rumus_fx.kernels import _platform
+
+    mine = jax.sharding.AbstractDevice(device_kind="NVIDIA B200", num_cores=148, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=mine)):
+        with _platform.gpu_target():
+            assert jax.sharding.get_abstract_mesh().abstract_device is mine
