@@ -142,7 +142,11 @@ def test_matmul_weight_gradient_with_leading_axes(rng, monkeypatch, lhs, under_m
                 atol=1e-4,
                 rtol=1e-4,  # and float64 finite differences, through the same path
             )
-    assert seen and set(seen) == {(jit and lhs == "computed", not under_mesh)}
+    assert seen
+    if rf.kernels.backend() == "reference":
+        # the plan is XLA:CPU's (the Pallas matmul ignores it; on a GPU the dot's output
+        # comes from the kernel's call, which the plan does not name as a dot)
+        assert set(seen) == {(jit and lhs == "computed", not under_mesh)}
 
 
 def test_im2col_single_sample_matches_batched_and_rumus_order():
