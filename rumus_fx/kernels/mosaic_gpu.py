@@ -290,16 +290,21 @@ def _plgpu() -> Any:
     return plgpu
 
 
+@functools.cache
+def _load_takes_an_index() -> bool:
+    """jax 0.10's ``plgpu.load`` takes the index as a second argument; jax 0.11
+    deprecates that (the index goes into the ref, ``ref.at[idx]``) and makes it
+    optional. Read once from the signature, not the version."""
+    idx = inspect.signature(_plgpu().load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
 def _load(ref: Any, layout: Any) -> Any:
-    """The whole of a shared-memory ``ref`` in ``layout``. jax 0.10's ``plgpu.load``
-    takes the index as a second argument; jax 0.11 deprecates that (the index goes
-    into the ref, ``ref.at[idx]``) and makes it optional: pass it only where it is
-    required (read from the signature, not the version)."""
-    plgpu = _plgpu()
-    idx = inspect.signature(plgpu.load).parameters.get("idx")
-    if idx is not None and idx.default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
+    """The whole of a shared-memory ``ref`` in ``layout``, the index passed only
+    where ``plgpu.load`` requires it."""
+    if _load_takes_an_index():
+        return _plgpu().load(ref, (), layout=layout)
+    return _plgpu().load(ref, layout=layout)
 
 
 def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
