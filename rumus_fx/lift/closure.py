@@ -320,8 +320,10 @@ def _installed(module: str) -> bool:
             path = getattr(sys.modules.get(root), "__file__", None) or ""
         except Exception:  # (a module's own __getattr__ refusing)
             path = ""
-        found = root in sys.stdlib_module_names or root == _OWN or any(
-            d in path for d in ("site-packages", "dist-packages")
+        found = (
+            root in sys.stdlib_module_names
+            or root == _OWN
+            or any(d in path for d in ("site-packages", "dist-packages"))
         )
         _TRUSTED[module] = found
     return found

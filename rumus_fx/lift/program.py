@@ -73,6 +73,10 @@ class Step:
 
 def _aval(v: Any) -> Aval:
     a = v.aval
+    if isinstance(a, jcore.AbstractToken):
+        # a token (lax.create_token, lax.after_all) carries no value and is never
+        # differentiated: a boolean scalar stands for it where an aval is read
+        return Aval((), np.dtype(bool))
     dtype = a.dtype
     if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys keep their jax dtype
         dtype = np.dtype(dtype)

@@ -389,6 +389,24 @@ def test_while_loop_forward_works():
     _close(rf.testing.as_array(out), x * 8)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_tokens_pass_through(jit):
+    """A program that makes tokens (``lax.create_token``, ``lax.after_all``) and
+    returns one: rf.lift crashed reading a token's dtype; now the token passes
+    through and the gradient equals jax.grad's."""
+
+    def f(x):
+        t = lax.after_all(lax.create_token(x), lax.create_token())
+        return jnp.sum(jnp.sin(x) * 2.0), t
+
+    x = jnp.array([0.3, 0.7, -1.2])
+    vg = rf.value_and_grad(rf.lift(f), has_aux=True)
+    (v, tok), g = (jax.jit(vg) if jit else vg)(x)
+    (wv, _), wg = jax.value_and_grad(f, has_aux=True)(x)
+    assert isinstance(tok, type(lax.create_token()))
+    _close((v, g), (wv, wg))
+
+
 # -- user-written backward ------------------------------------------------------------
 
 
