@@ -152,10 +152,12 @@ COMPLEX_OK.update(
         # linear maps: transposed, not conjugated
         "dot_general", "conv_general_dilated", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
         "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
-        "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack",
-        "tile", "gather", "scatter", "scatter-add", "scatter-sub", "lu", "triangular_solve", "custom_linear_solve",
+        "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack", "unstack",
+        "tile", "gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "sort", "lu", "triangular_solve", "custom_linear_solve",
         # Hermitian eigendecomposition (its rule conjugates V: rules_linalg._eigh_vjp)
         "eigh",
+        # general eigendecomposition: complex outputs of a real or complex matrix (rules_linalg._eig_vjp)
+        "eig",
         # calls and control flow (their bodies' rules are checked one by one)
         "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
         # a custom JVP rule's reverse walk: every step of it is checked as above

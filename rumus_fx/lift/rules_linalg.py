@@ -1,5 +1,5 @@
 """Primitive rules: linear algebra (triangular_solve, cholesky, lu, qr, eigh, svd,
-custom_linear_solve, tridiagonal_solve). The special functions are in
+custom_linear_solve, tridiagonal_solve, eig). The special functions are in
 ``rules_special.py``.
 
 Each backward formula is the transpose of the forward-mode derivative that
@@ -363,6 +363,134 @@ defrule(
         TableEntry("eigh", _eigh, unary_samples([(4, 4), (2, 3, 3)], spd), vmap=True),
         TableEntry("eigvalsh", jnp.linalg.eigvalsh, unary_samples([(4, 4)], spd)),
     ),
+)
+
+
+# -- eig (general, non-symmetric) ---------------------------------------------------------
+
+
+def _eig_forward(step, vals):
+    outs = tuple(step.bind(vals))
+    if step.params["compute_right_eigenvectors"]:
+        return outs, outs  # w, (vl,) vr: what the backward reads
+    return outs, (vals[0],)  # the right eigenvectors are recomputed from the input
+
+
+def _eig_vec_vjp(w, v, gv):
+    """The transpose of JAX's eigenvector derivative (``_eig_vec_jvp``: with ``P =
+    V^-1 dA V``, ``U = V (F * P)``, ``dv_j = u_j + c_j v_j``, where ``c_j`` keeps
+    LAPACK's normalisation: unit norm and a real largest component ``v[k_j, j]``,
+    ``c_j = -Re(v_j^H u_j) - i Im(u[k_j, j]) / v[k_j, j]``), from ``gv`` to the
+    gradient of ``P``'s off-diagonal part, ``F * gQ``. Real and imaginary parts
+    transpose as in Note [Complex gradients]: ``real``'s cotangent ``t`` becomes
+    ``t + 0i``, ``imag``'s ``0 - t i``, and ``complex(x, y)``'s ``(Re t, -Im t)``."""
+    n = w.shape[-1]
+    eye = _eye(n, w.dtype, w.ndim + 1)
+    F = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
+    k = jnp.argmax(jnp.abs(v), axis=-2)
+    rows = jnp.arange(n).reshape((1,) * (v.ndim - 2) + (n, 1))
+    mask = (rows == k[..., None, :]).astype(v.dtype)
+    d = jnp.real(jnp.sum(mask * v, axis=-2))
+    gc = jnp.sum(v * gv, axis=-2)  # dv = U + v c
+    ga, gb = -jnp.real(gc), jnp.imag(gc)  # c = complex(-a, -b)
+    gs = lax.complex(jnp.zeros_like(gb), -gb / d)  # b = Im(sum(mask U)) / d
+    gU = gv + jnp.conj(v) * ga[..., None, :].astype(v.dtype) + mask * gs[..., None, :]  # a = Re(sum(conj(v) U))
+    return F * _mm(_T(v), gU)
+
+
+def _eig_vjp(r, g):
+    """Transpose of JAX's forward rule of ``eig``: the eigenvalues ``dw =
+    diag(V^-1 dA V)`` give ``gA = V^-T diag(gw) V^T`` (``V`` the right
+    eigenvectors); the right eigenvectors add ``_eig_vec_vjp`` to the middle
+    factor, and the left ones the same for ``conj(w)``, ``VL`` and ``dA^H``
+    (the transpose of ``dA -> dA^H`` is itself). A real input takes the real
+    part. As in JAX, eigenvector gradients need ``enable_eigvec_derivs=True``
+    (they hold only for distinct eigenvalues, which nothing can check)."""
+    p = r.params
+    left, right = p["compute_left_eigenvectors"], p["compute_right_eigenvectors"]
+    if (left or right) and not p["enable_eigvec_derivs"]:
+        raise AutogradError(
+            "rf.lift: the gradient of eig's eigenvectors is only defined under assumptions JAX cannot check; "
+            "pass enable_eigvec_derivs=True to jax.lax.linalg.eig to opt in (as jax.grad requires), "
+            "or use jnp.linalg.eigvals for the eigenvalues alone"
+        )
+    if right:
+        outs = r.extra
+    else:
+        kw = {k: p[k] for k in ("enable_eigvec_derivs", "implementation") if k in p}
+        outs = lax.linalg.eig(r.extra[0], compute_left_eigenvectors=left, compute_right_eigenvectors=True, **kw)
+    w, vr = outs[0], outs[-1]
+    mid = _diag(g[0].astype(vr.dtype))
+    if right:
+        mid = mid + _eig_vec_vjp(w, vr, g[-1].astype(vr.dtype))
+    ga = _mm(jnp.linalg.solve(_T(vr), mid), _T(vr))
+    if left:
+        vl = outs[1]
+        gl = _eig_vec_vjp(jnp.conj(w), vl, g[1].astype(vl.dtype))
+        ga = ga + jnp.conj(_T(_mm(jnp.linalg.solve(_T(vl), gl), _T(vl))))
+    if not jnp.iscomplexobj(jnp.zeros((), r.in_avals[0].dtype)):
+        ga = jnp.real(ga)
+    return (ga.astype(r.in_avals[0].dtype),)
+
+
+def _to_general_complex(a):
+    """A complex, non-Hermitian matrix built from a real one: its eigenvectors,
+    normalised by LAPACK (a real largest component), are smooth in ``a``."""
+    return lax.complex(a, 0.5 * _T(a))
+
+
+def _eig(a):
+    """Eigenvalues and right eigenvectors as one real array."""
+    w, v = lax.linalg.eig(_to_general_complex(a), compute_left_eigenvectors=False, enable_eigvec_derivs=True)
+    return _cat(w.real, w.imag, v.real, v.imag)
+
+
+def _eig_left(a):
+    w, vl, vr = lax.linalg.eig(_to_general_complex(a), enable_eigvec_derivs=True)
+    return _cat(w.real, w.imag, vl.real, vl.imag, vr.real, vr.imag)
+
+
+def _eig_real(a):
+    """A real matrix's right eigenvectors, each divided by the phase of its first
+    component (LAPACK's sign of a real eigenvector is not smooth in ``a``)."""
+    w, v = lax.linalg.eig(a, compute_left_eigenvectors=False, enable_eigvec_derivs=True)
+    v0 = v[..., :1, :]
+    v = v * (jnp.conj(v0) / jnp.abs(v0).astype(v.dtype))
+    return _cat(w.real, w.imag, v.real, v.imag)
+
+
+def _eigvals(a):
+    w = jnp.linalg.eigvals(a)
+    return _cat(w.real, w.imag)
+
+
+def _eig_errors():
+    return [
+        BadProgram(
+            "eigenvectors without enable_eigvec_derivs",
+            lambda a: jnp.real(jnp.linalg.eig(a)[1]),
+            (_mat(3, 3),),
+            AutogradError,
+            ("rf.lift", "enable_eigvec_derivs"),
+            x64=True,
+            jax_too=True,
+        ),
+    ]
+
+
+defrule(
+    "eig",
+    _eig_vjp,
+    forward=_eig_forward,
+    multiple_results=True,
+    table=(
+        TableEntry("eigvals", _eigvals, unary_samples([(4, 4), (2, 3, 3)]), vmap=True),
+        TableEntry("eig_right", _eig, unary_samples([(3, 3), (2, 3, 3)])),
+        TableEntry("eig_left_right", _eig_left, unary_samples([(3, 3)])),
+        TableEntry("eig_real", _eig_real, unary_samples([(4, 4)])),
+        TableEntry("poly", lambda a: _cat(jnp.poly(a).real, jnp.poly(a).imag), unary_samples([(4, 4)])),
+    ),
+    errors=_eig_errors,
 )
 
 

@@ -56,10 +56,12 @@ LINEAR = {
     "gather": lambda z: z[jnp.array([0, 2, 2])],
     "squeeze": lambda z: z[None].squeeze(0),
     "split": lambda z: jnp.split(z, 2, axis=1)[1],
+    "unstack": lambda z: jnp.unstack(z, axis=1)[2] * jnp.unstack(z)[0][1:],
     "tile": lambda z: jnp.tile(z, (2, 1)),
     "fft": lambda z: jnp.fft.fft2(z),
     "complex": lambda z: lax.complex(jnp.real(z) * 2, jnp.imag(z) ** 2),
     "angle": jnp.angle,
+    "sort": lambda z: jnp.sort(z, axis=1),  # by real part, then imaginary part
 }
 
 BINARY = {
@@ -75,12 +77,14 @@ BINARY = {
     "scatter-add": lambda z, w: w.at[jnp.array([0, 2, 2])].add(z),
     "scatter-sub": lambda z, w: w.at[jnp.array([0, 2, 2])].subtract(z),
     "scatter": lambda z, w: w.at[jnp.array([0, 2])].set(z[:2]),
+    "scatter-mul": lambda z, w: w.at[jnp.array([0, 2])].multiply(z[:2], unique_indices=True),
     "conv": lambda z, w: lax.conv(z[None, None], w[None, None, :2, :2], (1, 1), "VALID"),
     "solve": lambda z, w: jnp.linalg.solve(z[:, :3] + 3 * jnp.eye(3, dtype=z.dtype), w[:, 3]),
     "det": lambda z, w: jnp.linalg.det(z[:, :3] * w[:, :3] + 3 * jnp.eye(3, dtype=z.dtype)),
     # a 4x4 determinant is a custom_jvp function (jax 0.11's 2x2 and 3x3 ones too)
     "det4": lambda z, w: jnp.linalg.det(jnp.concatenate([z, w[:1]]) + 3 * jnp.eye(4, dtype=z.dtype)),
     "eigh": lambda z, w: _eigh_parts(z[:, :3] * w[:, 1:]),
+    "eig": lambda z, w: _eig_parts(z[:, :3] * w[:, 1:]),
     "scan": lambda z, w: lax.scan(lambda c, x: (c * x + 1, c * w[0]), jnp.ones(4, z.dtype), z)[1],
     "cond": lambda z, w: lax.cond(True, lambda: z * w, lambda: z),
     "checkpoint": lambda z, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(z, w),
@@ -92,6 +96,13 @@ def _eigh_parts(a):
     Hermitian matrix (``jnp.linalg.eigh`` takes ``(a + a^H) / 2``)."""
     w, v = jnp.linalg.eigh(a)
     return jnp.concatenate([w.astype(a.dtype), (jnp.abs(v[0]) ** 2).astype(a.dtype), v[1] * jnp.conj(v[2])])
+
+
+def _eig_parts(a):
+    """Eigenvalues, right and left eigenvectors of a general complex matrix, with
+    LAPACK's normalisation (unit norm, a real largest component)."""
+    w, vl, vr = lax.linalg.eig(a, enable_eigvec_derivs=True)
+    return jnp.concatenate([w, vl.ravel(), vr.ravel()])
 
 
 def _real_loss(y):
@@ -234,8 +245,8 @@ def test_grad_accepts_complex_inputs_as_jax_grad_does():
 
 
 def test_a_rule_not_checked_for_complex_refuses_them():
-    """``sort`` of complex values (lexicographic) has no rule checked for them:
-    an error naming the primitive, not a value that might be wrong."""
+    """``qr`` of a complex matrix has no rule checked for complex values: an error
+    naming the primitive, not a value that might be wrong."""
     z, _ = _args()
-    with pytest.raises(rf.AutogradError, match=r"'sort'.*complex"):
-        rf.grad(rf.lift(lambda z: jnp.sum(jnp.real(jnp.sort(z)))))(z)
+    with pytest.raises(rf.AutogradError, match=r"'qr'.*complex"):
+        rf.grad(rf.lift(lambda z: jnp.sum(jnp.real(jnp.linalg.qr(z)[1]))))(z)

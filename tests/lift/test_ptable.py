@@ -215,8 +215,15 @@ UNEMITTED |= {"while"}
 # -- second order: every rule's backward differentiated again by jax.jvp ------------------
 
 # entries whose second derivative in their first argument jax.grad itself does not have
-# ("Differentiation rule for 'igamma_grad_a' not implemented"): rf must raise as well
-NO_SECOND_ORDER_IN_JAX = {"igamma", "igammac"}
+# ("Differentiation rule for 'igamma_grad_a' not implemented"; the eigenvalues' backward
+# reads eigenvectors, whose derivative needs enable_eigvec_derivs): rf must raise as
+# well, with a message naming the same thing
+NO_SECOND_ORDER_IN_JAX = {
+    "igamma": "igamma_grad_a",
+    "igammac": "igamma_grad_a",
+    "eigvals": "enable_eigvec_derivs",
+    "poly": "enable_eigvec_derivs",
+}
 # entries whose backward runs a while_loop (the gamma sampler's implicit derivative):
 # differentiated again in reverse mode it raises, in jax.grad as in rf
 NO_REVERSE_OVER_REVERSE_IN_JAX = {"random_gamma"}
@@ -275,8 +282,13 @@ def _check_second_order(info, subsets, reverse=False):
                 want = _hvp(f_ref, jax.grad, args, subset)
             except NotImplementedError:  # a known gap of jax's, not a skip: rf must raise too
                 assert info.name in NO_SECOND_ORDER_IN_JAX, info.name
-                with pytest.raises(NotImplementedError, match="igamma_grad_a"):
+                with pytest.raises(NotImplementedError, match=NO_SECOND_ORDER_IN_JAX[info.name]):
                     _hvp(f_rf, rf.grad, args, subset)
+                if reverse:
+                    with pytest.raises(
+                        (NotImplementedError, rf.AutogradError), match=NO_SECOND_ORDER_IN_JAX[info.name]
+                    ):
+                        _reverse_over_reverse(f_rf, args, subset)
                 continue
             got = _hvp(f_rf, rf.grad, args, subset)
             chex.assert_trees_all_close(got, want, rtol=1e-8, atol=1e-8)
