@@ -61,11 +61,6 @@ def _no_rule_errors() -> list[BadProgram]:
 
     return [
         case(
-            "ragged_dot_general",
-            lambda a, b: lax.ragged_dot(a, b, jnp.array([1, 3], jnp.int32)),
-            (mat(4, 3), np.ones((2, 3, 5))),
-        ),
-        case(
             "householder_product",
             lambda a: lax.linalg.householder_product(a, jnp.ones(3)),
             (mat(4, 3),),

@@ -13,7 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import sharding as shd
-from ..autograd.registry import Sample, TableEntry
+from ..autograd.registry import BadProgram, Sample, TableEntry
+from ..errors import AutogradError
 from ..ops._declare import distinct, normal, unary_samples
 from ..ops.linalg import computed_in_trace, off_mesh
 from .rules import defrule, saves_inputs
@@ -215,6 +216,140 @@ defrule(
             lambda r: [Sample((normal(r, 3, 4, 2), normal(r, 2, 3, 5)), diff=(0, 1))],
         ),
     ),
+)
+
+
+# -- ragged_dot_general (lax.ragged_dot: a grouped matmul, as in mixture-of-experts layers) --
+
+
+def _ragged_parts(r):
+    """(x contracting, y contracting), (x batch, y batch), x's kept axes, y's group
+    and kept axes, and x's ragged axis; the gradient is defined (in jax as here)
+    only where that axis is one of x's kept axes (``lax.ragged_dot``'s rows)."""
+    dn = r.params["ragged_dot_dimension_numbers"]
+    (xc, yc), (xb, yb) = dn.dot_dimension_numbers
+    xc, yc, xb, yb = (tuple(int(a) for a in t) for t in (xc, yc, xb, yb))
+    nx, ny = len(r.in_avals[0].shape), len(r.in_avals[1].shape)
+    yg = tuple(int(a) for a in dn.rhs_group_dimensions)
+    xk = [a for a in range(nx) if a not in xc + xb]
+    yk = [a for a in range(ny) if a not in yc + yb + yg]
+    (xr,) = dn.lhs_ragged_dimensions
+    return (xc, yc), (xb, yb), xk, yg, yk, int(xr)
+
+
+def _ragged_prepare(step):
+    if step.params.get("group_offset") is not None:
+        raise AutogradError(
+            "rf.lift: the gradient of ragged_dot_general with a group_offset is not defined (nor in jax)"
+        )
+    dn = step.params["ragged_dot_dimension_numbers"]
+    (xc, _), (xb, _) = dn.dot_dimension_numbers
+    if len(dn.lhs_ragged_dimensions) != 1 or dn.lhs_ragged_dimensions[0] in (*xc, *xb):
+        raise AutogradError(
+            "rf.lift: the gradient of ragged_dot_general is defined only where the lhs's ragged axis is "
+            "one it keeps (lax.ragged_dot's rows), not a contracting or batch axis (nor in jax)"
+        )
+
+
+def _ragged_dot_vjp(r, g):
+    """The output's axes are (batch, x kept, y kept). ``gx`` groups ``g``'s rows as
+    x's were grouped and contracts its y-kept axes with ``y``'s (each row with its
+    group's matrix), then puts the axes back in x's order; ``gy`` contracts ``x``
+    with ``g`` over the ragged rows, group by group (a ragged contracting axis: one
+    result per group), then puts the axes back in y's order."""
+    (xc, yc), (xb, yb), xk, yg, yk, xr = _ragged_parts(r)
+    gs = r.ins[2]
+    nb, nxk = len(xb), len(xk)
+    g_b, g_x, g_y = list(range(nb)), list(range(nb, nb + nxk)), list(range(nb + nxk, nb + nxk + len(yk)))
+    kw = dict(precision=r.params["precision"], preferred_element_type=r.params["preferred_element_type"])
+    gx = gy = None
+    if r.needs[0]:
+        dn = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=((g_y, yk), (g_b, list(yb))),
+            lhs_ragged_dimensions=[nb + xk.index(xr)],
+            rhs_group_dimensions=list(yg),
+        )
+        out = lax.ragged_dot_general(g, r.ins[1], gs, dn, **kw)
+        # out: (batch, x kept, y's remaining axes = its contracting ones in y's order)
+        order = [*xb, *xk, *(xc[i] for i in np.argsort(yc))]
+        gx = jnp.transpose(out, np.argsort(order)).astype(r.in_avals[0].dtype)
+    if r.needs[1]:
+        dn = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=((xk, g_x), (list(xb), g_b)),
+            lhs_ragged_dimensions=[xr],
+            rhs_group_dimensions=[],
+        )
+        out = lax.ragged_dot_general(r.ins[0], g, gs, dn, **kw)
+        # out: (group, batch, x's remaining axes = its contracting ones in x's order, y kept)
+        order = [*yg, *yb, *(yc[i] for i in np.argsort(xc)), *yk]
+        gy = jnp.transpose(out, np.argsort(order)).astype(r.in_avals[1].dtype)
+    return gx, gy, None
+
+
+_ragged_dot_vjp.prepare = _ragged_prepare
+
+
+def _ragged_saves(needs):
+    return tuple(k for k, n in ((0, needs[1]), (1, needs[0]), (2, True)) if n), ()
+
+
+_GROUPS = np.array([2, 0, 3, 1], np.int32)  # an empty group, and rows past the last group
+
+
+def _ragged_contracting_x_axis_first(a, b):
+    """x [k, m] (its rows on axis 1) against y [g, n, k]: axes permuted on both sides."""
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (2,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[0]
+    )
+    return lax.ragged_dot_general(a, b, jnp.asarray(_GROUPS), dn)
+
+
+def _ragged_batched(a, b):
+    """A batch axis on both sides: x [2, m, k], y [g, 2, k, n]."""
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((2,), (2,)), ((0,), (1,))), lhs_ragged_dimensions=[1], rhs_group_dimensions=[0]
+    )
+    return lax.ragged_dot_general(a, b, jnp.asarray(_GROUPS), dn)
+
+
+def _ragged_errors():
+    contracting = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (0,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+    )
+    return [
+        BadProgram(
+            "ragged contracting axis",
+            lambda a, b: lax.ragged_dot_general(a, b, jnp.asarray(_GROUPS[:3]), contracting),
+            (np.ones((3, 5)), np.ones((5, 2))),
+            AutogradError,
+            ("rf.lift", "ragged axis"),
+            jax_too=True,
+        ),
+    ]
+
+
+defrule(
+    "ragged_dot_general",
+    _ragged_dot_vjp,
+    _ragged_saves,
+    table=(
+        TableEntry(
+            "ragged_dot",
+            lambda a, b: lax.ragged_dot(a, b, jnp.asarray(_GROUPS)),
+            lambda r: [Sample((normal(r, 7, 3), normal(r, 4, 3, 5)), diff=(0, 1))],
+        ),
+        TableEntry(
+            "ragged_dot_permuted",
+            _ragged_contracting_x_axis_first,
+            lambda r: [Sample((normal(r, 3, 7), normal(r, 4, 5, 3)), diff=(0, 1))],
+        ),
+        TableEntry(
+            "ragged_dot_batched",
+            _ragged_batched,
+            lambda r: [Sample((normal(r, 2, 7, 3), normal(r, 4, 2, 3, 5)), diff=(0, 1))],
+        ),
+    ),
+    errors=_ragged_errors,
 )
 
 
