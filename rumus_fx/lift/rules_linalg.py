@@ -146,15 +146,16 @@ defrule(
 
 
 def _cholesky_vjp(r, g):
-    """JAX's forward rule is ``dL = L phi(L^{-1} dA L^{-T})`` (``phi``: lower
-    triangle, halved diagonal); its transpose is ``L^{-T} phi(L^T g) L^{-1}``
-    (not symmetrized, as JAX's; ``jnp.linalg.cholesky`` symmetrizes its input)."""
+    """JAX's forward rule is ``dL = L phi(L^{-1} dA L^{-H})`` (``phi``: lower
+    triangle, halved diagonal), linear in ``dA``; its transpose is ``L^{-T}
+    phi(L^T g) conj(L)^{-1}`` (``L^{-T} phi(L^T g) L^{-1}`` for a real matrix; not
+    symmetrized, as JAX's; ``jnp.linalg.cholesky`` symmetrizes its input)."""
     L = jnp.tril(r.outs[0])
     n = L.shape[-1]
     half = 1 - 0.5 * _eye(n, L.dtype, L.ndim)
     P = jnp.tril(_mm(_T(L), g)) * half
     S = _trsolve(L, P, left_side=True, lower=True, transpose_a=True)
-    return (_trsolve(L, S, left_side=False, lower=True, transpose_a=False),)
+    return (_trsolve(L, S, left_side=False, lower=True, transpose_a=False, conjugate_a=True),)
 
 
 defrule(
@@ -233,11 +234,17 @@ defrule(
 
 
 def _thin_qr_vjp(q, r, gq, gr):
-    """Transpose of JAX's thin-QR forward rule (m >= n): with ``C = Q^T dX R^{-1}``,
-    ``dQ = Q(dO - C) + dX R^{-1}``, ``dR = (C - dO) R``, ``dO = tril(C,-1) - tril(C,-1)^T``."""
+    """Transpose of JAX's thin-QR forward rule (m >= n): with ``C = Q^H dX R^{-1}``,
+    ``dQ = Q(dO - C) + dX R^{-1}``, ``dR = (C - dO) R``, ``dO = tril(C,-1) -
+    tril(C,-1)^H + i Im(diag C)`` (the last term zero for a real matrix). With ``M =
+    Q^T gQ - gR R^T``, the cotangent of ``C`` is ``tril(M - conj(M)^T, -1) - M + i
+    Im(diag M)`` (``conj`` transposes to ``conj``; ``X -> i Im X`` to itself: Note
+    [Complex gradients]), that of ``dX R^{-1}`` is ``gQ + conj(Q) gC``."""
     M = _mm(_T(q), gq) - _mm(gr, _T(r))
-    N = jnp.tril(M - _T(M), -1) - M
-    H = gq + _mm(q, N)
+    N = jnp.tril(M - jnp.conj(_T(M)), -1) - M
+    if jnp.iscomplexobj(M):
+        N = N + _eye(M.shape[-1], M.dtype, M.ndim) * lax.complex(jnp.zeros_like(M.real), M.imag)
+    H = gq + _mm(jnp.conj(q), N)
     return _trsolve(r, H, left_side=False, lower=False, transpose_a=True)
 
 
@@ -271,15 +278,21 @@ def _qr_vjp(r, g):
     m, n = r.in_avals[0].shape[-2:]
     pivoting = r.params["pivoting"]
     if m > n and r.params["full_matrices"]:
+        if jnp.iscomplexobj(q):
+            raise AutogradError(
+                "rf.lift: the gradient of a complete QR (full_matrices=True) of a tall complex matrix is not "
+                "supported; use mode='reduced' (full_matrices=False) or a real matrix"
+            )
         gx = _full_qr_vjp(q, rr, gq, gr, n)
     elif m < n:
         if pivoting:
             raise AutogradError("rf.lift: the gradient of qr(pivoting=True) of a wide matrix (m < n) is not supported")
         x = r.extra[0]
         gr1, gr2 = gr[..., :, :m], gr[..., :, m:]
-        gq1 = gq + _mm(x[..., :, m:], _T(gr2))
+        # dR2 = dQ^H X2 + Q^H dX2
+        gq1 = gq + jnp.conj(_mm(x[..., :, m:], _T(gr2)))
         gx1 = _thin_qr_vjp(q, rr[..., :, :m], gq1, gr1)
-        gx = jnp.concatenate([gx1, _mm(q, gr2)], axis=-1)
+        gx = jnp.concatenate([gx1, _mm(jnp.conj(q), gr2)], axis=-1)
     else:
         gx = _thin_qr_vjp(q, rr, gq, gr)
     if pivoting:

@@ -85,6 +85,10 @@ BINARY = {
     "det4": lambda z, w: jnp.linalg.det(jnp.concatenate([z, w[:1]]) + 3 * jnp.eye(4, dtype=z.dtype)),
     "eigh": lambda z, w: _eigh_parts(z[:, :3] * w[:, 1:]),
     "eig": lambda z, w: _eig_parts(z[:, :3] * w[:, 1:]),
+    "cholesky": lambda z, w: jnp.linalg.cholesky(_hpd(z[:, :3] * w[:, 1:])),
+    "qr_wide": lambda z, w: jnp.concatenate([m.ravel() for m in jnp.linalg.qr(z * w)]),
+    "qr_tall": lambda z, w: jnp.concatenate([m.ravel() for m in jnp.linalg.qr((z * w).T)]),
+    "qr_pivoting": lambda z, w: jnp.concatenate([m.ravel() for m in lax.linalg.qr((z + w).T, pivoting=True, full_matrices=False)[:2]]),
     "scan": lambda z, w: lax.scan(lambda c, x: (c * x + 1, c * w[0]), jnp.ones(4, z.dtype), z)[1],
     "cond": lambda z, w: lax.cond(True, lambda: z * w, lambda: z),
     "checkpoint": lambda z, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(z, w),
@@ -96,6 +100,11 @@ def _eigh_parts(a):
     Hermitian matrix (``jnp.linalg.eigh`` takes ``(a + a^H) / 2``)."""
     w, v = jnp.linalg.eigh(a)
     return jnp.concatenate([w.astype(a.dtype), (jnp.abs(v[0]) ** 2).astype(a.dtype), v[1] * jnp.conj(v[2])])
+
+
+def _hpd(a):
+    """A Hermitian positive definite matrix."""
+    return a @ jnp.conj(a.T) + 3 * jnp.eye(a.shape[0], dtype=a.dtype)
 
 
 def _eig_parts(a):
@@ -245,8 +254,11 @@ def test_grad_accepts_complex_inputs_as_jax_grad_does():
 
 
 def test_a_rule_not_checked_for_complex_refuses_them():
-    """``qr`` of a complex matrix has no rule checked for complex values: an error
-    naming the primitive, not a value that might be wrong."""
+    """``svd`` of a complex matrix has no rule checked for complex values: an error
+    naming the primitive, not a value that might be wrong; nor has a complete QR of a
+    tall complex matrix."""
     z, _ = _args()
-    with pytest.raises(rf.AutogradError, match=r"'qr'.*complex"):
-        rf.grad(rf.lift(lambda z: jnp.sum(jnp.real(jnp.linalg.qr(z)[1]))))(z)
+    with pytest.raises(rf.AutogradError, match=r"'svd'.*complex"):
+        rf.grad(rf.lift(lambda z: jnp.sum(jnp.linalg.svd(z, compute_uv=False))))(z)
+    with pytest.raises(rf.AutogradError, match=r"full_matrices=True.*complex"):
+        rf.grad(rf.lift(lambda z: jnp.sum(jnp.real(jnp.linalg.qr(z.T, mode="complete")[0]))))(z)
