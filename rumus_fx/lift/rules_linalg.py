@@ -519,10 +519,13 @@ def _svd_forward(step, vals):
 
 
 def _svd_vjp(r, g):
-    """Transpose of JAX's forward rule for the thin SVD: with ``dS = U^T dA V``,
-    ``ds = diag(dS)``, ``dU = U (F * (dS s + (dS s)^T))``, ``dV = V (F * (s dS +
-    (s dS)^T))`` (``F[i, j] = 1 / (s[j]^2 - s[i]^2)``) and, for a non-square
-    matrix, the components outside the span of ``U`` (``V``)."""
+    """Transpose of JAX's forward rule for the thin SVD: with ``dS = U^H dA V``,
+    ``ds = Re diag(dS)``, ``dU = U (F * (dS s + (dS s)^H) + D)``, ``dV = V (F * (s dS
+    + (s dS)^H))`` (``F[i, j] = 1 / (s[j]^2 - s[i]^2)``; ``D = (dS - dS^H) / (2 s)``
+    on the diagonal, zero for a real matrix) and, for a non-square matrix, the
+    components outside the span of ``U`` (``V``). For a complex matrix ``conj`` and
+    ``^H`` transpose as in Note [Complex gradients]; for a real one every ``conj`` is
+    the identity."""
     p = r.params
     m, n = r.in_avals[0].shape[-2:]
     if p["compute_uv"] and p["full_matrices"] and m != n:
@@ -540,26 +543,35 @@ def _svd_vjp(r, g):
             subset_by_index=p["subset_by_index"],
             algorithm=p["algorithm"],
         )
-    V = _T(Vt)
+    cplx = jnp.iscomplexobj(U)
+    V = jnp.conj(_T(Vt))
+    Uc, Vtc = jnp.conj(U), jnp.conj(Vt)  # conj(U) K V^T is the gradient of dS's K
     gs = g[0].astype(U.dtype)
     K = _diag(gs)
     if not p["compute_uv"]:
-        return (_mm(U * gs[..., None, :], Vt),)
-    gU, gV = g[1], _T(g[2])
+        return (_mm(Uc * gs[..., None, :], Vtc),)
+    gU, gV = g[1], jnp.conj(_T(g[2]))
     k = s.shape[-1]
     eye = _eye(k, s.dtype, s.ndim + 1)
     srow = s[..., None, :]
-    F = 1 / ((srow + _T(srow)) * (srow - _T(srow)) + eye) - eye
-    A1 = F * _mm(_T(U), gU)
+    F = (1 / ((srow + _T(srow)) * (srow - _T(srow)) + eye) - eye).astype(U.dtype)
+    srow = srow.astype(U.dtype)
+    UgU = _mm(_T(U), gU)
+    A1 = F * UgU
     A2 = F * _mm(_T(V), gV)
-    K = K + (A1 + _T(A1)) * srow + _T(srow) * (A2 + _T(A2))
-    gA = _mm(_mm(U, K), Vt)
+    K = K + (A1 + jnp.conj(_T(A1))) * srow + _T(srow) * (A2 + jnp.conj(_T(A2)))
+    if cplx:  # D's transpose: i Im(diag(U^T gU)) / s (0 where s is 0, as JAX's)
+        zero = (s == 0).astype(s.dtype)
+        inv = (1 / (s + zero) - zero).astype(U.dtype)
+        d = jnp.diagonal(UgU, axis1=-2, axis2=-1)
+        K = K + _diag(lax.complex(jnp.zeros_like(d.real), d.imag) * inv)
+    gA = _mm(_mm(Uc, K), Vtc)
     if m > n:
         gUs = gU / srow
-        gA = gA + _mm(gUs - _mm(U, _mm(_T(U), gUs)), Vt)
+        gA = gA + _mm(gUs - _mm(Uc, _mm(_T(U), gUs)), Vtc)
     if n > m:
         gVs = gV / srow
-        gA = gA + _mm(U, _T(gVs - _mm(V, _mm(Vt, gVs))))
+        gA = gA + jnp.conj(_mm(U, _T(gVs - _mm(jnp.conj(V), _mm(_T(V), gVs)))))
     return (gA,)
 
 
