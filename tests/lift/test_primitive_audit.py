@@ -257,3 +257,10 @@ def test_readme_states_the_counts():
         f"README states {stated[jax.__version__]} for jax {jax.__version__}; "
         f"the audit counts {len(PRIMS)} primitives: {c}"
     )
+    # the guide for jax users repeats jax 0.10.2's counts
+    guide = re.search(
+        r"counts on jax (\d+\.\d+\.\d+):\s+(\d+) with a rule, (\d+) passing through, (\d+) refused",
+        (README.parent / "docs" / "from-jax.md").read_text(),
+    )
+    assert guide, "docs/from-jax.md does not state the audit's counts"
+    assert tuple(int(v) for v in guide.groups()[1:]) == stated[guide[1]][1:], (guide[0], stated[guide[1]])
