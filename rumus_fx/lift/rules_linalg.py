@@ -421,7 +421,7 @@ def _eig_vjp(r, g):
     (they hold only for distinct eigenvalues, which nothing can check)."""
     p = r.params
     left, right = p["compute_left_eigenvectors"], p["compute_right_eigenvectors"]
-    if (left or right) and not p["enable_eigvec_derivs"]:
+    if (left or right) and not p.get("enable_eigvec_derivs", False):
         raise AutogradError(
             "rf.lift: the gradient of eig's eigenvectors is only defined under assumptions JAX cannot check; "
             "pass enable_eigvec_derivs=True to jax.lax.linalg.eig to opt in (as jax.grad requires), "
