@@ -13,6 +13,7 @@ import typing
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 import rumus_fx as rf
 from rumus_fx.autograd import registry
@@ -216,11 +217,11 @@ def test_a_declared_primitive_rule_reaches_the_table_and_the_audit():
         table=(TableEntry("throwaway_sin", jnp.sin, unary_samples([(3,)]), prims=("sin",)),),
         errors=lambda: [
             BadProgram(
-                "eig",
-                lambda a: jnp.real(jnp.linalg.eigvals(a)),
-                (jnp.eye(3) + 0.1,),
+                "householder_product",
+                lambda a: lax.linalg.householder_product(a, jnp.ones(3, a.dtype)),
+                (jnp.eye(4, 3) + 0.1,),
                 rf.AutogradError,
-                names=("rf.lift", "'eig'"),
+                names=("rf.lift", "'householder_product'"),
             )
         ],
     )
@@ -229,7 +230,7 @@ def test_a_declared_primitive_rule_reaches_the_table_and_the_audit():
         (entry,) = [e for e in ptable.entries() if e.name == "throwaway_sin"]
         assert entry.prims == ("sin",) and entry.fun is jnp.sin
         params = [p for p in audit._program_params() if p.values[0] is decl]
-        assert [p.id for p in params] == ["throwaway_prim-eig"]
+        assert [p.id for p in params] == ["throwaway_prim-householder_product"]
         audit.run_bad_program(decl, params[0].values[1])
     finally:
         RULES.pop("throwaway_prim", None)
