@@ -711,6 +711,67 @@ defrule(
 )
 
 
+def _device_put_prepare(step):
+    for cp in step.params["copy_semantics"]:
+        if cp.name == "DONATE_INPUT":
+            raise AutogradError(
+                "rf.lift: the gradient of jax.device_put(..., donate=True) is not defined (nor in jax); "
+                "drop donate=True inside a differentiated function"
+            )
+
+
+def _device_put_vjp(r, g):
+    """``jax.device_put`` moves values and leaves them as they are: each operand's
+    gradient is its output's, moved back where the operand came from (the
+    transfer with destinations and sources swapped, a copy)."""
+    p = r.params
+    want = [k for k, n in enumerate(r.needs) if n and g[k] is not None]
+    out: list = [None] * len(r.in_avals)
+    if want:
+        copy = type(p["copy_semantics"][0]).ALWAYS_COPY
+        moved = r._step.prim.bind(
+            *(g[k].astype(r.in_avals[k].dtype) for k in want),
+            devices=tuple(p["srcs"][k] for k in want),
+            srcs=tuple(p["devices"][k] for k in want),
+            copy_semantics=(copy,) * len(want),
+        )
+        for k, m in zip(want, moved):
+            out[k] = m
+    return tuple(out)
+
+
+_device_put_vjp.prepare = _device_put_prepare
+
+
+defrule(
+    "device_put",
+    _device_put_vjp,
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "device_put",
+            lambda x, y: jnp.sin(jax.device_put(x, jax.devices()[0])) * jax.device_put(y),
+            lambda r: [Sample((normal(r, 3, 4), normal(r, 3, 4)), diff=(0, 1))],
+        ),
+        TableEntry(
+            "device_put_tree",
+            lambda x, y: (lambda a, b: a * b + a)(*jax.device_put((x, y), jax.devices()[0])),
+            lambda r: [Sample((normal(r, 3, 4), normal(r, 3, 4)), diff=(0, 1))],
+        ),
+    ),
+    errors=lambda: [
+        BadProgram(
+            "donate",
+            lambda x: jnp.sin(jax.device_put(x, jax.devices()[0], donate=True)),
+            (np.ones((3, 4)),),
+            AutogradError,
+            ("rf.lift", "donate=True"),
+            jax_too=True,
+        )
+    ],
+)
+
+
 def _tile_vjp(r, g):
     """``tile``'s output is the operand repeated ``reps[d]`` times along each
     axis ``d``: the gradient sums the copies (a reshape to (rep, size) pairs)."""

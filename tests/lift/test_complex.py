@@ -62,6 +62,7 @@ LINEAR = {
     "complex": lambda z: lax.complex(jnp.real(z) * 2, jnp.imag(z) ** 2),
     "angle": jnp.angle,
     "sort": lambda z: jnp.sort(z, axis=1),  # by real part, then imaginary part
+    "device_put": lambda z: jax.device_put(z, jax.devices()[0]),
 }
 
 BINARY = {
