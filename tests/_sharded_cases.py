@@ -592,6 +592,10 @@ def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]
         h, ys = lax.scan(layer, a, w)
         return jnp.sum(h**2) + jnp.sum(ys)
 
+    def moved(a, w):  # jax.device_put onto the operand's own sharding, and onto the default device
+        r = jax.device_put(a * 2.0, jax.typeof(a).sharding)
+        return jnp.sum(jnp.tanh(r @ w)) + jnp.sum(jax.device_put(w) ** 2)
+
     def cond(a, c):
         r = lax.cond(jnp.sum(c) > 0, lambda v: jnp.tanh(v) * c, lambda v: v * v, a)
         return jnp.sum(r) + jnp.sum(lax.cond(jnp.sum(c) < 0, jnp.sin, lambda v: v * 2.0, a))
@@ -608,6 +612,7 @@ def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]
         "sort": (sort, (x,), (D,), (0,)),
         "scan": (scan, (x, ws), (D, R), (0, 1)),
         "cond": (cond, (x, b), (D, R), (0, 1)),
+        "device_put": (moved, (x, f32(6, 4)), (D, R), (0, 1)),
     }
 
 
