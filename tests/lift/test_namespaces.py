@@ -198,12 +198,40 @@ def test_rf_lax_function_grad(name, arity):
 
 # -- every swept function against finite differences ---------------------------------
 
+
+def _scipy_modules() -> list[types.ModuleType]:
+    import importlib
+    import pkgutil
+
+    import jax.scipy.stats
+
+    stats = [
+        importlib.import_module(f"jax.scipy.stats.{m.name}") for m in pkgutil.iter_modules(jax.scipy.stats.__path__)
+    ]
+    return [jax.scipy.special, *stats]
+
+
+# jax.scipy.special and the jax.scipy.stats distributions, swept the same way (with -m
+# slow: 130 more cases, about a minute on 2 workers; the primitive table already checks
+# the special functions' rules against finite differences)
+SCIPY_CASES = [
+    (m, n, a) for m in _scipy_modules() for n, a in _sweep(None, m, [n for n in _functions(m) if n not in _SKIP])
+]
 _ALL_CASES = (
-    [(jnp, n, a) for n, a in NP_CASES] + [(jax.nn, n, a) for n, a in NN_CASES] + [(lax, n, a) for n, a in LAX_CASES]
+    [(jnp, n, a) for n, a in NP_CASES]
+    + [(jax.nn, n, a) for n, a in NN_CASES]
+    + [(lax, n, a) for n, a in LAX_CASES]
+    + SCIPY_CASES
 )
 
 
-@pytest.mark.parametrize("mod,name,arity", _ALL_CASES, ids=[f"{m.__name__}.{n}" for m, n, _ in _ALL_CASES])
+@pytest.mark.parametrize(
+    "mod,name,arity",
+    [
+        pytest.param(m, n, a, id=f"{m.__name__}.{n}", marks=pytest.mark.slow if (m, n, a) in SCIPY_CASES else ())
+        for m, n, a in _ALL_CASES
+    ],
+)
 def test_sweep_matches_finite_differences(mod, name, arity):
     """rf's gradient of every swept function against float64 central differences
     along random directions, at inputs of both signs where the function is finite
