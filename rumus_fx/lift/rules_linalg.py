@@ -79,6 +79,19 @@ def _diag(v):
     return v[..., :, None] * _eye(v.shape[-1], v.dtype, v.ndim + 1)
 
 
+def _reciprocal_gaps(w):
+    """``F[i, j] = 1 / (w[j] - w[i])`` off the diagonal, 0 on it (batched over
+    ``w``'s leading axes): the eigenvector factor of eigh's and eig's rules."""
+    eye = _eye(w.shape[-1], w.dtype, w.ndim + 1)
+    return 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
+
+
+def _i_imag(x):
+    """``i Im(x)``: the map ``X -> i Im X`` and its own transpose (Note [Complex
+    gradients])."""
+    return lax.complex(jnp.zeros_like(x.real), x.imag)
+
+
 def _unpermute(x, perm, axis):
     """``y`` with ``y[..., perm, :] == x`` (``axis=-2``) or ``y[..., perm] == x``
     (``axis=-1``): the transpose of indexing by the permutation ``perm``."""
@@ -243,7 +256,7 @@ def _thin_qr_vjp(q, r, gq, gr):
     M = _mm(_T(q), gq) - _mm(gr, _T(r))
     N = jnp.tril(M - jnp.conj(_T(M)), -1) - M
     if jnp.iscomplexobj(M):
-        N = N + _eye(M.shape[-1], M.dtype, M.ndim) * lax.complex(jnp.zeros_like(M.real), M.imag)
+        N = N + _eye(M.shape[-1], M.dtype, M.ndim) * _i_imag(M)
     H = gq + _mm(jnp.conj(q), N)
     return _trsolve(r, H, left_side=False, lower=False, transpose_a=True)
 
@@ -355,9 +368,7 @@ def _eigh_vjp(r, g):
         )
     v, w = r.outs
     gv, gw = g
-    eye = _eye(n, v.dtype, v.ndim)
-    w = w.astype(v.dtype)
-    F = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
+    F = _reciprocal_gaps(w.astype(v.dtype))
     K = F * _mm(_T(v), gv) + _diag(gw.astype(v.dtype))
     return (_mm(_mm(jnp.conj(v), K), _T(v)),)
 
@@ -398,8 +409,7 @@ def _eig_vec_vjp(w, v, gv):
     transpose as in Note [Complex gradients]: ``real``'s cotangent ``t`` becomes
     ``t + 0i``, ``imag``'s ``0 - t i``, and ``complex(x, y)``'s ``(Re t, -Im t)``."""
     n = w.shape[-1]
-    eye = _eye(n, w.dtype, w.ndim + 1)
-    F = 1 / (eye + w[..., None, :] - w[..., :, None]) - eye
+    F = _reciprocal_gaps(w)
     k = jnp.argmax(jnp.abs(v), axis=-2)
     rows = jnp.arange(n).reshape((1,) * (v.ndim - 2) + (n, 1))
     mask = (rows == k[..., None, :]).astype(v.dtype)
@@ -441,7 +451,7 @@ def _eig_vjp(r, g):
         vl = outs[1]
         gl = _eig_vec_vjp(jnp.conj(w), vl, g[1].astype(vl.dtype))
         ga = ga + jnp.conj(_T(_mm(jnp.linalg.solve(_T(vl), gl), _T(vl))))
-    if not jnp.iscomplexobj(jnp.zeros((), r.in_avals[0].dtype)):
+    if not jnp.issubdtype(r.in_avals[0].dtype, jnp.complexfloating):
         ga = jnp.real(ga)
     return (ga.astype(r.in_avals[0].dtype),)
 
@@ -564,7 +574,7 @@ def _svd_vjp(r, g):
         zero = (s == 0).astype(s.dtype)
         inv = (1 / (s + zero) - zero).astype(U.dtype)
         d = jnp.diagonal(UgU, axis1=-2, axis2=-1)
-        K = K + _diag(lax.complex(jnp.zeros_like(d.real), d.imag) * inv)
+        K = K + _diag(_i_imag(d) * inv)
     gA = _mm(_mm(Uc, K), Vtc)
     if m > n:
         gUs = gU / srow
