@@ -42,6 +42,7 @@ from jax import lax
 
 from .. import sharding as shd
 from ..compiler import JitTracer, same_branches
+from .jax_versions import varying_axes
 
 
 class KeptApart:
@@ -77,12 +78,30 @@ def _witness(leaves: list) -> Any:
     return None
 
 
+def barrier(tree: Any) -> Any:
+    """``lax.optimization_barrier(tree)`` that keeps each leaf's type inside a
+    ``shard_map`` body. jax's barrier makes every operand vary over the union of
+    the manual axes its operands vary over (it inserts ``pvary``), and a backward
+    that re-runs a body on such an input binds that body's own ``pvary`` on a value
+    already varying, which jax refuses. So the leaves go behind one barrier per set
+    of varying axes; outside ``shard_map`` (every set empty) that is one barrier."""
+    leaves, tree_def = jax.tree_util.tree_flatten(tree)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(varying_axes(x), []).append(i)
+    out = list(leaves)
+    for idx in groups.values():
+        for i, y in zip(idx, lax.optimization_barrier([leaves[i] for i in idx])):
+            out[i] = y
+    return jax.tree_util.tree_unflatten(tree_def, out)
+
+
 def recompute(fn: Callable[..., Any], *operands: Any) -> Any:
     """``fn(*operands)``, the backward of a rematerialised segment: its operands
     behind an optimisation barrier and, on XLA:CPU under ``jax.jit``, both branches
     of a ``lax.cond`` (Note [Recomputation kept apart]). ``operands`` are pytrees
     of arrays (``None`` leaves allowed); ``fn`` returns one."""
-    operands = lax.optimization_barrier(operands)
+    operands = barrier(operands)
     leaves = jax.tree_util.tree_leaves(operands)
     if (
         jax.default_backend() != "cpu"

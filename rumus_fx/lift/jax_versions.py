@@ -18,6 +18,10 @@ looking at the data itself, not at a version number:
 - **A custom_vjp bwd's result.** The flattened bwd returns ``(cotangents, logs)``
   from 0.11 (``defvjp_with_logs``), the cotangents alone before:
   :func:`bwd_cotangents`.
+
+One more read of jax's types lives here although it is the same on both: which
+manual axes a value varies over inside ``shard_map`` (its type's
+``mat.varying``), :func:`varying_axes`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 from jax.extend import core as jcore
 
 # jax >= 0.11: ClosedJaxpr is Jaxpr (a jaxpr carries its constants)
@@ -65,3 +70,13 @@ def bwd_cotangents(out: Any) -> list[Any]:
         if out[1] is None or isinstance(out[1], dict):
             return list(out[0])
     return list(out)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes along which ``x`` varies inside a ``shard_map`` body
+    with ``check_vma=True`` (empty elsewhere, and for a non-array leaf)."""
+    try:
+        mat = jax.typeof(x).mat
+    except (TypeError, AttributeError):
+        return frozenset()
+    return frozenset(getattr(mat, "varying", ()))

@@ -30,7 +30,7 @@ from .. import sharding as shd
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
-from .apart import kept_apart, recompute
+from .apart import barrier, kept_apart, recompute
 from .jax_versions import bwd_cotangents, closed, scan_counts
 from .program import Program
 from .rules import defrule, is_float
@@ -310,11 +310,12 @@ def _pinned(prevent_cse: Any, ins: list, g: list) -> tuple[list, list]:
     the cotangents whenever any is pinned, in one barrier. The cotangents matter: on
     XLA:CPU with jax 0.11 a barrier over the inputs alone lets the recomputation be
     scheduled in the forward (no memory saved), one that also holds the cotangents
-    cannot run before them."""
+    cannot run before them. (Inside a ``shard_map`` body, values that vary over
+    different manual axes go behind separate barriers: ``barrier`` in apart.py.)"""
     flags = _cse_flags(prevent_cse, len(ins))
     if not any(flags):
         return ins, g
-    kept, g = lax.optimization_barrier(([x for x, f in zip(ins, flags) if f], g))
+    kept, g = barrier(([x for x, f in zip(ins, flags) if f], g))
     kept = iter(kept)
     return [next(kept) if f else x for x, f in zip(ins, flags)], list(g)
 

@@ -1,0 +1,335 @@
+"""``jax.shard_map`` and its collectives on the tape, run in a subprocess with 8
+host CPU devices (see tests/lift/test_shard_map.py):
+``python -m tests._shard_map_cases [CASE ...]``.
+
+Every case is a scalar loss of plain jax code around one ``jax.shard_map`` on a
+2x4 ("data", "model") mesh, its arguments and a ``PartitionSpec`` per argument.
+Each case runs on a mesh with Auto axes and one with Explicit axes, each argument
+alone and all together, eagerly and under ``jax.jit``, in float64, and checks
+``rf.grad(rf.lift(loss))``
+
+* against ``jax.grad(loss)`` (to 1e-10), except where jax.grad itself fails on
+  that program (``jax_fails``: the failure is asserted, so the case says when jax
+  learns it);
+* against float64 central differences along a random direction per argument;
+* and that each gradient has its argument's sharding (Explicit mesh).
+
+The same bodies run with ``check_vma=True`` (jax's default: the body's types
+say which values vary across devices) and ``check_vma=False`` (the
+transposition divides and sums, Note [shard_map on the tape] in
+rumus_fx/lift/rules_parallel.py). One case also checks second order
+(``jax.jvp`` over ``rf.grad``), and one float32 under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import rumus_fx as rf
+
+D, M = "data", "model"
+RNG = np.random.default_rng(0)
+
+
+def arr(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return RNG.standard_normal(shape) * scale
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    make: Callable[[Any, bool], Callable[..., Any]]  # (mesh, check_vma) -> loss
+    args: tuple[np.ndarray, ...]
+    specs: tuple[P, ...]
+    checks: tuple[bool, ...] = (True, False)
+    jax_fails: tuple[bool, ...] = ()  # the check_vma values where jax.grad raises
+
+
+def _smap(mesh: Any, check: bool, in_specs: Any, out_specs: Any, **kw: Any) -> Callable:
+    return lambda body: jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check, **kw)
+
+
+def cases() -> list[Case]:
+    out = []
+
+    def psum(mesh, check):  # data parallel: replicated weight, batch over both axes
+        def body(w, x):
+            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("psum", psum, (arr(3, 2), arr(16, 3)), (P(), P((D, M)))))
+
+    def megatron(mesh, check):  # column- then row-parallel MLP, psum over "model"
+        def body(w1, w2, x):
+            return jnp.sin(lax.psum(jax.nn.gelu(x @ w1) @ w2, M))
+
+        def loss(w1, w2, x):
+            return jnp.sum(_smap(mesh, check, (P(None, M), P(M, None), P(D)), P(D))(body)(w1, w2, x) ** 2)
+
+        return loss
+
+    out.append(Case("megatron", megatron, (arr(3, 8), arr(8, 3), arr(4, 3)), (P(None, M), P(M, None), P(D))))
+
+    def fsdp(mesh, check):  # weights sharded, gathered where used
+        def body(w, x):
+            return jnp.tanh(x @ lax.all_gather(w, M, axis=0, tiled=True))
+
+        return lambda w, x: jnp.sum(_smap(mesh, check, (P(M), P(D)), P((D, M)))(body)(w, x) ** 2)
+
+    out.append(Case("all_gather", fsdp, (arr(8, 3), arr(4, 8)), (P(M), P(D))))
+
+    def gather_untiled(mesh, check):
+        def body(w, x):
+            return jnp.cos(x) * jnp.sum(lax.all_gather(w, M, axis=0) ** 2, axis=(0, 1))[None]
+
+        return lambda w, x: jnp.sum(_smap(mesh, check, (P(M), P(D)), P(D))(body)(w, x) ** 2)
+
+    out.append(Case("all_gather_untiled", gather_untiled, (arr(4, 3), arr(4, 3)), (P(M), P(D)), checks=(False,)))
+
+    def gather_invariant(mesh, check):  # every device holds the whole gathered weight
+        def body(w, x):
+            wf = lax.all_gather(w, M, axis=1, tiled=True, to="invarying")
+            return jnp.cos(x) @ wf**2 + jnp.sum(lax.all_gather(w, M, axis=0, to="invarying") ** 3)
+
+        return lambda w, x: jnp.sum(_smap(mesh, check, (P(None, M), P(D)), P(D))(body)(w, x) ** 2)
+
+    out.append(
+        Case("all_gather_invariant", gather_invariant, (arr(3, 4), arr(4, 3)), (P(None, M), P(D)), checks=(True,))
+    )
+
+    def scatter(mesh, check):  # reduce-scatter of a partial product
+        def body(w, x):
+            return jnp.sin(lax.psum_scatter(x @ w, M, scatter_dimension=1, tiled=True))
+
+        return lambda w, x: jnp.sum(_smap(mesh, check, (P(), P(D)), P(D, M))(body)(w, x) ** 3)
+
+    out.append(Case("psum_scatter", scatter, (arr(3, 8), arr(4, 3)), (P(), P(D))))
+
+    def ring(mesh, check):  # a one-step shift around the "model" ring
+        n = mesh.shape[M]
+
+        def body(w, x):
+            shifted = lax.ppermute(jnp.tanh(x * w), M, perm=[(i, (i + 1) % n) for i in range(n)])
+            return shifted * x
+
+        return lambda w, x: jnp.sum(_smap(mesh, check, (P(M), P(M)), P(M))(body)(w, x) ** 2)
+
+    out.append(Case("ppermute", ring, (arr(8, 3), arr(8, 3)), (P(M), P(M))))
+
+    def a2a(mesh, check):
+        def body(w, x):
+            return lax.all_to_all(jnp.sin(x * w), M, split_axis=1, concat_axis=0, tiled=True) ** 2
+
+        def loss(w, x):
+            y = _smap(mesh, check, (P(M), P(M)), P(None, M))(body)(w, x)
+            return jnp.sum(y * jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))
+
+        return loss
+
+    out.append(Case("all_to_all", a2a, (arr(8, 4), arr(8, 4)), (P(M), P(M))))
+
+    def a2a_untiled(mesh, check):
+        def body(x):
+            return lax.all_to_all(jnp.sin(x), M, split_axis=0, concat_axis=1, tiled=False)
+
+        def loss(x):
+            y = _smap(mesh, check, P(None, M), P(None, M))(body)(x)
+            return jnp.sum(y * jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))
+
+        return loss
+
+    # jax.grad: "Expected cotangent type float64[4,2,1] but got float64[4,1,2]"
+    out.append(Case("all_to_all_untiled", a2a_untiled, (arr(4, 8),), (P(None, M),), jax_fails=(True, False)))
+
+    def pmean_index(mesh, check):  # axis_index (not differentiable) scales each device's part
+        def body(w, x):
+            scale = (lax.axis_index(M) + 1).astype(x.dtype)
+            return lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2) * scale, (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("pmean_axis_index", pmean_index, (arr(3, 2), arr(16, 3)), (P(), P((D, M)))))
+
+    def scan_body(mesh, check):  # a scan inside the body, "data" manual, "model" left to the partitioner
+        def body(w, x):
+            def step(h, xi):
+                h = jnp.tanh(h @ w + xi)
+                return h, jnp.sum(h)
+
+            h, ys = lax.scan(step, jnp.zeros_like(x[0]), x)
+            return lax.psum(jnp.sum(h**2) + jnp.sum(ys), D)
+
+        return lambda w, x: _smap(mesh, check, (P(), P(None, D)), P(), axis_names={D})(body)(w, x)
+
+    out.append(Case("scan_partial_manual", scan_body, (arr(3, 3, scale=0.5), arr(5, 4, 3)), (P(), P(None, D))))
+
+    def several(mesh, check):  # several outputs, one of them integer
+        def body(w, x):
+            y = x * w[None]
+            return jnp.sin(y), lax.psum(jnp.sum(y), M), jnp.argmax(y, axis=1)
+
+        def loss(w, x):
+            a, b, c = _smap(mesh, check, (P(), P(M)), (P(M), P(), P(M)))(body)(w, x)
+            return jnp.sum(a**2) * b + jnp.sum(c).astype(a.dtype)
+
+        return loss
+
+    out.append(Case("several_outputs", several, (arr(3), arr(8, 3)), (P(), P(M))))
+
+    def remat(mesh, check):  # jax.checkpoint inside the body
+        def body(w, x):
+            y = jax.checkpoint(lambda w, x: jnp.sin(x @ w) ** 2)(w, x)
+            return lax.psum(jnp.sum(y), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("checkpoint_in_body", remat, (arr(3, 2), arr(16, 3)), (P(), P((D, M)))))
+
+    def around(mesh, check):  # jnp before and after, a jit inside the body, an unused input
+        def body(w, b, x, unused):
+            return jax.jit(lambda h: jnp.tanh(h @ w + b[None]))(x) * 2.0
+
+        def loss(w, b, x):
+            y = _smap(mesh, check, (P(), P(), P(D), P()), P(D))(body)(w * 1.5, b, jnp.exp(x), jnp.ones(3))
+            return jnp.sum(jnp.sin(y))
+
+        return loss
+
+    out.append(Case("around_and_inside", around, (arr(3, 4), arr(4), arr(8, 3, scale=0.3)), (P(), P(), P(D))))
+    return out
+
+
+def _mesh(kind: AxisType) -> Any:
+    return jax.make_mesh((2, 4), (D, M), axis_types=(kind, kind))
+
+
+def _close(got: Any, want: Any, tol: float, what: str) -> None:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol, err_msg=what)
+
+
+def _fd(loss: Callable, args: tuple, grads: tuple, what: str) -> None:
+    """``<grad, d>`` against central differences of ``loss`` along ``d``, per argument."""
+    rng = np.random.default_rng(1)
+    eps = 1e-6
+    for k, g in enumerate(grads):
+        d = rng.standard_normal(np.shape(args[k]))
+        plus, minus = list(args), list(args)
+        plus[k] = jax.device_put(np.asarray(args[k]) + eps * d, args[k].sharding)
+        minus[k] = jax.device_put(np.asarray(args[k]) - eps * d, args[k].sharding)
+        fd = (float(jax.jit(loss)(*plus)) - float(jax.jit(loss)(*minus))) / (2 * eps)
+        got = float(np.sum(np.asarray(g) * d))
+        assert abs(fd - got) <= 1e-6 * max(1.0, abs(fd)), f"{what}: argument {k}: {got} != finite difference {fd}"
+
+
+def run_case(case: Case, kind: AxisType) -> None:
+    mesh = _mesh(kind)
+    for check in case.checks:
+        loss = case.make(mesh, check)
+        args = tuple(jax.device_put(jnp.asarray(a), NamedSharding(mesh, s)) for a, s in zip(case.args, case.specs))
+        n = len(args)
+        what = f"{case.name} check_vma={check} {kind.name}"
+        subsets = [tuple(range(n))] + ([(i,) for i in range(n)] if n > 1 else [])
+        for sub in subsets:
+            got = rf.grad(rf.lift(loss), argnums=sub)(*args)
+            got_jit = jax.jit(rf.grad(rf.lift(loss), argnums=sub))(*args)
+            _close(got_jit, got, 1e-12, f"{what} {sub}: jit against eager")
+            if check in case.jax_fails:
+                try:
+                    jax.jit(jax.grad(loss, argnums=sub))(*args)
+                except Exception:
+                    pass
+                else:
+                    raise AssertionError(f"{what}: jax.grad now differentiates this program: compare with it")
+            else:
+                _close(got, jax.jit(jax.grad(loss, argnums=sub))(*args), 1e-10, f"{what} {sub}")
+            if kind == AxisType.Explicit:
+                for i, g in zip(sub, got):
+                    assert g.sharding.is_equivalent_to(args[i].sharding, g.ndim), (
+                        what,
+                        sub,
+                        i,
+                        g.sharding,
+                        args[i].sharding,
+                    )
+            if sub == subsets[0]:
+                _fd(loss, args, got, what)
+
+
+def second_order() -> None:
+    """``jax.jvp`` over ``rf.grad`` and ``rf.grad`` over ``rf.grad``: Hessian-vector
+    products through a shard_map with a psum and an all_gather."""
+    mesh = _mesh(AxisType.Auto)
+    for check in (True, False):
+
+        def loss(w, x, check=check):
+            def body(w, x):
+                h = jnp.tanh(x @ lax.all_gather(w, M, axis=0, tiled=True))
+                return lax.psum(jnp.sum(h**2), (D, M))
+
+            return _smap(mesh, check, (P(M), P((D, M))), P())(body)(w, x)
+
+        w, x, v = jnp.asarray(arr(8, 3)), jnp.asarray(arr(16, 8)), jnp.asarray(arr(8, 3))
+        want = jax.jvp(jax.grad(loss), (w, x), (v, jnp.zeros_like(x)))[1]
+        got = jax.jvp(rf.grad(rf.lift(loss)), (w, x), (v, jnp.zeros_like(x)))[1]
+        _close(got, want, 1e-10, f"jvp over rf.grad, check_vma={check}")
+        rr = rf.grad(rf.lift(lambda w, x, v=v: jnp.sum(rf.grad(rf.lift(loss))(w, x) * v)))(w, x)
+        _close(rr, want, 1e-10, f"rf.grad over rf.grad, check_vma={check}")
+
+
+def float32_jit() -> None:
+    mesh = _mesh(AxisType.Explicit)
+    case = cases()[1]  # megatron
+    loss = case.make(mesh, True)
+    args = tuple(
+        jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, s)) for a, s in zip(case.args, case.specs)
+    )
+    got = jax.jit(rf.grad(rf.lift(loss), argnums=(0, 1, 2)))(*args)
+    _close(got, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args), 2e-5, "float32 jit")
+
+
+def main(names: list[str]) -> int:
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    failures = []
+    for case in cases():
+        if names and case.name not in names:
+            continue
+        for kind in (AxisType.Auto, AxisType.Explicit):
+            try:
+                run_case(case, kind)
+            except Exception:
+                failures.append(f"{case.name} {kind.name}:\n{traceback.format_exc()}")
+    for check in (second_order, float32_jit):
+        if names and check.__name__ not in names:
+            continue
+        try:
+            with jax.enable_x64(check is second_order):
+                check()
+        except Exception:
+            failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
+    for f in failures:
+        print("FAILED", f)
+    print("FAILED" if failures else "OK")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
