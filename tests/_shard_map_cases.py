@@ -19,7 +19,7 @@ The same bodies run with ``check_vma=True`` (jax's default: the body's types
 say which values vary across devices) and ``check_vma=False`` (the
 transposition divides and sums, Note [shard_map on the tape] in
 rumus_fx/lift/rules_parallel.py). One case also checks second order
-(``jax.jvp`` over ``rf.grad``), and one float32 under ``jax.jit``.
+(``jax.jvp`` over ``rf.grad``), one ``jax.pmap``, and one float32 under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -256,8 +256,9 @@ def _fd(loss: Callable, args: Any, grads: tuple, what: str, full: Callable | Non
     for k, g in enumerate(grads):
         d = rng.standard_normal(np.shape(args[k]))
         plus, minus = list(args), list(args)
-        plus[k] = jax.device_put(np.asarray(args[k]) + eps * d, args[k].sharding)
-        minus[k] = jax.device_put(np.asarray(args[k]) - eps * d, args[k].sharding)
+        sh = args[k].sharding if isinstance(args[k].sharding, NamedSharding) else None  # else uncommitted
+        plus[k] = jax.device_put(np.asarray(args[k]) + eps * d, sh)
+        minus[k] = jax.device_put(np.asarray(args[k]) - eps * d, sh)
         fd = (float(jax.jit(loss)(*full(*plus))) - float(jax.jit(loss)(*full(*minus)))) / (2 * eps)
         got = float(np.sum(np.asarray(g) * d))
         assert abs(fd - got) <= 1e-6 * max(1.0, abs(fd)), f"{what}: argument {k}: {got} != finite difference {fd}"
@@ -334,6 +335,21 @@ def second_order() -> None:
         _close(rr, want, 1e-10, f"rf.grad over rf.grad, check_vma={check}")
 
 
+def pmap() -> None:
+    """``jax.pmap`` (which jax now traces as a ``shard_map``) with a ``psum``."""
+
+    def loss(w, x):
+        per_device = jax.pmap(
+            lambda w, x: lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "i"), axis_name="i", in_axes=(None, 0)
+        )
+        return per_device(w, x)[0]
+
+    w, x = jnp.asarray(arr(3, 2)), jnp.asarray(arr(8, 2, 3))
+    got = rf.grad(rf.lift(loss), argnums=(0, 1))(w, x)
+    _close(got, jax.grad(loss, argnums=(0, 1))(w, x), 1e-10, "pmap")
+    _fd(loss, (w, x), got, "pmap")
+
+
 def float32_jit() -> None:
     mesh = _mesh(AxisType.Explicit)
     case = cases()[1]  # megatron
@@ -357,11 +373,11 @@ def main(names: list[str]) -> int:
                 run_case(case, kind)
             except Exception:
                 failures.append(f"{case.name} {kind.name}:\n{traceback.format_exc()}")
-    for check in (second_order, float32_jit):
+    for check in (second_order, pmap, float32_jit):
         if names and check.__name__ not in names:
             continue
         try:
-            with jax.enable_x64(check is second_order):
+            with jax.enable_x64(check is not float32_jit):
                 check()
         except Exception:
             failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
