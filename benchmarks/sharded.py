@@ -10,6 +10,8 @@ gradients, counts the collectives in each compiled program and checks its
 all-gathers (:func:`check_gathers`: only parameter-sized arrays are gathered, never
 activations, and no sharded parameter more than once per step, its gradient
 aside), and reports the step time ratio rf / jax.grad (median of interleaved runs).
+The last layout is the MLP written per device with ``jax.shard_map`` and
+collectives, differentiated by ``rf.lift`` (Note [shard_map on the tape]).
 """
 
 from __future__ import annotations
@@ -133,6 +135,26 @@ def _fsdp(path: str, leaf: Any) -> P:
     return P("data") if leaf.ndim == 2 and leaf.shape[0] % 8 == 0 else P()
 
 
+def shard_map_mlp_loss(params: Any, batch: Any) -> Any:
+    """The MLP's loss written per device with ``jax.shard_map`` (the mesh from
+    ``jax.set_mesh``): layer 0 column parallel, layer 1 row parallel with an
+    explicit ``psum`` over ``"model"``, the batch on ``"data"`` (``pmean``)."""
+
+    def body(params: Any, x: Any, targets: Any) -> Any:
+        h = x
+        for i, layer in enumerate(params):
+            h = h @ layer["weight"]
+            if i == 1:
+                h = jax.lax.psum(h, "model")
+            h = h + layer["bias"]
+            if i < len(params) - 1:
+                h = jax.nn.relu(h)
+        return jax.lax.pmean(models._ce_jax(h, targets), "data")
+
+    specs = (_specs(params, _mlp_tp), P("data"), P("data"))
+    return jax.shard_map(body, in_specs=specs, out_specs=P())(params, *batch)
+
+
 def _gathered(loss: Callable, gather: Callable) -> Callable:
     return lambda params, batch: loss(jax.tree.map(gather, params), batch)
 
@@ -150,6 +172,14 @@ def layouts() -> list[tuple[str, models.Model, tuple, tuple, Callable[[str, Any]
         ("TinyGPT tensor parallel", gpt, *tp, _gpt_tp, gpt.loss_rf, gpt.loss_jax),
         ("TinyGPT FSDP", gpt, *dp, _fsdp, fsdp_rf, fsdp_jax),
         ("TransformerBlock (fused qkv) tensor parallel", block, *tp, _block_tp, block.loss_rf, block.loss_jax),
+        (
+            "MLP tensor parallel, jax.shard_map lifted",
+            mlp,
+            *tp,
+            _mlp_tp,
+            rf.lift(shard_map_mlp_loss),
+            shard_map_mlp_loss,
+        ),
     ]
 
 

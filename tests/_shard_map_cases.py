@@ -184,6 +184,27 @@ def cases() -> list[Case]:
 
     out.append(Case("scan_partial_manual", scan_body, (arr(3, 3, scale=0.5), arr(5, 4, 3)), (P(), P(None, D))))
 
+    def custom_rules(mesh, check):  # jax.custom_jvp functions in the body (relu, logsumexp, softmax)
+        def body(w, x):
+            h = jax.nn.relu(x @ w)
+            z = jax.nn.logsumexp(h, axis=1) + jnp.sum(jax.nn.softmax(h, axis=1) * h, axis=1)
+            return lax.pmean(jnp.mean(z), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("custom_jvp_in_body", custom_rules, (arr(3, 4), arr(16, 3)), (P(), P((D, M)))))
+
+    def unused(mesh, check):  # primitives with several outputs, some unused (zero cotangents)
+        def body(w, x):
+            a, _, c = jnp.split(jnp.tanh(x @ w), 3, axis=1)
+            keys, vals = lax.sort((a[:, 0], c[:, 0] * 2.0), num_keys=1)
+            _, vecs = jnp.linalg.eigh(x.T @ x)
+            return lax.psum(jnp.sum(vals**2) + jnp.sum(vecs[:, -1] ** 4), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("unused_outputs", unused, (arr(3, 6), arr(16, 3)), (P(), P((D, M)))))
+
     def several(mesh, check):  # several outputs, one of them integer
         def body(w, x):
             y = x * w[None]

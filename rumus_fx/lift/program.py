@@ -25,7 +25,7 @@ from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule
 _Tracer = jax.core.Tracer
 
 # the (program, step) whose rule is building nested programs (a scan's body, ...)
-_ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
+ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
 
 # call primitives inlined into the program (their body is run with rf's rules)
 INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
@@ -103,7 +103,7 @@ class Program:
         self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
         self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
         self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
-        self.enclosing = _ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
+        self.enclosing = ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
         env: dict[Any, Any] = {}
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
@@ -200,11 +200,11 @@ class Program:
             step.needs = needs
             prepare = getattr(rule.vjp, "prepare", None)
             if prepare is not None:  # control flow: nested programs for the bodies
-                token = _ENCLOSING.set((self, step))
+                token = ENCLOSING.set((self, step))
                 try:
                     step.sub = prepare(step)
                 finally:
-                    _ENCLOSING.reset(token)
+                    ENCLOSING.reset(token)
             si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
             step.saved_in = tuple(si)
             step.saved_out = tuple(range(len(step.outs))) if so is None else tuple(so)  # None: every output

@@ -165,7 +165,10 @@ def _custom_jvp_prepare(step) -> _Linear:
         return jcore.jaxpr_as_fun(closed(jaxpr, list(cs)))(*primals, *tangents)
 
     def spec(a):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        # inside a shard_map body the rule's values keep the manual axes they vary over
+        mat = getattr(a, "manual_axis_type", None)
+        kw = {} if mat is None or getattr(mat, "empty", True) else {"sharding": a.sharding, "manual_axis_type": mat}
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False), **kw)
 
     linear_jaxpr = jax.make_jaxpr(linear)(
         const_avals, [spec(v.aval) for v in invars[:n]], [spec(a) for a in tangent_avals]
@@ -183,7 +186,10 @@ def _custom_jvp_prepare(step) -> _Linear:
 def _zero_tangent(a: Any) -> Any:
     if a.dtype == jax.dtypes.float0:
         return np.zeros(a.shape, dtype=jax.dtypes.float0)
-    return jnp.zeros(a.shape, a.dtype)
+    # inside a shard_map body: varying over the manual axes its tangent varies over
+    axes = tuple(sorted(getattr(getattr(a, "manual_axis_type", None), "varying", ())))
+    z = jnp.zeros(a.shape, a.dtype)
+    return lax.pcast(z, axes, to="varying") if axes else z
 
 
 def _custom_jvp_vjp(r, g):

@@ -54,7 +54,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal
 from .jax_versions import closed, varying_axes
-from .program import Program
+from .program import ENCLOSING, Program
 from .rules import defrule, is_float
 
 # -- what the equation says ---------------------------------------------------------
@@ -102,18 +102,36 @@ def _varying(x: Any) -> frozenset:
 
 class _Body:
     """The body program of a ``shard_map`` step and its residuals' layout (their
-    pytree and one spec per leaf), recorded by the first forward."""
+    pytree and one spec per leaf), recorded by the first forward.
 
-    def __init__(self, prog: Program):
-        self.prog = prog
+    The program is built on first use, inside the forward's ``shard_map`` trace:
+    some rules trace code of their own when their program is built (a
+    ``custom_jvp`` rule traces the user's JVP rule, e.g. ``jax.nn.relu``'s), and
+    inside a body that code needs the manual mesh and its axis names."""
+
+    def __init__(self, step: Any):
+        self.jaxpr = closed(step.params["jaxpr"])
+        self.needs = list(step.needs)
+        self.enclosing = (step.program, step)
+        self._prog: Program | None = None
         self.layout: tuple[Any, tuple[Any, ...]] | None = None
+
+    @property
+    def prog(self) -> Program:
+        if self._prog is None:
+            token = ENCLOSING.set(self.enclosing)
+            try:
+                self._prog = Program(self.jaxpr, self.needs, "shard_map body")
+            finally:
+                ENCLOSING.reset(token)
+        return self._prog
 
 
 def _shard_map_prepare(step: Any) -> _Body:
     p = step.params
     for spec in (*p["in_specs"], *p["out_specs"]):
         _mentioned(spec)
-    return _Body(Program(closed(p["jaxpr"]), list(step.needs), "shard_map body"))
+    return _Body(step)
 
 
 def _smap(fun: Any, params: Any, in_specs: Any, out_specs: Any) -> Any:
@@ -338,7 +356,7 @@ def _reduce_scatter_vjp(r: Any, g: Any) -> tuple:
 
 def _ppermute_vjp(r: Any, g: Any) -> tuple:
     p = r.params
-    return (r._step.prim.bind(g, axis_name=p["axis_name"], perm=tuple((d, s) for s, d in p["perm"])),)
+    return (lax.ppermute(g, p["axis_name"], perm=[(d, s) for s, d in p["perm"]]),)
 
 
 def _all_to_all_vjp(r: Any, g: Any) -> tuple:
