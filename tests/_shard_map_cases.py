@@ -205,6 +205,42 @@ def cases() -> list[Case]:
 
     out.append(Case("unused_outputs", unused, (arr(3, 6), arr(16, 3)), (P(), P((D, M)))))
 
+    def control(mesh, check):  # lax.cond, a custom_vjp function and fori_loop in the body
+        @jax.custom_vjp
+        def square(x):
+            return x**2
+
+        square.defvjp(lambda x: (x**2, x), lambda x, g: (2.0 * x * g,))
+
+        def body(w, x):
+            h = jnp.tanh(x @ w)
+            h = lax.cond(jnp.sum(x) > 0, lambda h: jnp.sin(h) * 2.0, lambda h: h**3, h)
+            # the branches' gradients for x vary over the devices in one branch and are zeros in the other
+            h = lax.cond(jnp.sum(w) > 0, lambda h, x: h * x, lambda h, x: h * 2.0, h, x)
+            h = lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w.T @ w), h)
+            return lax.psum(jnp.sum(square(h)), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("control_in_body", control, (arr(3, 3, scale=0.5), arr(16, 3)), (P(), P((D, M)))))
+
+    def scan_varying(mesh, check):  # a scan whose constant varies and whose final carry is unused
+        def body(w, x):
+            c = jnp.sin(x[0])  # varies over "data" and "model"
+
+            def step(h, xi):
+                h = jnp.tanh(h * c + xi @ w)
+                return h, jnp.sum(h**2)
+
+            _, ys = lax.scan(step, jnp.zeros_like(x[0]), x)
+            return lax.psum(jnp.sum(ys), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(), P(None, (D, M))), P())(body)(w, x)
+
+    out.append(
+        Case("scan_varying_constant", scan_varying, (arr(3, 3, scale=0.5), arr(5, 16, 3)), (P(), P(None, (D, M))))
+    )
+
     def several(mesh, check):  # several outputs, one of them integer
         def body(w, x):
             y = x * w[None]

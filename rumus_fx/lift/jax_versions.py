@@ -21,7 +21,7 @@ looking at the data itself, not at a version number:
 
 One more read of jax's types lives here although it is the same on both: which
 manual axes a value varies over inside ``shard_map`` (its type's
-``mat.varying``), :func:`varying_axes`.
+``mat.varying``), :func:`varying_axes`, :func:`vary_over` and :func:`varying_like`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax import lax
 from jax.extend import core as jcore
 
 # jax >= 0.11: ClosedJaxpr is Jaxpr (a jaxpr carries its constants)
@@ -74,9 +75,26 @@ def bwd_cotangents(out: Any) -> list[Any]:
 
 def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes along which ``x`` varies inside a ``shard_map`` body
-    with ``check_vma=True`` (empty elsewhere, and for a non-array leaf)."""
-    try:
-        mat = jax.typeof(x).mat
-    except (TypeError, AttributeError):
-        return frozenset()
+    with ``check_vma=True`` (empty elsewhere, and for a non-array leaf); ``x`` a
+    value or its type (an aval, a ``ShapeDtypeStruct`` from ``jax.eval_shape``)."""
+    mat = getattr(x, "manual_axis_type", None)
+    if mat is None:
+        try:
+            mat = jax.typeof(x).mat
+        except (TypeError, AttributeError):
+            return frozenset()
     return frozenset(getattr(mat, "varying", ()))
+
+
+def vary_over(z: Any, axes: Any) -> Any:
+    """``z`` (a value rf made, such as zeros) made to vary over the manual axes
+    ``axes`` where it does not already: inside a ``shard_map`` body a primitive
+    bound on values of different types is refused."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(z)))
+    return lax.pcast(z, missing, to="varying") if missing else z
+
+
+def varying_like(z: Any, like: Any) -> Any:
+    """``z`` made to vary over the manual axes ``like`` varies over (see
+    :func:`vary_over`)."""
+    return vary_over(z, varying_axes(like))

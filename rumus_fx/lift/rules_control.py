@@ -31,7 +31,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
-from .jax_versions import bwd_cotangents, closed, scan_counts
+from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
 from .program import Program
 from .rules import defrule, is_float
 
@@ -57,6 +57,54 @@ def _unstacked(s):
 def _float_or_none(gs, avals):
     """Gradients for non-float inputs are dropped (integer carries, indices)."""
     return [g if is_float(a) else None for g, a in zip(gs, avals)]
+
+
+def _in_manual_context() -> bool:
+    """Inside a ``shard_map`` body (some mesh axes manual), where values carry
+    the manual axes they vary over and control flow needs equal types."""
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    return all(varying_axes(x) == varying_axes(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _typed_carry(body, init, xs, length):
+    """A backward scan's initial carry (zeros for the cotangents, which vary
+    nowhere) made to vary over the manual axes the body's carry output varies
+    over (``lax.scan`` requires equal types; only inside a ``shard_map`` body do
+    they differ): the body is run abstractly until the types stop growing."""
+    if not length or not _in_manual_context():
+        return init
+    for _ in range(len(jax.sharding.get_abstract_mesh().axis_names) + 1):
+        out = jax.eval_shape(lambda c, xs: body(c, jax.tree.map(lambda a: a[0], xs))[0], init, xs)
+        typed = jax.tree.map(varying_like, init, out)
+        if _same_types(typed, init):
+            break
+        init = typed
+    return init
+
+
+def _typed_branches(branches, *operands):
+    """``lax.switch`` branches whose outputs vary over the same manual axes
+    (inside a ``shard_map`` body a gradient one branch leaves as zeros varies
+    nowhere, another branch's may vary)."""
+    if not _in_manual_context():
+        return branches
+    outs = [jax.eval_shape(b, *operands) for b in branches]
+    union = [
+        frozenset().union(*(varying_axes(o) for o in leaves)) for leaves in zip(*(jax.tree.leaves(o) for o in outs))
+    ]
+
+    def typed(b):
+        def run(*ops):
+            out = b(*ops)
+            leaves, tree = jax.tree.flatten(out)
+            return jax.tree.unflatten(tree, [vary_over(x, u) for x, u in zip(leaves, union)])
+
+        return run
+
+    return [typed(b) for b in branches]
 
 
 # -- scan -------------------------------------------------------------------------
@@ -152,9 +200,9 @@ def _scan_vjp(r, g):
 
     x_avals_unstacked = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in x_avals]
     init = (_or_zeros(ct_carry, carry_avals, carry_sh), [_zeros_like_aval(a, s) for a, s in zip(const_avals, const_sh)])
-    (g_init, g_consts), g_xs = lax.scan(
-        body, init, (stacked, kept_xs, ct_ys), length=p["length"], reverse=not p["reverse"]
-    )
+    xs = (stacked, kept_xs, ct_ys)
+    init = _typed_carry(body, init, xs, p["length"])
+    (g_init, g_consts), g_xs = lax.scan(body, init, xs, length=p["length"], reverse=not p["reverse"])
     out = [*g_consts, *g_init, *g_xs]
     return tuple(g if n else None for g, n in zip(_float_or_none(out, avals), r.needs))
 
@@ -201,8 +249,7 @@ def _branch_residual_avals(step, vals_avals):
 def _cond_forward(step, vals):
     index, ops = vals[0], vals[1:]
     progs = step.sub
-    op_avals = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o), sharding=shd.sharding_of(o)) for o in ops]
-    res_avals = _branch_residual_avals(step, op_avals)
+    res_avals = _branch_residual_avals(step, ops)  # the operands' own types (sharding, varying axes)
 
     def branch(k):
         def run(*o):
@@ -210,7 +257,9 @@ def _cond_forward(step, vals):
             all_res = [
                 res
                 if j == k
-                else jax.tree.map(lambda a: shd.zeros(a.shape, a.dtype, shd.explicit(a.sharding)), res_avals[j])
+                else jax.tree.map(
+                    lambda a: varying_like(shd.zeros(a.shape, a.dtype, shd.explicit(a.sharding)), a), res_avals[j]
+                )
                 for j in range(len(progs))
             ]
             return outs, all_res
@@ -234,7 +283,8 @@ def _cond_vjp(r, g):
 
         return run
 
-    grads = lax.switch(index, [branch(k) for k in range(len(progs))], res, list(g))
+    branches = _typed_branches([branch(k) for k in range(len(progs))], res, list(g))
+    grads = lax.switch(index, branches, res, list(g))
     grads = _float_or_none(grads, op_avals)
     return (None, *(gr if n else None for gr, n in zip(grads, r.needs[1:])))
 

@@ -40,7 +40,7 @@ from ..autograd.record import Aval
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
-from .jax_versions import closed, scan_counts
+from .jax_versions import closed, scan_counts, varying_like
 from .program import Program
 from .rules import defrule, is_float
 
@@ -186,10 +186,7 @@ def _custom_jvp_prepare(step) -> _Linear:
 def _zero_tangent(a: Any) -> Any:
     if a.dtype == jax.dtypes.float0:
         return np.zeros(a.shape, dtype=jax.dtypes.float0)
-    # inside a shard_map body: varying over the manual axes its tangent varies over
-    axes = tuple(sorted(getattr(getattr(a, "manual_axis_type", None), "varying", ())))
-    z = jnp.zeros(a.shape, a.dtype)
-    return lax.pcast(z, axes, to="varying") if axes else z
+    return varying_like(jnp.zeros(a.shape, a.dtype), a)  # inside a shard_map body: a's type
 
 
 def _custom_jvp_vjp(r, g):
