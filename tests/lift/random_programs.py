@@ -5,7 +5,8 @@ jax.nn / jax.scipy calls as users write them (elementwise functions, reductions
 along a drawn axis, shape and indexing ops with duplicate, negative and
 out-of-range indices, scatters, linear algebra, FFTs, complex intermediates,
 control flow, ``jax.checkpoint``, nested ``jax.jit`` and ``jax.vmap``,
-``custom_jvp``/``custom_vjp`` functions). Each step reads values made by earlier
+``custom_jvp``/``custom_vjp`` functions, ``jax.device_put``, ``jax.shard_map``
+on one device). Each step reads values made by earlier
 steps (so values are reused: diamonds in the graph) and the program returns a
 weighted sum of its last values and its first input. Inputs are drawn so that
 every function is smooth at them (logs of ``1 + x^2``, inverse trig of
@@ -268,6 +269,8 @@ def _structural(name: str) -> Callable[[np.random.Generator, Any], Any]:
             "segment_max": lambda: jax.ops.segment_max(a, (jnp.arange(n) * 7) % 3, 3),
             "select_n": lambda: lax.select_n(jnp.arange(a.size).reshape(a.shape) % 3, a, a * a, -a),
             "convolve": lambda: jnp.convolve(a, jnp.array([1.0, -2.0, 0.5]), mode="same") if a.ndim == 1 else None,
+            "device_put": lambda: jax.device_put(a, jax.devices()[0]),
+            "shard_map": lambda: _one_device_shard_map(a),
         }
         return table[name]()
 
@@ -279,7 +282,17 @@ STRUCTURAL = (
     "lax_pad", "tile", "repeat", "broadcast", "tril", "diagonal", "take_duplicates", "take_clip", "take_fill",
     "negative_index", "at_add", "at_set", "at_multiply", "at_max", "at_add_drop", "dynamic_slice",
     "dynamic_slice_traced", "dynamic_update_slice", "segment_sum", "segment_max", "select_n", "convolve",
+    "device_put", "shard_map",
 )  # fmt: skip
+
+
+def _one_device_shard_map(a: Any) -> Any:
+    """``a``'s rows through ``jax.shard_map`` on a one-device mesh with a ``psum``
+    (the collectives' plumbing; tests/lift/test_shard_map.py runs them on eight)."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    body = lambda u: jnp.sin(u) * lax.psum(jnp.sum(u * u), "x")  # noqa: E731
+    spec = jax.sharding.PartitionSpec("x")
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(a)
 
 
 def _binary(name: str) -> Callable[[np.random.Generator, Any, Any], Any]:
@@ -323,6 +336,11 @@ def _binary(name: str) -> Callable[[np.random.Generator, Any, Any], Any]:
                 if square and b.ndim in (1, 2) and len(b) == len(a)
                 else None
             ),
+            "ragged_dot": lambda: (  # two groups of a's rows, each with its own weight
+                lax.ragged_dot(a, jnp.stack([b, jnp.sin(b)]), jnp.array([len(a) // 2, len(a) - len(a) // 2]))
+                if a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0]
+                else None
+            ),
         }
         if name in products:
             return products[name]()
@@ -334,6 +352,7 @@ def _binary(name: str) -> Callable[[np.random.Generator, Any, Any], Any]:
 BINARY = (
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "arctan2", "hypot", "logaddexp", "power",
     "where", "copysign", "xlogy", "clip_between", "cond", "scan", "matmul", "einsum", "outer", "kron", "solve",
+    "ragged_dot",
 )  # fmt: skip
 
 
@@ -367,6 +386,7 @@ def _linalg(name: str) -> Callable[[np.random.Generator, Any], Any]:
             "cho_solve": lambda: jsl.cho_solve(jsl.cho_factor(spd), a),
             "matrix_power": lambda: jnp.linalg.matrix_power(0.5 * a, 3),
             "lstsq": lambda: jnp.linalg.lstsq(spd, a)[0],
+            "eigvals": lambda: jnp.abs(jnp.linalg.eigvals(a + 2.0 * eye)),
         }
         return table[name]()
 
@@ -375,7 +395,7 @@ def _linalg(name: str) -> Callable[[np.random.Generator, Any], Any]:
 
 LINALG = (
     "inv", "det", "slogdet", "cholesky", "eigvalsh", "eigh_vectors", "qr", "svdvals", "solve_triangular", "expm",
-    "pinv", "trace", "lu_solve", "cho_solve", "matrix_power", "lstsq",
+    "pinv", "trace", "lu_solve", "cho_solve", "matrix_power", "lstsq", "eigvals",
 )  # fmt: skip
 
 
