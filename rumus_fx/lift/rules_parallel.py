@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal
-from .jax_versions import closed, varying_axes
+from .jax_versions import closed, vary_over, varying_axes
 from .program import ENCLOSING, Program
 from .rules import defrule, is_float
 
@@ -312,8 +312,7 @@ def _psum_invariant_vjp(r: Any, g: Any) -> tuple:
     cotangent is handed to every device unchanged (``pcast`` to varying)."""
     axes = _named(r.params["axes"])
     g = _positional_back(g, r, axes)
-    missing = tuple(a for a in axes if not isinstance(a, int) and a not in _varying(g))
-    return (lax.pcast(g, missing, to="varying") if missing else g,)
+    return (vary_over(g, [a for a in axes if not isinstance(a, int)]),)
 
 
 def _pvary_vjp(r: Any, g: Any) -> tuple:
