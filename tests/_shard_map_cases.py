@@ -241,6 +241,20 @@ def cases() -> list[Case]:
         Case("scan_varying_constant", scan_varying, (arr(3, 3, scale=0.5), arr(5, 16, 3)), (P(), P(None, (D, M))))
     )
 
+    def spectral(mesh, check):  # complex values through the collectives: a sharded FFT-like mix
+        n = mesh.shape[M]
+
+        def body(w, x):
+            z = jnp.fft.fft(x * w, axis=1)  # complex, varies over both axes
+            z = lax.all_to_all(z, M, split_axis=1, concat_axis=0, tiled=True)
+            z = lax.ppermute(z, M, perm=[(i, (i + 1) % n) for i in range(n)]) * (1 - 0.5j)
+            z = lax.psum_scatter(lax.all_gather(z, D, axis=0, tiled=True), D, scatter_dimension=0, tiled=True)
+            return lax.psum(jnp.sum(jnp.abs(z) ** 2 + jnp.real(z) * jnp.imag(z)), (D, M))
+
+        return lambda w, x: _smap(mesh, check, (P(M), P((D, M))), P())(body)(w, x)
+
+    out.append(Case("complex_intermediates", spectral, (arr(16, 8), arr(32, 8)), (P(M), P((D, M)))))
+
     def several(mesh, check):  # several outputs, one of them integer
         def body(w, x):
             y = x * w[None]

@@ -55,7 +55,7 @@ from ..errors import AutogradError
 from ..ops._declare import normal
 from .jax_versions import closed, vary_over, varying_axes
 from .program import ENCLOSING, Program
-from .rules import defrule, is_float
+from .rules import COMPLEX_OK, defrule, is_float
 
 # -- what the equation says ---------------------------------------------------------
 
@@ -451,4 +451,11 @@ defrule(
             _two,
         ),
     ),
+)
+
+# linear maps and a call: their rules hold for complex values as written (transposed,
+# not conjugated); tests/lift/test_complex.py and tests/_shard_map_cases.py check them
+COMPLEX_OK.update(
+    {"shard_map", "psum", "psum_invariant", "pvary", "all_gather", "all_gather_invariant", "reduce_scatter"}
+    | {"ppermute", "all_to_all"}
 )

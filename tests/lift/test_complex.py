@@ -108,6 +108,36 @@ SMOOTH = {
 }
 
 
+def _on_one_device(body, in_specs, out_specs, check_vma=True):
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+
+_X = jax.sharding.PartitionSpec("x")
+_R = jax.sharding.PartitionSpec()
+
+# shard_map and the collectives on a one-device mesh (their semantics on eight devices:
+# tests/_shard_map_cases.py, a complex case among them)
+PARALLEL = {
+    "psum": lambda z, w: _on_one_device(lambda a, b: lax.psum(a * b, "x"), (_X, _X), _R)(z, w),
+    "pvary": lambda z, w: _on_one_device(lambda a, b: a * jnp.sin(b), (_X, _R), _X)(z, w),
+    "psum_unchecked": lambda z, w: _on_one_device(lambda a, b: lax.psum(a - b, "x"), (_X, _X), _R, False)(z, w),
+    "all_gather": lambda z, w: _on_one_device(
+        lambda a, b: lax.all_gather(a * b, "x", axis=1, tiled=True), (_X, _X), _X
+    )(z, w),
+    "all_gather_invariant": lambda z, w: _on_one_device(
+        lambda a, b: lax.all_gather(a * b, "x", axis=0, to="invarying"), (_X, _X), _R
+    )(z, w),
+    "psum_scatter": lambda z, w: _on_one_device(
+        lambda a, b: lax.psum_scatter(a * b, "x", scatter_dimension=1, tiled=True), (_X, _X), _X
+    )(z, w),
+    "ppermute": lambda z, w: _on_one_device(lambda a, b: lax.ppermute(a, "x", perm=[(0, 0)]) * b, (_X, _X), _X)(z, w),
+    "all_to_all": lambda z, w: _on_one_device(
+        lambda a, b: lax.all_to_all(a * b, "x", split_axis=1, concat_axis=0, tiled=True), (_X, _X), _X
+    )(z, w),
+}
+
+
 def _eigh_parts(a):
     """Eigenvalues and phase-free functions of the eigenvectors of a complex
     Hermitian matrix (``jnp.linalg.eigh`` takes ``(a + a^H) / 2``)."""
@@ -160,6 +190,7 @@ GROUPS = {
     "linear": lambda z, w: sum(_real_loss(f(z * w)) for f in LINEAR.values()),
     "binary": lambda z, w: sum(_real_loss(f(z, w)) for f in BINARY.values()),
     "smooth": lambda z, w: sum(_real_loss(f(z, w)) for f in SMOOTH.values()),
+    "parallel": lambda z, w: sum(_real_loss(f(z, w)) for f in PARALLEL.values()),
 }
 
 
