@@ -191,11 +191,7 @@ class Program:
                     "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
                 )
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
-                raise AutogradError(
-                    f"rf.lift: the backward rule of the primitive '{name}' (in {self.name}) is not "
-                    "defined for complex values, and a complex value that depends on a tracked Tensor "
-                    "reaches it; compute it on the real and imaginary parts (jnp.real, jnp.imag)."
-                )
+                rule = _refusing_complex(rule, name, self.name)
             step.rule = rule
             step.needs = needs
             prepare = getattr(rule.vjp, "prepare", None)
@@ -317,6 +313,26 @@ class Program:
                 if g is not None:
                     grads[x] = g if x not in grads else grads[x] + g
         return [grads.get(s) for s in self.in_slots]
+
+
+def _refusing_complex(rule: Rule, name: str, program: str) -> Rule:
+    """``rule`` for a step with complex values that its formula is not checked for
+    (``COMPLEX_OK``): it saves nothing and raises if a gradient reaches it. A step
+    no gradient reaches (its output only under ``stop_gradient``, as the maximum
+    ``jax.nn.softmax`` subtracts) does not stop the program, as it does not in
+    jax.grad."""
+
+    def vjp(r: Any, g: Any) -> tuple:
+        raise AutogradError(
+            f"rf.lift: the backward rule of the primitive '{name}' (in {program}) is not "
+            "defined for complex values, and the gradient of a complex value reaches it; "
+            "compute it on the real and imaginary parts (jnp.real, jnp.imag)."
+        )
+
+    record = type(rule.record.__name__, (rule.record,), {"__module__": rule.record.__module__})
+    refusing = dataclasses.replace(rule, record=record, vjp=vjp, saves=lambda needs, params: ((), ()), forward=None)
+    record.rule = refusing  # the record's backward calls its class's rule
+    return refusing
 
 
 def _is_internal(path: str) -> bool:

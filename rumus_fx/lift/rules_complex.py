@@ -17,8 +17,8 @@ primitives are transposed as the linear maps they are on R^2:
 * ``abs`` of a complex ``z``: ``g * conj(z) / |z|`` (``0`` at ``z = 0``); of a real
   ``x``: ``g`` where ``x >= 0`` and ``-g`` elsewhere (``jax.grad(jnp.abs)(0.) == 1``).
 
-max and min of complex values (``max``, ``reduce_max``, ``cummax`` and their min
-twins, so also ``jax.nn.softmax``) stay refused although jax differentiates them:
+A gradient through max and min of complex values (``max``, ``reduce_max``,
+``cummax`` and their min twins) stays refused although jax differentiates them:
 their rules find the chosen operand by comparing values, and XLA:CPU computes a
 complex product in different fusions with different rounding. Measured (jax
 0.10.2): for ``max(concatenate([z, z]) * w[:1], axis=0)`` of complex ``z``, ``w``, a
@@ -29,9 +29,12 @@ gradient entry silently zero). Real values are computed the same way in every
 fusion (checked on 30 random cases of such programs).
 
 A rule whose formula has not been checked against ``jax.grad`` on complex
-operands is refused when a complex value reaches it (``COMPLEX_OK`` lists those
-that are; ``tests/lift/test_complex.py`` checks each of them), with an
-``AutogradError`` naming the primitive — never a silently wrong gradient.
+operands is refused when the gradient of a complex value reaches it
+(``COMPLEX_OK`` lists those that are; ``tests/lift/test_complex.py`` checks each
+of them), with an ``AutogradError`` naming the primitive — never a silently wrong
+gradient. A step no gradient reaches does not stop the program: the maximum
+``jax.nn.softmax`` subtracts under ``stop_gradient`` (``_refusing_complex`` in
+``program.py``).
 """
 
 from __future__ import annotations
