@@ -59,6 +59,7 @@ class Step:
     sub: Any = None  # control flow: nested programs
     where: str = ""  # the library call and the user's line that emitted it (for errors)
     program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
+    refusal: str = ""  # the error a gradient reaching this step raises (complex values its rule is not checked for)
 
     def bind(self, vals: Sequence[Any]) -> tuple[Any, ...]:
         """The primitive applied to ``vals``: its outputs, as a tuple (a call
@@ -191,10 +192,10 @@ class Program:
                     "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
                 )
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
-                rule = _refusing_complex(rule, name, self.name)
+                rule = _refusing_complex(step, rule, self.name)
             step.rule = rule
             step.needs = needs
-            prepare = getattr(rule.vjp, "prepare", None)
+            prepare = None if step.refusal else getattr(rule.vjp, "prepare", None)
             if prepare is not None:  # control flow: nested programs for the bodies
                 token = ENCLOSING.set((self, step))
                 try:
@@ -290,6 +291,8 @@ class Program:
             gs = [grads.pop(s, None) for s in st.outs]
             if all(g is None for g in gs):
                 continue
+            if st.refusal:
+                raise AutogradError(st.refusal)
             if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
                 g_out = tuple(gs)
             elif st.rule.multiple_results or st.prim.multiple_results:
@@ -315,24 +318,18 @@ class Program:
         return [grads.get(s) for s in self.in_slots]
 
 
-def _refusing_complex(rule: Rule, name: str, program: str) -> Rule:
+def _refusing_complex(step: Step, rule: Rule, program: str) -> Rule:
     """``rule`` for a step with complex values that its formula is not checked for
-    (``COMPLEX_OK``): it saves nothing and raises if a gradient reaches it. A step
-    no gradient reaches (its output only under ``stop_gradient``, as the maximum
-    ``jax.nn.softmax`` subtracts) does not stop the program, as it does not in
-    jax.grad."""
-
-    def vjp(r: Any, g: Any) -> tuple:
-        raise AutogradError(
-            f"rf.lift: the backward rule of the primitive '{name}' (in {program}) is not "
-            "defined for complex values, and the gradient of a complex value reaches it; "
-            "compute it on the real and imaginary parts (jnp.real, jnp.imag)."
-        )
-
-    record = type(rule.record.__name__, (rule.record,), {"__module__": rule.record.__module__})
-    refusing = dataclasses.replace(rule, record=record, vjp=vjp, saves=lambda needs, params: ((), ()), forward=None)
-    record.rule = refusing  # the record's backward calls its class's rule
-    return refusing
+    (``COMPLEX_OK``): it saves nothing, and ``Program.backward`` raises if a gradient
+    reaches the step (``step.refusal``). A step no gradient reaches (its output only
+    under ``stop_gradient``, as the maximum ``jax.nn.softmax`` subtracts) does not
+    stop the program, as it does not in jax.grad."""
+    step.refusal = (
+        f"rf.lift: the backward rule of the primitive '{step.prim.name}' (in {program}) is not "
+        "defined for complex values, and the gradient of a complex value reaches it; "
+        "compute it on the real and imaginary parts (jnp.real, jnp.imag)."
+    )
+    return dataclasses.replace(rule, saves=lambda needs, params: ((), ()), forward=None)
 
 
 def _is_internal(path: str) -> bool:
