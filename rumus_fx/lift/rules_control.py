@@ -242,8 +242,8 @@ def _cond_prepare(step):
     return progs
 
 
-def _branch_residual_avals(step, vals_avals):
-    return [jax.eval_shape(lambda *o, prog=prog: prog.run(list(o))[1], *vals_avals) for prog in step.sub]
+def _branch_residual_avals(step, ops):
+    return [jax.eval_shape(lambda *o, prog=prog: prog.run(list(o))[1], *ops) for prog in step.sub]
 
 
 def _cond_forward(step, vals):

@@ -225,12 +225,10 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
 _shard_map_vjp.prepare = _shard_map_prepare
 
 
-def _mesh(n: int = 1, axes: tuple[str, ...] = ("x",)) -> Any:
-    """A mesh of this process's first devices (one by default: the primitive
-    table runs on one device; ``tests/lift/test_shard_map.py`` runs the rules on
-    eight)."""
-    shape = (n,) + (1,) * (len(axes) - 1)
-    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes), devices=jax.devices()[:n])
+def _mesh() -> Any:
+    """A one-device mesh with an Auto axis ``"x"`` (the primitive table runs on one
+    device; ``tests/lift/test_shard_map.py`` runs the rules on eight)."""
+    return jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
 
 
 def _psum_program(w: Any, x: Any) -> Any:
@@ -364,14 +362,13 @@ def _all_to_all_vjp(r: Any, g: Any) -> tuple:
     return (r._step.prim.bind(g, **p),)
 
 
-def _on(mesh_axes: tuple[str, ...], in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
-    """``fun`` under ``shard_map`` on a one-device mesh (for the table)."""
+def _on(out_specs: Any) -> Any:
+    """``fun`` of two arrays sharded on ``"x"`` under ``shard_map`` on the
+    one-device mesh (for the table)."""
 
     def wrap(fun: Any) -> Any:
         def program(*xs: Any) -> Any:
-            out = jax.shard_map(
-                fun, mesh=_mesh(1, mesh_axes), in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
-            )(*xs)
+            out = jax.shard_map(fun, mesh=_mesh(), in_specs=(P("x"), P("x")), out_specs=out_specs)(*xs)
             return sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(out))
 
         return program
@@ -392,7 +389,7 @@ defrule(
     table=(
         TableEntry(
             "all_gather",
-            _on(("x",), (P("x"), P("x")), P("x"))(lambda a, b: lax.all_gather(a * b, "x", axis=1, tiled=True)),
+            _on(P("x"))(lambda a, b: lax.all_gather(a * b, "x", axis=1, tiled=True)),
             _two,
         ),
     ),
@@ -403,14 +400,12 @@ defrule(
     table=(
         TableEntry(
             "all_gather_invariant",
-            _on(("x",), (P("x"), P("x")), P())(lambda a, b: lax.all_gather(a * b, "x", axis=0, to="invarying")),
+            _on(P())(lambda a, b: lax.all_gather(a * b, "x", axis=0, to="invarying")),
             _two,
         ),
         TableEntry(
             "all_gather_invariant_tiled",
-            _on(("x",), (P("x"), P("x")), P())(
-                lambda a, b: lax.all_gather(a * b, "x", axis=1, tiled=True, to="invarying")
-            ),
+            _on(P())(lambda a, b: lax.all_gather(a * b, "x", axis=1, tiled=True, to="invarying")),
             _two,
         ),
     ),
@@ -421,9 +416,7 @@ defrule(
     table=(
         TableEntry(
             "reduce_scatter",
-            _on(("x",), (P("x"), P("x")), P("x"))(
-                lambda a, b: lax.psum_scatter(a * b, "x", scatter_dimension=1, tiled=True)
-            ),
+            _on(P("x"))(lambda a, b: lax.psum_scatter(a * b, "x", scatter_dimension=1, tiled=True)),
             _two,
         ),
     ),
@@ -434,7 +427,7 @@ defrule(
     table=(
         TableEntry(
             "ppermute",
-            _on(("x",), (P("x"), P("x")), P("x"))(lambda a, b: lax.ppermute(a, "x", perm=[(0, 0)]) * b),
+            _on(P("x"))(lambda a, b: lax.ppermute(a, "x", perm=[(0, 0)]) * b),
             _two,
         ),
     ),
@@ -445,9 +438,7 @@ defrule(
     table=(
         TableEntry(
             "all_to_all",
-            _on(("x",), (P("x"), P("x")), P("x"))(
-                lambda a, b: lax.all_to_all(a * b, "x", split_axis=1, concat_axis=0, tiled=True)
-            ),
+            _on(P("x"))(lambda a, b: lax.all_to_all(a * b, "x", split_axis=1, concat_axis=0, tiled=True)),
             _two,
         ),
     ),
