@@ -312,8 +312,13 @@ _binary(
 
 
 def _pow_lhs(r, g):
+    """``y x^(y-1)``, and 0 where ``y == 0`` for any dtype of ``y`` (the partial
+    derivative of ``x^0 == 1``, PyTorch's value; jax.grad gives nan at ``0^0``
+    for a floating ``y``). An integer ``y`` stays integer in the power and is
+    converted for the product, as jax's rule does."""
     x, y = _bcast(g, _input(r, 0)), _bcast(g, _input(r, 1))
-    jac = jnp.where(y == 0, jnp.zeros_like(g), y * lax.pow(x, y - jnp.ones((), y.dtype)))
+    power = lax.pow(x, y - jnp.ones((), y.dtype))
+    jac = jnp.where(y == 0, jnp.zeros_like(power), y.astype(power.dtype) * power)
     return g * jac
 
 

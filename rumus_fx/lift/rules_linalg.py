@@ -104,8 +104,13 @@ def _unpermute(x, perm, axis):
 
 
 def _triangular_solve_vjp(r, g):
-    """``x = op(a)^{-1} b`` (left side) or ``b op(a)^{-1}``: ``gb`` solves with
-    ``op(a)^T``; ``ga = -gb x^T`` (or ``-x^T gb``) on ``a``'s triangle only."""
+    """``x = op(a)^{-1} b`` (left side) or ``b op(a)^{-1}``, ``op(a)`` being ``a``,
+    transposed with ``transpose_a`` and conjugated with ``conjugate_a``: ``gb``
+    solves with ``op(a)^T``; ``ga = -gb x^T`` (or ``-x^T gb``) is the gradient with
+    respect to ``op(a)``, taken back through the conjugation (``conj``: jax's
+    convention is the transpose, not the adjoint, of the derivative, and the
+    transpose of ``conj`` is ``conj``) and the transposition, onto ``a``'s
+    triangle only."""
     p = r.params
     a = r.ins[0]
     kw = dict(
@@ -119,6 +124,7 @@ def _triangular_solve_vjp(r, g):
     if r.needs[0]:
         x = r.outs[0]
         gop = -_mm(gb, _T(x)) if p["left_side"] else -_mm(_T(x), gb)
+        gop = jnp.conj(gop) if p["conjugate_a"] else gop
         ga = _T(gop) if p["transpose_a"] else gop
         k = 1 if p["unit_diagonal"] else 0
         ga = jnp.tril(ga, -k) if p["lower"] else jnp.triu(ga, k)

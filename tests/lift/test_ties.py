@@ -117,3 +117,29 @@ def test_ties_and_kinks_per_example_and_second_order(name):
             rtol=1e-9,
             atol=1e-11,
         )
+
+
+def test_pow_at_zero_to_the_zero():
+    """``x ** y`` at ``x = y = 0`` with a floating ``y``: rf's derivative in ``x`` is
+    0, the partial derivative (``h ** 0 == 1`` on both sides, which the central
+    difference confirms) and PyTorch's value; ``jax.grad`` gives nan there (its own
+    test calls 0 the preferred value). The derivative in ``y`` and every other point
+    follow jax.grad."""
+    with jax.enable_x64(True):
+        f = lambda x, y: jnp.sum(lax.pow(x, y))  # noqa: E731
+        x = jnp.array([0.0, 0.0, 1.5, 2.0])
+        y = jnp.array([0.0, 1.0, 0.0, -0.5])
+        gx, gy = rf.grad(rf.lift(f), argnums=(0, 1))(x, y)
+        h = 1e-6
+        fd = (lax.pow(x + h, y) - lax.pow(x - h, y)) / (2 * h)
+        np.testing.assert_allclose(gx, fd, atol=1e-8)
+        assert gx[0] == 0.0
+        jx, jy = jax.grad(f, argnums=(0, 1))(x, y)
+        np.testing.assert_allclose(gx[1:], jx[1:], rtol=1e-12)
+        np.testing.assert_allclose(gy, jy, rtol=1e-12)
+        # an integer power: jax.grad gives 0 too (and needs standard dtype promotion
+        # for it, where rf's rule converts the power itself)
+        n = jnp.array([0, 1, 0, 2])
+        got = rf.grad(rf.lift(f))(x, n)
+        with jax.numpy_dtype_promotion("standard"):
+            np.testing.assert_array_equal(got, jax.grad(f)(x, n))
