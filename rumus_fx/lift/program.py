@@ -30,6 +30,35 @@ ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosi
 # call primitives inlined into the program (their body is run with rf's rules)
 INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
 
+# True while the program of a custom JVP rule is built (and the bodies nested in it):
+# a custom_jvp function the rule calls is inlined as its primal (Note [Reverse mode
+# from a custom JVP rule] in rules_custom.py)
+IN_JVP_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("rf_lift_in_jvp_rule", default=False)
+
+
+def custom_function_name(call_jaxpr: Any) -> str:
+    """A custom_jvp/custom_vjp function's name, from its primal's debug info (the
+    equation carries no name parameter)."""
+    info = getattr(getattr(call_jaxpr, "jaxpr", None), "debug_info", None)
+    return getattr(info, "func_name", None) or "?"
+
+
+def trace_custom_rule(thunk: Any, flags: Sequence[bool], what: str) -> Any:
+    """Trace a custom_jvp/custom_vjp function's rule (``jvp_jaxpr_fun``,
+    ``fwd_jaxpr_thunk``) for the given flags. rf traces it after the lifted
+    function's trace is over, so a rule that closes over a value of a
+    ``jax.vmap`` (or other transformation) inside the function finds it gone
+    (jax.grad, tracing both at once, accepts such a program; jax's newer custom_vjp
+    refuses it): a clear error naming the function, not JAX's leaked-tracer one."""
+    try:
+        return thunk.call_wrapped(*flags)
+    except jax.errors.UnexpectedTracerError as e:
+        raise AutogradError(
+            f"rf.lift: the {what} closes over a value of a jax.vmap (or another transformation) inside the "
+            "lifted function, which is gone when rf traces the rule; pass the value to the function as an "
+            "argument (jax.closure_convert does it)."
+        ) from e
+
 
 class _Const:
     """A literal or a closed-over constant of the jaxpr."""

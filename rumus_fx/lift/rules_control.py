@@ -32,7 +32,7 @@ from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
 from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
-from .program import Program
+from .program import Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 
 
@@ -426,7 +426,8 @@ def _custom_vjp_prepare(step):
     # the fwd is told which inputs are perturbed: exactly those that carry a gradient
     # (a symbolic_zeros=True fwd, e.g. equinox.filter_custom_vjp's, branches on it)
     perturbed = [bool(n) for n in step.needs[nc:]]
-    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*perturbed)
+    name = custom_function_name(p.get("call_jaxpr"))
+    fwd_jaxpr, fwd_consts = trace_custom_rule(p["fwd_jaxpr_thunk"], perturbed, f"fwd of jax.custom_vjp '{name}'")
     out_tree, res_tree, input_fwds = p["out_trees"]()
     fwd = closed(fwd_jaxpr, fwd_consts)
     # residuals that are constants of the fwd (a Python bool or int the fwd returns)
@@ -534,9 +535,31 @@ def _closes_over(x, w):
     return f(x)
 
 
+def _closes_over_vmapped(z):
+    """A custom_vjp function made inside ``jax.vmap`` closing over the batched value."""
+
+    def per_example(x):
+        @jax.custom_vjp
+        def scaled(y):
+            return x * y
+
+        scaled.defvjp(lambda y: (x * y, x), lambda c, g: (c * g,))
+        return scaled(z)
+
+    return jax.vmap(per_example)(jnp.arange(3.0, dtype=z.dtype))
+
+
 def _custom_vjp_errors():
     ones = np.ones(3)
     return [
+        BadProgram(
+            "closes over a value of a jax.vmap inside the function",
+            _closes_over_vmapped,
+            (np.ones(()),),
+            AutogradError,
+            ("'scaled'", "jax.vmap", "closure_convert"),
+            names=("rf.lift", "jax.custom_vjp"),
+        ),
         BadProgram(
             "closes over a tracked value",
             _closes_over,

@@ -20,6 +20,12 @@ from them. Since the backward walk is made of ordinary primitives (a nested
 ``custom_jvp_call`` among them), recording it on an enclosing tape
 differentiates it again: second order works as for any other rule.
 
+A ``custom_jvp`` function the rule itself calls on the tangents (a rule written
+with its own function, ``dR + transform(dbox, R)``) is differentiated there by its
+primal, as jax's linearisation does: by its rule, the rule would unfold inside
+itself without end, and on the tangents the primal is the linear map the rule
+means. Its calls on the primals keep their rules (second order through them).
+
 ``symbolic_zeros=True`` rules receive JAX's ``SymbolicZero`` markers for the
 tangents of the inputs that carry no gradient (jax.grad gives the same); other
 rules receive zeros, as jax instantiates them. A tangent output the rule returns
@@ -41,7 +47,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
 from .jax_versions import closed, scan_counts, varying_like
-from .program import Program
+from .program import IN_JVP_RULE, Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 
 _Tracer = jax.core.Tracer
@@ -140,11 +146,14 @@ def _closure_input(step, c: Any, name: str) -> tuple[str, int]:
     return ("in", len(step.ins) - 1)
 
 
-def _custom_jvp_prepare(step) -> _Linear:
+def _custom_jvp_prepare(step) -> _Linear | Program:
     p = step.params
+    if IN_JVP_RULE.get():
+        # a call on the tangents of an enclosing rule: its primal, as in jax's linearisation
+        return Program(closed(p["call_jaxpr"]), step.needs, "the primal of a custom_jvp function its rule calls")
     nc = p["num_consts"]
     n = len(step.ins) - nc
-    name = p.get("name", "?")
+    name = p.get("name") or custom_function_name(p.get("call_jaxpr"))
     if any(step.needs[:nc]):
         raise AutogradError(
             f"rf.lift: the jax.custom_jvp function '{name}' closes over a tracked value; "
@@ -153,7 +162,7 @@ def _custom_jvp_prepare(step) -> _Linear:
         )
     needs = step.needs[nc:]
     in_zeros = [not nd for nd in needs] if p["symbolic_zeros"] else [False] * n
-    jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*in_zeros)
+    jaxpr, consts, out_zeros = trace_custom_rule(p["jvp_jaxpr_fun"], in_zeros, f"JVP rule of jax.custom_jvp '{name}'")
     const_refs = [_closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
     nz = tuple(k for k in range(n) if not in_zeros[k])
     # the rule's inputs past its constants (jax 0.11 reads an open jaxpr's constvars as invars)
@@ -174,13 +183,34 @@ def _custom_jvp_prepare(step) -> _Linear:
         const_avals, [spec(v.aval) for v in invars[:n]], [spec(a) for a in tangent_avals]
     )
     tracked = [False] * (len(consts) + n) + [bool(needs[k]) and is_float(step.in_avals[nc + k]) for k in nz]
+    token = IN_JVP_RULE.set(True)
     try:
         program = Program(linear_jaxpr, tracked, f"the JVP rule of custom_jvp {name}")
     except AutogradError as e:
         raise AutogradError(f"{e} (rf.lift differentiates the JVP rule of jax.custom_jvp '{name}')") from e
+    finally:
+        IN_JVP_RULE.reset(token)
     n_out = len(out_zeros)
     out_nz = tuple(k for k in range(n_out) if not out_zeros[k])
+    _check_tangent_shapes(step, name, [v.aval for v in linear_jaxpr.jaxpr.outvars[n_out:]], out_nz)
     return _Linear(program, tuple(const_refs), nc, n, nz, n_out, out_nz, tangent_avals)
+
+
+def _check_tangent_shapes(step, name: str, tangent_avals: list, out_nz: tuple) -> None:
+    """A rule's tangent must have its output's shape. Under ``jax.vmap`` a
+    ``custom_jvp`` function whose output does not depend on the batched input
+    keeps that output unbatched while its rule's tangent is batched: the
+    cotangent of the unbatched output cannot say what each example's tangent
+    gets, so rf refuses it (jax.grad accepts the program)."""
+    for k, a in zip(out_nz, tangent_avals):
+        want = tuple(step.out_avals[k].shape)
+        if tuple(a.shape) != want:
+            raise AutogradError(
+                f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' returns a tangent of shape "
+                f"{tuple(a.shape)} for its output {k}, whose value has shape {want} (under jax.vmap, a "
+                "custom_jvp function whose output does not depend on the batched input has an unbatched "
+                "output and a batched tangent); make the output depend on the input, or vmap the gradient."
+            )
 
 
 def _zero_tangent(a: Any) -> Any:
@@ -190,7 +220,10 @@ def _zero_tangent(a: Any) -> Any:
 
 
 def _custom_jvp_vjp(r, g):
-    lin: _Linear = r._step.sub
+    lin: _Linear | Program = r._step.sub
+    if isinstance(lin, Program):  # the primal, recomputed from the saved inputs
+        _, res = lin.run(list(r.ins))
+        return tuple(gr if n else None for gr, n in zip(lin.backward(res, list(g)), r.needs))
     nc = lin.nc
     vals = r.ins
     cs = [vals[ref] if kind == "in" else ref for kind, ref in lin.const_refs]
@@ -217,6 +250,8 @@ _custom_jvp_vjp.prepare = _custom_jvp_prepare
 
 def _custom_jvp_forward(step, vals):
     """The primal, as jax binds the equation (inputs a closure added are not its own)."""
+    if isinstance(step.sub, Program):
+        return step.sub.run(list(vals))[0], ()
     nc = step.params["num_consts"]
     n = step.sub.n
     return step.prim.bind(*vals[: nc + n], **step.prim.get_bind_params(step.params)), ()
@@ -269,10 +304,49 @@ def _rule_closes_over_outside_scan(x, w):
     return lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0]
 
 
+@jax.custom_jvp
+def _constant_with_rule(x):
+    """A constant whose rule passes the tangent through."""
+    return jnp.zeros((), x.dtype)
+
+
+_constant_with_rule.defjvp(lambda p, t: (_constant_with_rule(p[0]), t[0]))
+
+
+def _closes_over_vmapped(z):
+    """A custom_jvp function made inside ``jax.vmap`` closing over the batched value."""
+
+    def per_example(x):
+        @jax.custom_jvp
+        def scaled(y):
+            return x * y
+
+        scaled.defjvp(lambda p, t: (scaled(p[0]), x * t[0]))
+        return scaled(z)
+
+    return jax.vmap(per_example)(jnp.arange(3.0, dtype=z.dtype))
+
+
 def _custom_jvp_errors():
     ones = np.ones(3)
     names = ("rf.lift", "jax.custom_jvp")
     return [
+        BadProgram(
+            "closes over a value of a jax.vmap inside the function",
+            _closes_over_vmapped,
+            (np.ones(()),),
+            AutogradError,
+            ("'scaled'", "jax.vmap", "closure_convert"),
+            names=names,
+        ),
+        BadProgram(
+            "vmap keeps a custom_jvp output unbatched while its rule's tangent is batched",
+            lambda x: jax.vmap(_constant_with_rule)(x),
+            (ones,),
+            AutogradError,
+            ("_constant_with_rule", "returns a tangent of shape (3,)", "jax.vmap"),
+            names=names,
+        ),
         BadProgram(
             "closes over a tracked value",
             _closes_over_tracked,

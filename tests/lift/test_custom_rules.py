@@ -157,6 +157,37 @@ def test_nested_custom_rules_first_and_second_order():
         np.testing.assert_allclose(rf.grad(hr)(x), jax.grad(h)(x), rtol=1e-10)
 
 
+@jax.custom_jvp
+def _transform(box, r):
+    return r * box
+
+
+@_transform.defjvp
+def _transform_jvp(primals, tangents):
+    box, r = primals
+    dbox, dr = tangents
+    return _transform(box, r), dr + _transform(dbox, r)  # the rule calls its own function
+
+
+def _energy(box, r):
+    d = lambda ra, rb: _transform(box, ra - rb)  # noqa: E731
+    return jnp.sum(jax.vmap(jax.vmap(d, (None, 0)), (0, None))(r, r) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_jvp_rule_calling_its_own_function(jit):
+    """A JVP rule that calls its own custom_jvp function on the tangents: rf
+    unfolded the rule inside itself until Python's recursion limit. The call on
+    the tangents runs as its primal, as in jax's linearisation (the rule says
+    ``dr`` where the primal's derivative is ``box dr``; they agree at ``box = 1``,
+    where finite differences check it)."""
+    with _x64():
+        r = jnp.asarray(np.random.default_rng(3).uniform(size=(4, 2)))
+        _check(_energy, (jnp.asarray(1.0), r), jit=jit)
+        box = jnp.asarray(1.3)
+        _check(_energy, (box, r), jit=jit, fd=False)
+
+
 def _closing_rule(x, w, scan: bool):
     @jax.custom_jvp
     def scaled(v):
