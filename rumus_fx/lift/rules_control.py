@@ -568,7 +568,7 @@ def _custom_vjp_errors():
             ("closure_convert",),
             argnums=1,
             names=("rf.lift", "jax.custom_vjp"),
-        )
+        ),
     ]
 
 
