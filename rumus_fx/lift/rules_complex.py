@@ -167,7 +167,7 @@ COMPLEX_OK.update(
         "dot_general", "conv_general_dilated", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
         "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
         "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice", "rev", "split", "stack", "unstack",
-        "tile", "gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "sort", "lu", "cholesky", "qr", "svd", "triangular_solve", "custom_linear_solve",
+        "tile", "gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "sort", "lu", "cholesky", "qr", "svd", "triangular_solve", "tridiagonal_solve", "custom_linear_solve",
         # Hermitian eigendecomposition (its rule conjugates V: rules_linalg._eigh_vjp)
         "eigh",
         # general eigendecomposition: complex outputs of a real or complex matrix (rules_linalg._eig_vjp)

@@ -98,6 +98,7 @@ BINARY = {
         jnp.tril(z[:, 1:]), w[:2, 1:], left_side=False, lower=True, conjugate_a=True, unit_diagonal=True
     ),
     "cho_solve": lambda z, w: jsp.linalg.cho_solve((jnp.linalg.cholesky(_hpd(z[:, :3])), True), w[:, :2]),
+    "tridiagonal_solve": lambda z, w: lax.linalg.tridiagonal_solve(z[0], 4 + w[0], z[1], w[1:].T),
     "lu": lambda z, w: jnp.concatenate([m.ravel() for m in jsp.linalg.lu(z[:, :3] * w[:, 1:])[1:]]),
     "svd": lambda z, w: _svd_parts(z * w),
     "svd_tall": lambda z, w: _svd_parts((z * w).T),
