@@ -161,7 +161,7 @@ COMPLEX_OK.update(
         # holomorphic elementwise math: g * f'(z), no conjugation
         "neg", "add", "add_any", "sub", "mul", "div", "pow", "integer_pow", "square", "sqrt", "rsqrt",
         "exp", "exp2", "expm1", "log", "log1p", "logistic", "sin", "cos", "tan", "tanh", "sinh", "cosh",
-        "asin", "acos", "atan", "asinh", "acosh", "atanh", "convert_element_type", "copy", "copy_p",
+        "asin", "acos", "atan", "asinh", "acosh", "atanh", "convert_element_type", "copy", "copy_p", "name",
         "select_n", "atan2", "cumlogsumexp",
         # linear maps: transposed, not conjugated
         "dot_general", "conv_general_dilated", "reduce_sum", "reduce_prod", "cumsum", "cumprod",

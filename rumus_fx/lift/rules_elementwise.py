@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy as jsp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
@@ -164,6 +165,15 @@ _unary(
 )
 _unary("copy", lambda r, g: g, ((), ()))
 _unary("copy_p", lambda r, g: g, ((), ()))
+# jax.ad_checkpoint.checkpoint_name: the identity, naming a value for jax.checkpoint's
+# policies (rf's checkpoint rule recomputes a user's checkpointed body whatever it names)
+_unary(
+    "name",
+    lambda r, g: g,
+    ((), ()),
+    program=lambda x: checkpoint_name(jnp.sin(x), "rf_named") * x,
+    vmap=True,
+)
 
 
 def _integer_pow(r, g):

@@ -472,6 +472,28 @@ def test_inconsistent_custom_jvp_rule_holds_at_every_order(x64):
 # -- rematerialisation ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_checkpoint_names_and_policies(jit):
+    """``checkpoint_name`` (the ``name`` primitive, refused before) alone and inside
+    ``jax.checkpoint`` with the policies that read it: each argument alone and both,
+    against jax.grad and float64 finite differences."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def block(w, h):
+        a = checkpoint_name(jnp.sin(h @ w), "a")
+        return checkpoint_name(jnp.tanh(a @ w.T) * a, "b")
+
+    policies = [None, jax.checkpoint_policies.save_only_these_names("a"), jax.checkpoint_policies.everything_saveable]
+    with jax.enable_x64(True):
+        w = jax.random.normal(_key(3), (4, 4), jnp.float64) * 0.5
+        h = jax.random.normal(_key(4), (3, 4), jnp.float64)
+        for policy in [*policies, "none"]:
+            body = block if policy == "none" else jax.checkpoint(block, policy=policy)
+            f = lambda w, h, body=body: jnp.sum(body(w, body(w, h)) ** 2)  # noqa: E731
+            for nums in (0, 1, (0, 1)):
+                rf.testing.check_grads(rf.lift(f), (w, h), nums, oracle=f, jit=jit, atol=1e-10, rtol=1e-10)
+
+
 def test_checkpoint_equal_gradients_and_less_saved():
     ws = [jax.random.normal(jax.random.key(20 + i), (16, 16)) * 0.3 for i in range(6)]
     x = jax.random.normal(_key(30), (64, 16))
