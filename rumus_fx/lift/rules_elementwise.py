@@ -328,7 +328,7 @@ def _pow_lhs(r, g):
     converted for the product, as jax's rule does."""
     x, y = _bcast(g, _input(r, 0)), _bcast(g, _input(r, 1))
     power = lax.pow(x, y - jnp.ones((), y.dtype))
-    jac = jnp.where(y == 0, jnp.zeros_like(power), y.astype(power.dtype) * power)
+    jac = jnp.where(y == 0, jnp.zeros_like(power), lax.convert_element_type(y, power.dtype) * power)
     return g * jac
 
 

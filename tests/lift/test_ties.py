@@ -143,3 +143,8 @@ def test_pow_at_zero_to_the_zero():
         got = rf.grad(rf.lift(f))(x, n)
         with jax.numpy_dtype_promotion("standard"):
             np.testing.assert_array_equal(got, jax.grad(f)(x, n))
+        # a Python scalar power or base: a literal of the program, or an argument
+        # not differentiated (a Python float reaches the rule)
+        g = lambda x: jnp.sum(lax.pow(x, 2.5) + lax.pow(2.0, x) + lax.pow(x, 0.0))  # noqa: E731
+        np.testing.assert_allclose(rf.grad(rf.lift(g))(x + 1), jax.grad(g)(x + 1), rtol=1e-12)
+        np.testing.assert_allclose(rf.grad(rf.lift(pow))(5.0, 1.5), jax.grad(pow)(5.0, 1.5), rtol=1e-12)
