@@ -458,8 +458,8 @@ def _custom_vjp_forward(step, vals):
     res = []
     j = 0
     for k in info["input_fwds"]:
-        if k is not None:
-            res.append(args[k])
+        if k is not None:  # an input the fwd returns as a residual: counted with the constants
+            res.append(vals[k])
         else:
             if j not in static:
                 res.append(next(it))

@@ -188,6 +188,55 @@ def test_custom_jvp_rule_calling_its_own_function(jit):
         _check(_energy, (box, r), jit=jit, fd=False)
 
 
+_W = np.array([0.3, -0.4, 1.1])
+
+
+@jax.custom_vjp
+def _scaled_product(a, b):
+    return a * b * jnp.asarray(_W, a.dtype)  # closes over a constant: the call's num_consts is 1
+
+
+def _scaled_product_fwd(a, b):
+    return _scaled_product(a, b), (b, a)  # both inputs as residuals, in the other order
+
+
+def _scaled_product_bwd(res, ct):
+    b, a = res
+    w = jnp.asarray(_W, ct.dtype)
+    return b * w * ct, a * w * ct
+
+
+_scaled_product.defvjp(_scaled_product_fwd, _scaled_product_bwd)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_vjp_with_constants_forwarding_its_inputs(jit):
+    """A custom_vjp function closing over an array constant whose fwd returns its
+    inputs as residuals: jax numbers such a forwarded residual among the call's
+    inputs, constants first; rf read it among the arguments alone, so it handed the
+    bwd the wrong input (a silent wrong gradient) or failed with an IndexError
+    (``jax.experimental.ode.odeint``)."""
+    f = lambda a, b: jnp.sum(jnp.sin(_scaled_product(a, b)))  # noqa: E731
+    with _x64():
+        a, b = jnp.array([1.0, 2.0, -0.5]), jnp.array([0.5, -1.5, 2.0])
+        _check(f, (a, b), jit=jit)
+
+
+@pytest.mark.slow
+def test_odeint_gradient():
+    """``jax.experimental.ode.odeint``: a custom_vjp over a while loop, closing over
+    the time grid; each argument alone and both, against jax.grad and finite
+    differences."""
+    from jax.experimental.ode import odeint
+
+    def f(y0, k):
+        ys = odeint(lambda y, t, k: -k * y + jnp.sin(t), y0, jnp.array([0.0, 0.5, 1.0]), k, rtol=1e-10, atol=1e-10)
+        return jnp.sum(ys**2)
+
+    with _x64():
+        _check(f, (jnp.array([1.0, 2.0]), jnp.asarray(0.3)), fd_tol=1e-5)
+
+
 def _closing_rule(x, w, scan: bool):
     @jax.custom_jvp
     def scaled(v):
