@@ -499,8 +499,10 @@ def _custom_vjp_vjp(r, g):
         if gk is None:
             if info["symbolic_zeros"]:  # jax gives a symbolic_zeros bwd a marker for a zero cotangent
                 gk = SymbolicZero(jax.core.ShapedArray(a.shape, a.dtype).to_tangent_aval())
-            else:
+            elif is_float(a):
                 gk = _zeros_like_aval(a, r.out_sharding(k))
+            else:  # an integer or boolean output's cotangent, as jax instantiates it
+                gk = np.zeros(a.shape, jax.dtypes.float0)
         cts.append(gk)
     grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
     out = [None] * nc

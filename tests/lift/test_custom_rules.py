@@ -222,6 +222,32 @@ def test_custom_vjp_with_constants_forwarding_its_inputs(jit):
         _check(f, (a, b), jit=jit)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_vjp_integer_output_gets_a_float0_cotangent(jit):
+    """A custom_vjp (or ``jax.custom_gradient``) function with an integer output:
+    its bwd gets the cotangent jax gives, float0 zeros (rf gave int32 zeros, which a
+    ``jax.custom_gradient`` bwd refuses with an AssertionError)."""
+
+    @jax.custom_vjp
+    def split(x):
+        return x * 2.0, jnp.round(x).astype(jnp.int32)
+
+    def split_bwd(_, g):
+        assert g[1].dtype == jax.dtypes.float0, g[1].dtype
+        return (g[0] * 2.0,)
+
+    split.defvjp(lambda x: (split(x), None), split_bwd)
+
+    @jax.custom_gradient
+    def pair(x):
+        return (x, jnp.round(x).astype(jnp.int32)), lambda g: jnp.ones_like(x)
+
+    with _x64():
+        x = jnp.array([0.3, 1.7, -2.0])
+        for f in (lambda x: jnp.sum(jnp.sin(split(x)[0])), lambda x: jnp.sum(pair(pair(x)[0])[0] * x)):
+            _check(f, (x,), jit=jit, fd=False)
+
+
 @pytest.mark.slow
 def test_odeint_gradient():
     """``jax.experimental.ode.odeint``: a custom_vjp over a while loop, closing over
