@@ -429,6 +429,12 @@ def _custom_vjp_prepare(step):
     name = custom_function_name(p.get("call_jaxpr"))
     fwd_jaxpr, fwd_consts = trace_custom_rule(p["fwd_jaxpr_thunk"], perturbed, f"fwd of jax.custom_vjp '{name}'")
     out_tree, res_tree, input_fwds = p["out_trees"]()
+    if out_tree.num_leaves != len(step.out_avals):
+        raise AutogradError(
+            f"rf.lift: the fwd of jax.custom_vjp '{name}' returns {out_tree.num_leaves} outputs where the call has "
+            f"{len(step.out_avals)}: a transformation (jax.experimental.checkify) changed the function and not "
+            "its fwd and bwd (jax.grad of the function under jax.jit fails on it too)."
+        )
     fwd = closed(fwd_jaxpr, fwd_consts)
     # residuals that are constants of the fwd (a Python bool or int the fwd returns)
     # stay static values: the bwd may branch on them in Python

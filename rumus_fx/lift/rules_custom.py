@@ -191,9 +191,28 @@ def _custom_jvp_prepare(step) -> _Linear | Program:
     finally:
         IN_JVP_RULE.reset(token)
     n_out = len(out_zeros)
-    out_nz = tuple(k for k in range(n_out) if not out_zeros[k])
+    offset = _output_offset(step, name, [v.aval for v in linear_jaxpr.jaxpr.outvars[:n_out]])
+    out_nz = tuple(k + offset for k in range(n_out) if not out_zeros[k])  # the call's outputs
     _check_tangent_shapes(step, name, [v.aval for v in linear_jaxpr.jaxpr.outvars[n_out:]], out_nz)
     return _Linear(program, tuple(const_refs), nc, n, nz, n_out, out_nz, tangent_avals)
+
+
+def _output_offset(step, name: str, rule_avals: list) -> int:
+    """Where the rule's outputs sit among the call's. They are the same outputs,
+    except where a transformation gave the function outputs its rule does not
+    have: ``checkify`` puts its error flag and code (a bool and an integer) first
+    and leaves the rule as written. Anything else is refused: pairing a cotangent
+    with the wrong output would be a wrong gradient."""
+    call = [(tuple(a.shape), np.dtype(a.dtype)) for a in step.out_avals]
+    rule = [(tuple(a.shape), np.dtype(a.dtype)) for a in rule_avals]
+    extra = len(call) - len(rule)
+    if extra == 0 or (extra > 0 and call[extra:] == rule and not any(is_float(a) for a in step.out_avals[:extra])):
+        return extra
+    raise AutogradError(
+        f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' returns {len(rule)} outputs where the "
+        f"call has {len(call)} ({call} against the rule's {rule}): a transformation changed the function "
+        "and not its rule, and rf cannot tell which output each tangent is for."
+    )
 
 
 def _check_tangent_shapes(step, name: str, tangent_avals: list, out_nz: tuple) -> None:

@@ -248,6 +248,44 @@ def test_custom_vjp_integer_output_gets_a_float0_cotangent(jit):
             _check(f, (x,), jit=jit, fd=False)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_checkify_of_custom_rules(jit):
+    """``checkify`` gives a custom_jvp call its error flag and code as two more
+    outputs, first, and leaves the JVP rule as written: rf paired the rule's one
+    tangent with the flag's cotangent and returned 0 for ``sin``'s gradient, with no
+    error. The rule's outputs are now matched with the call's last ones (the extra
+    ones carry no gradient). A checkified custom_vjp function, whose fwd has the
+    same mismatch, is refused (jax.grad under jax.jit fails on both)."""
+    from jax.experimental import checkify
+
+    @jax.custom_jvp
+    def sin(x):
+        return jnp.sin(x)
+
+    sin.defjvp(lambda p, t: (sin(p[0]), jnp.cos(p[0]) * t[0]))
+    checked = checkify.checkify(sin, errors=checkify.float_checks)
+    f = lambda x: jnp.sum(checked(x)[1] * x)  # noqa: E731
+    with _x64():
+        x = jnp.array([3.0, -0.7])
+        _check(f, (x,), jit=jit)
+
+        @jax.custom_vjp
+        def sin2(x):
+            return jnp.sin(x)
+
+        sin2.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (jnp.cos(x) * g,))
+
+        def h(x):
+            checkify.check(True, "")
+            return sin2(x)
+
+        checked2 = checkify.checkify(h)
+        with pytest.raises(
+            rf.AutogradError, match=r"fwd of jax\.custom_vjp 'sin2' returns 1 outputs where the call has 3"
+        ):
+            _grad(lambda x: jnp.sum(checked2(x)[1]), jit)(x)
+
+
 @pytest.mark.slow
 def test_odeint_gradient():
     """``jax.experimental.ode.odeint``: a custom_vjp over a while loop, closing over

@@ -1,0 +1,160 @@
+"""Run jax's own test files with every gradient they take also taken on rf's tape.
+
+Copied into a checkout of jax's ``tests/`` directory (``run.sh`` does it), this
+conftest patches ``jax.grad``, ``jax.value_and_grad``, ``jax.vjp`` and
+``jtu.check_grads`` so that each call on concrete values (outside any jax trace)
+also runs ``rf.grad``/``rf.value_and_grad``/``rf.vjp`` of ``rf.lift`` of the same
+function, compares the two, and appends one JSON line per comparison to
+``$PROBE_LOG``. jax's tests keep their own verdicts; the probe never fails one.
+
+Statuses: ``ok`` (every leaf within 1e-3 of its scale), ``MISMATCH`` (values,
+shapes, dtypes or the finite pattern differ: read these first), a refusal rf
+raises by design (``AutogradError``, ``ShapeError``), ``ERROR:<type>`` (any other
+exception from rf: a crash to look at), ``jaxfail`` (jax itself raised).
+``summarize.py`` groups them. Read MISMATCH lines by hand: jax's tests run
+float16/bfloat16 cases, where rf's sums (kept in float32) round differently, and
+some pass a Python float as a cotangent, which jax returns as it came.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+from jax._src import core as jcore
+from jax._src import public_test_util as ptu
+from jax._src import test_util as jtu
+
+import rumus_fx as rf
+
+LOG = os.environ.get("PROBE_LOG", "probe.jsonl")
+_grad, _value_and_grad, _vjp = jax.grad, jax.value_and_grad, jax.vjp
+_busy = [0]  # > 0 while rf runs: jax.grad calls made by the probe itself are not probed
+_current = [""]
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    _current[0] = item.nodeid
+
+
+def _log(**fields: Any) -> None:
+    fields["test"] = _current[0]
+    with open(LOG, "a") as f:
+        f.write(json.dumps(fields, default=str) + "\n")
+
+
+def _probing(args: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(args)
+    return _busy[0] == 0 and not any(isinstance(x, jcore.Tracer) for x in leaves) and jcore.trace_state_clean()
+
+
+def _difference(got: Any, want: Any) -> float | str:
+    """The largest difference of two gradient trees relative to each leaf's scale,
+    or what makes them incomparable."""
+    la, ta = jax.tree_util.tree_flatten(got)
+    lb, tb = jax.tree_util.tree_flatten(want)
+    if ta != tb:
+        return f"structure {ta} vs {tb}"
+    worst = 0.0
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape:
+            return f"shape {x.shape} vs {y.shape}"
+        if jax.dtypes.float0 in (x.dtype, y.dtype):
+            continue
+        if x.dtype != y.dtype:
+            return f"dtype {x.dtype} vs {y.dtype}"
+        wide = np.complex128 if np.iscomplexobj(x) else np.float64
+        x, y = x.astype(wide), y.astype(wide)
+        fx, fy = np.isfinite(x), np.isfinite(y)
+        if not np.array_equal(fx, fy) or not np.array_equal(x[~fx], y[~fy], equal_nan=True):
+            return "finite pattern differs"
+        if fx.any():
+            scale = max(1.0, float(np.max(np.abs(y[fy]))))
+            worst = max(worst, float(np.max(np.abs(x[fx] - y[fy]))) / scale)
+    return worst
+
+
+def _compare(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
+    code = getattr(fun, "__code__", None)
+    where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if code else repr(fun)[:120]
+    _busy[0] += 1
+    try:
+        got = rf_side()
+    except Exception as e:  # every outcome is logged, none is raised
+        refusal = isinstance(e, (rf.AutogradError, rf.ShapeError))
+        status = type(e).__name__ if refusal else "ERROR:" + type(e).__name__
+        _log(kind=kind, status=status, where=where, err=repr(e)[:500], tb=traceback.format_exc()[-3000:])
+        return
+    finally:
+        _busy[0] -= 1
+    d = _difference(got, want)
+    ok = not isinstance(d, str) and d < 1e-3
+    _log(kind=kind, status="ok" if ok else "MISMATCH", where=where, err=d)
+
+
+def check_grads(f, args, order, modes=("fwd", "rev"), atol=None, rtol=None, eps=None) -> None:
+    """jtu.check_grads: the first-order reverse mode against rf.vjp."""
+    args = tuple(args)
+    if "rev" not in modes or not _probing(args):
+        return
+    try:
+        out, vjp_fn = _vjp(f, *args)
+        rng = np.random.RandomState(0)
+        ct = jax.tree_util.tree_map(
+            lambda o: jnp.asarray(
+                rng.standard_normal(np.shape(o))
+                + (1j * rng.standard_normal(np.shape(o)) if jnp.iscomplexobj(o) else 0),
+                dtype=o.dtype,
+            ),
+            out,
+        )
+        want = vjp_fn(ct)
+    except Exception as e:
+        _log(kind="check_grads", status="jaxfail", err=repr(e)[:300])
+        return
+    _compare("check_grads", want, lambda: rf.vjp(rf.lift(f), *args)[1](ct), f)
+
+
+def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
+    def transform(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, **kw):
+        g = jax_transform(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int, **kw)
+        if holomorphic or allow_int or kw:
+            return g
+
+        def probed(*args, **kwargs):
+            want = g(*args, **kwargs)
+            if _probing((args, kwargs)):
+                lifted = rf_transform(rf.lift(fun), argnums=argnums, has_aux=has_aux)
+                _compare(kind, want, lambda: lifted(*args, **kwargs), fun)
+            return want
+
+        return probed
+
+    return transform
+
+
+def vjp(fun, *primals, has_aux=False, **kw):
+    res = _vjp(fun, *primals, has_aux=has_aux, **kw)
+    if kw or not _probing(primals):
+        return res
+
+    def vjp_fn(ct):
+        want = res[1](ct)
+        if _probing(ct):
+            _compare("vjp", want, lambda: rf.vjp(rf.lift(fun), *primals, has_aux=has_aux)[1](ct), fun)
+        return want
+
+    return (res[0], vjp_fn, *res[2:])
+
+
+ptu.check_grads = jtu.check_grads = jax.test_util.check_grads = check_grads
+jax.grad = _transform(_grad, rf.grad, "grad")
+jax.value_and_grad = _transform(_value_and_grad, rf.value_and_grad, "value_and_grad")
+jax.vjp = vjp
