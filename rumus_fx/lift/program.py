@@ -31,8 +31,8 @@ ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosi
 INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
 
 # True while the program of a custom JVP rule is built (and the bodies nested in it):
-# a custom_jvp function the rule calls is inlined as its primal (Note [Reverse mode
-# from a custom JVP rule] in rules_custom.py)
+# a custom_jvp function the rule calls on the tangents is differentiated by its primal
+# (Note [Reverse mode from a custom JVP rule] in rules_custom.py)
 IN_JVP_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("rf_lift_in_jvp_rule", default=False)
 
 
