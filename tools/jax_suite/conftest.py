@@ -117,7 +117,7 @@ def check_grads(f, args, order, modes=("fwd", "rev"), atol=None, rtol=None, eps=
         )
         want = vjp_fn(ct)
     except Exception as e:
-        _log(kind="check_grads", status="jaxfail", err=repr(e)[:300])
+        _log(kind="check_grads", status="jaxfail", where="", err=repr(e)[:300])
         return
     _compare("check_grads", want, lambda: rf.vjp(rf.lift(f), *args)[1](ct), f)
 

@@ -21,7 +21,7 @@ def main(paths: list[str]) -> None:
         key = (r["status"], test, str(r["err"])[:80])
         if key not in seen:
             seen.add(key)
-            print(f"{r['status']:<24} {r['test'][:100]}  {r['where']}  {str(r['err'])[:240]}")
+            print(f"{r['status']:<24} {r['test'][:100]}  {r.get('where', '')}  {str(r['err'])[:240]}")
 
 
 if __name__ == "__main__":
