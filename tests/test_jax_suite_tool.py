@@ -1,0 +1,71 @@
+"""``tools/jax_suite``: jax-style test files run with every gradient also taken on
+rf's tape. A small test file stands in for jax's: a gradient both agree on, a
+``jtu.check_grads`` call, a vjp, a program rf refuses, one where jax itself fails and
+a gradient taken under ``jax.jit`` (not probed: its values are traced)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "jax_suite"
+
+FAKE_TEST = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax._src import test_util as jtu
+
+
+    def test_agree():
+        assert jax.grad(lambda x: jnp.sum(jnp.sin(x) * x))(jnp.arange(3.0)).shape == (3,)
+        jtu.check_grads(lambda x, y: jnp.tanh(x) * y, (jnp.ones(2), jnp.arange(2.0)), order=1)
+        out, vjp = jax.vjp(lambda x: x ** 3, jnp.arange(4.0))
+        vjp(jnp.ones(4))
+
+
+    def test_refused():
+        # complex max: rf refuses, jax differentiates
+        jax.grad(lambda z: jnp.real(jnp.max(z * (1 + 2j))))(jnp.arange(3.0) + 0j)
+
+
+    def test_jax_fails():
+        jtu.check_grads(lambda x: lax.while_loop(lambda c: c < 3.0, lambda c: c + x, 0.0), (1.0,), order=1)
+
+
+    def test_under_jit():
+        jax.jit(jax.grad(lambda x: jnp.sum(x ** 2)))(jnp.ones(2))
+    """
+)
+
+
+def test_probe_logs_each_gradient_and_summarizes(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "fake_test.py").write_text(FAKE_TEST)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(TOOL / "run.sh"), str(tests), str(out), "fake_test.py"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "fake_test.jsonl").read_text().splitlines()]
+    by_test = {}
+    for r in rows:
+        by_test.setdefault(r["test"].rsplit("::", 1)[-1], []).append(r["status"])
+    assert by_test.pop("test_agree") == ["ok", "ok", "ok"], rows
+    assert by_test.pop("test_refused") == ["AutogradError"], rows
+    assert by_test.pop("test_jax_fails") == ["jaxfail"], rows
+    assert not by_test, by_test  # nothing probed under jax.jit
+    # the summary: the counts, then one line per outcome that is not ok
+    assert "'ok': 3" in run.stdout and "AutogradError" in run.stdout and "jaxfail" in run.stdout, run.stdout
+    summary = subprocess.run(
+        [sys.executable, str(TOOL / "summarize.py"), str(out / "fake_test.jsonl")], capture_output=True, text=True
+    )
+    assert summary.returncode == 0 and summary.stdout.count("\n") == 3, summary.stdout
