@@ -16,6 +16,7 @@ import jax.scipy as jsp
 import numpy as np
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import rumus_fx as rf
 import rumus_fx.numpy as rnp
@@ -66,6 +67,7 @@ LINEAR = {
     "angle": jnp.angle,
     "sort": lambda z: jnp.sort(z, axis=1),  # by real part, then imaginary part
     "device_put": lambda z: jax.device_put(z, jax.devices()[0]),
+    "name": lambda z: checkpoint_name(z, "complex_named") * 2,
 }
 
 BINARY = {
