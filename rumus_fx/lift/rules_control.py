@@ -435,6 +435,12 @@ def _custom_vjp_prepare(step):
             f"{len(step.out_avals)}: a transformation (jax.experimental.checkify) changed the function and not "
             "its fwd and bwd (jax.grad of the function under jax.jit fails on it too)."
         )
+    if any(isinstance(c, jax.core.Tracer) for c in fwd_consts):
+        raise AutogradError(
+            f"rf.lift: the fwd of jax.custom_vjp '{name}' closes over a value computed in the lifted function, "
+            "which is gone when rf traces the fwd; pass the value to the function as an argument "
+            "(jax.closure_convert does it)."
+        )
     fwd = closed(fwd_jaxpr, fwd_consts)
     # residuals that are constants of the fwd (a Python bool or int the fwd returns)
     # stay static values: the bwd may branch on them in Python
@@ -557,9 +563,29 @@ def _closes_over_vmapped(z):
     return jax.vmap(per_example)(jnp.arange(3.0, dtype=z.dtype))
 
 
+def _fwd_closes_over_a_traced_value(a, y):
+    """A custom_vjp function whose fwd closes over a value computed from ``y``."""
+    w = jnp.sin(y)
+
+    @jax.custom_vjp
+    def scaled(v):
+        return v * w
+
+    scaled.defvjp(lambda v: (v * w, v), lambda res, g: (2.0 * g,))
+    return scaled(a)
+
+
 def _custom_vjp_errors():
     ones = np.ones(3)
     return [
+        BadProgram(
+            "its fwd closes over a value computed in the function",
+            _fwd_closes_over_a_traced_value,
+            (ones, ones),
+            AutogradError,
+            ("'scaled'", "closure_convert"),
+            names=("rf.lift", "jax.custom_vjp"),
+        ),
         BadProgram(
             "closes over a value of a jax.vmap inside the function",
             _closes_over_vmapped,
