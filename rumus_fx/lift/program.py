@@ -36,11 +36,11 @@ INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
 IN_JVP_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("rf_lift_in_jvp_rule", default=False)
 
 
-def custom_function_name(call_jaxpr: Any) -> str:
-    """A custom_jvp/custom_vjp function's name, from its primal's debug info (the
-    equation carries no name parameter)."""
-    info = getattr(getattr(call_jaxpr, "jaxpr", None), "debug_info", None)
-    return getattr(info, "func_name", None) or "?"
+def custom_function_name(params: Any) -> str:
+    """A custom_jvp/custom_vjp call's function name: its ``name`` parameter where
+    the equation has one, else its primal's debug info."""
+    info = getattr(getattr(params.get("call_jaxpr"), "jaxpr", None), "debug_info", None)
+    return params.get("name") or getattr(info, "func_name", None) or "?"
 
 
 def trace_custom_rule(thunk: Any, flags: Sequence[bool], what: str) -> Any:

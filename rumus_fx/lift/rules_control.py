@@ -426,7 +426,7 @@ def _custom_vjp_prepare(step):
     # the fwd is told which inputs are perturbed: exactly those that carry a gradient
     # (a symbolic_zeros=True fwd, e.g. equinox.filter_custom_vjp's, branches on it)
     perturbed = [bool(n) for n in step.needs[nc:]]
-    name = custom_function_name(p.get("call_jaxpr"))
+    name = custom_function_name(p)
     fwd_jaxpr, fwd_consts = trace_custom_rule(p["fwd_jaxpr_thunk"], perturbed, f"fwd of jax.custom_vjp '{name}'")
     out_tree, res_tree, input_fwds = p["out_trees"]()
     if out_tree.num_leaves != len(step.out_avals):

@@ -153,7 +153,7 @@ def _custom_jvp_prepare(step) -> _Linear | Program:
         return Program(closed(p["call_jaxpr"]), step.needs, "the primal of a custom_jvp function its rule calls")
     nc = p["num_consts"]
     n = len(step.ins) - nc
-    name = p.get("name") or custom_function_name(p.get("call_jaxpr"))
+    name = custom_function_name(p)
     if any(step.needs[:nc]):
         raise AutogradError(
             f"rf.lift: the jax.custom_jvp function '{name}' closes over a tracked value; "
