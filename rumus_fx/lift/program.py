@@ -20,6 +20,7 @@ from .. import sharding as shd
 from ..autograd.record import Aval
 from ..autograd.runner import apply_rule, conform
 from ..errors import AutogradError
+from .concrete import ConcreteTracer
 from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 _Tracer = jax.core.Tracer
@@ -67,6 +68,24 @@ class _Const:
 
     def __init__(self, value: Any):
         self.value = value
+
+
+class _Alias:
+    """A constant of the jaxpr that is another of its variables: a value of a
+    function traced with its values, which a custom_jvp/custom_vjp function
+    closes over (Note [Concrete tracing] in lift/concrete.py)."""
+
+    __slots__ = ("var",)
+
+    def __init__(self, var: Any):
+        self.var = var
+
+
+def _constant(c: Any) -> _Const | _Alias:
+    if isinstance(c, ConcreteTracer):
+        sym = c.sym
+        return _Alias(sym.val) if isinstance(sym, _Tracer) else _Const(sym)
+    return _Const(c)
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,7 +157,7 @@ class Program:
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
         for v, c in zip(jaxpr.constvars, closed.consts):
-            env[v] = _Const(c)
+            env[v] = _constant(c)
         self._flatten(jaxpr, env)
         self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
         self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
@@ -155,7 +174,8 @@ class Program:
     def _read(env: dict, v: Any) -> Any:
         if isinstance(v, jcore.Literal):
             return _Const(v.val)
-        return env[v]
+        r = env[v]
+        return env[r.var] if type(r) is _Alias else r
 
     def _flatten(self, jaxpr: jcore.Jaxpr, env: dict, within: str = "") -> None:
         for eqn in jaxpr.eqns:

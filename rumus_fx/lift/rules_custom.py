@@ -46,6 +46,7 @@ from ..autograd.record import Aval
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
+from .concrete import symbolic
 from .jax_versions import closed, scan_counts, varying_like
 from .program import IN_JVP_RULE, Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
@@ -71,8 +72,9 @@ class _Linear:
 
 def _tracer_var(c: Any) -> Any:
     """The jaxpr variable of a tracer of the (finished) trace that recorded the
-    call: a JVP rule that closes over a traced value holds that tracer."""
-    return getattr(c, "val", None)
+    call: a JVP rule that closes over a traced value holds that tracer (a
+    concrete tracer, Note [Concrete tracing] in lift/concrete.py, holds one)."""
+    return getattr(symbolic(c), "val", None)
 
 
 def _same_ref(x: Any, ref: Any) -> bool:

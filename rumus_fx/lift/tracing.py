@@ -50,6 +50,7 @@ from ..kernels.dispatch import use as kernel_mode
 from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
 from . import closure as _closure
+from . import concrete as _concrete
 from .lifted_record import LiftedBackward
 from .program import Program
 
@@ -138,15 +139,28 @@ def _trace(
     name: str,
     clo: _closure.Closure | None = None,
     cavals: Sequence[Any] = (),
+    values: Sequence[Any] | None = None,
+    tracked: Sequence[bool] = (),
 ):
     """make_jaxpr of ``fun`` on the array leaves (and on the arrays ``clo`` found
     in its closure, inputs after them); returns (closed jaxpr, output treedef,
-    static output leaves, output-is-array mask, captures)."""
+    static output leaves, output-is-array mask, captures). With ``values`` (the
+    leaves' concrete arrays; ``tracked``: which are tracked), ``fun`` is traced
+    with them (Note [Concrete tracing] in lift/concrete.py)."""
     _closure.count_trace()
     out_info: list[Any] = []
     n = len(avals) + len(cavals)
 
     def flat(*arrays_and_caps):
+        if values is None:
+            return flat_of(*arrays_and_caps)
+        return _concrete.traced(flat_of, arrays_and_caps, values, tracked, _enter)
+
+    def _enter():
+        if tensor_mod.CAPTURE is not None:  # tensors made inside belong to the concrete trace
+            tensor_mod.CAPTURE.trace = current_trace_state()
+
+    def flat_of(*arrays_and_caps):
         if tensor_mod.CAPTURE is not None and tensor_mod.CAPTURE.trace is None:
             tensor_mod.CAPTURE.trace = current_trace_state()
         arrays = arrays_and_caps[: len(avals)]
@@ -184,15 +198,23 @@ def _trace(
         captured = list(cap.found.values())
         cap_avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shd.sharding_of(t.value)) for t in captured]
 
-        def flat2(*xs):
+        def substituted(*xs):
             subst = {id(t): b for t, b in zip(captured, xs[n:])}
             inner = tensor_mod.CAPTURE
             tensor_mod.CAPTURE = _Capture(cap.first_id, subst)
             try:
-                return flat(*xs[:n])
+                return flat_of(*xs[:n])
             finally:
                 cap.constants.update(tensor_mod.CAPTURE.constants)
                 tensor_mod.CAPTURE = inner
+
+        def flat2(*xs):
+            if values is None:
+                return substituted(*xs)
+            vals = _concrete.concrete_values([t.value for t in captured])
+            if vals is None:
+                raise _concrete.NotConcrete("a Tensor it reads holds a tracer of an enclosing transformation")
+            return _concrete.traced(substituted, xs, [*values, *vals], [*tracked, *(True,) * len(vals)], _enter)
 
         with suspend_recording(), kernel_mode("reference"):
             closed = jax.make_jaxpr(flat2)(*avals, *cavals, *cap_avals)
@@ -330,21 +352,20 @@ def _lifted_call(
         clo = None
     cavals: list[Any] = []
     if clo is None:
-        try:
-            signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
-            key = (fun, treedef, statics, is_arr, signature, tracked_in, _config_key())
-            hash(key)
-        except TypeError:
-            key = None
+        key = _plain_key(fun, treedef, statics, is_arr, avals, tracked_in)
         hit = _PROGRAMS.get(key) if key is not None else None
         if hit is not None and _closes_over_tensor((fun, *statics)):
             hit = None  # a closure holds a Tensor: trace again (capture it, snapshot it)
     constants: list[Any] = []
-    if hit is not None and (volatile or key in _VOLATILE):
+    if hit is not None and (volatile or _retraced(key)):
         hit = None
     if hit is None:
         traced = None
-        if clo is not None:
+        if key is not None and key in _CONCRETE and _concrete.concrete_values(values) is not None:
+            # (Note [Concrete tracing] in lift/concrete.py)
+            clo, cavals = None, []
+            traced = _trace_with_values(fun, treedef, statics, is_arr, avals, label, values, tracked_in, None)
+        if traced is None and clo is not None:
             cavals = _closure_avals(clo)
             try:
                 traced = _trace(fun, treedef, statics, is_arr, avals, label, clo, cavals)
@@ -356,10 +377,19 @@ def _lifted_call(
                 _NO_SUBSTITUTION[key] = True
                 clo, cavals, key = None, [], None
         if traced is None:
-            traced = _trace(fun, treedef, statics, is_arr, avals, label)
+            try:
+                traced = _trace(fun, treedef, statics, is_arr, avals, label)
+            except _concrete.CONCRETIZATION_ERRORS as e:
+                # Python control flow on a value: traced with the values, as jax.grad runs
+                traced = _trace_with_values(fun, treedef, statics, is_arr, avals, label, values, tracked_in, e)
+                key = _plain_key(fun, treedef, statics, is_arr, avals, tracked_in)
+                if key is not None:
+                    if len(_CONCRETE) >= _MAX_PROGRAMS:
+                        _CONCRETE.clear()
+                    _CONCRETE[key] = True
         closed, out_info, captured, constants = traced
         fingerprint = None
-        if key is not None and (volatile or key in _VOLATILE or _reads_arrays(closed)):
+        if key is not None and (volatile or _retraced(key) or _reads_arrays(closed)):
             # (Note [Closures of a lifted function], "Reads the walk cannot see")
             if len(_VOLATILE) >= _MAX_PROGRAMS:
                 _VOLATILE.clear()
@@ -375,7 +405,7 @@ def _lifted_call(
                 and not captured
                 and not constants
                 and (clo is not None or not _closes_over_tensor((fun, *statics)))
-                and (fingerprint is not None or key not in _VOLATILE)
+                and (fingerprint is not None or not _retraced(key))
             ):
                 if len(_PROGRAMS) >= _MAX_PROGRAMS:
                     _PROGRAMS.clear()
@@ -426,10 +456,70 @@ def _lifted_call(
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
 
+def _plain_key(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple, avals: list, tracked_in: tuple) -> Any:
+    """The cache key of a call whose closure is not taken apart (None when a
+    static leaf cannot be hashed)."""
+    try:
+        signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
+        key = (fun, treedef, statics, is_arr, signature, tracked_in, _config_key())
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _trace_with_values(
+    fun: Callable,
+    treedef: Any,
+    statics: tuple,
+    is_arr: tuple,
+    avals: list,
+    label: str,
+    values: list,
+    tracked: tuple[bool, ...],
+    error: BaseException | None,
+) -> Any:
+    """``_trace`` of a function that needs its values (Note [Concrete tracing] in
+    lift/concrete.py). ``error`` is the abstract trace's concretization error,
+    raised again when the call cannot be traced with values (an input is an
+    enclosing transformation's tracer); None when that is already known."""
+    try:
+        concrete = _concrete.concrete_values(values)
+        if concrete is None:
+            raise _concrete.NotConcrete("an input is a tracer of an enclosing transformation")
+        return _trace(fun, treedef, statics, is_arr, avals, label, values=concrete, tracked=tracked)
+    except _concrete.CONCRETIZATION_ERRORS as e:
+        raise AutogradError(
+            f"rf.lift({label}): traced with its values (it turns arrays into Python values), the function "
+            "still asks for a value rf does not give: a floating-point value that depends on a tracked "
+            "input, as a constant (x.item(), float(x), jnp.unique(x), ...), which would cut it out of the "
+            "gradient (jax.grad drops such terms silently; apply lax.stop_gradient first if that is meant), "
+            "or a value inside a jax.custom_jvp/custom_vjp or jax.jit function, which are traced without "
+            f"values. JAX's error: {str(e).splitlines()[0]}"
+        ) from e
+    except _concrete.NotConcrete as e:
+        if error is None:
+            error = AutogradError(
+                f"rf.lift({label}): the function reads a Python value of an array (an `if` on it, int(), "
+                f".item()), which needs the array's value, but {e}: under jax.jit, vmap or another "
+                "transformation the value is not known, as for jax.grad; use lax.cond/jnp.where instead"
+            )
+        raise error from None
+
+
 _NO_SUBSTITUTION: dict[Any, bool] = {}
+# keys of functions traced with their values (Python control flow on an array):
+# traced so on every call, their programs cached under ``_fingerprint``
+_CONCRETE: dict[Any, bool] = {}
 # keys of functions that read what the walk does not see: traced on every call,
 # their programs cached under ``_fingerprint``
 _VOLATILE: dict[Any, bool] = {}
+
+
+def _retraced(key: Any) -> bool:
+    """Whether calls under ``key`` are traced on every call (their program is
+    never kept under ``key`` itself, only under its fingerprint)."""
+    return key in _VOLATILE or key in _CONCRETE
 
 
 def _reads_arrays(closed: Any) -> bool:
