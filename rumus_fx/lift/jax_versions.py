@@ -19,9 +19,11 @@ looking at the data itself, not at a version number:
   from 0.11 (``defvjp_with_logs``), the cotangents alone before:
   :func:`bwd_cotangents`.
 
-One more read of jax's types lives here although it is the same on both: which
-manual axes a value varies over inside ``shard_map`` (its type's
-``mat.varying``), :func:`varying_axes`, :func:`vary_over` and :func:`varying_like`.
+Reads of jax's types that are the same on both also live here: which manual axes
+a value varies over inside ``shard_map`` (its type's ``mat.varying``),
+:func:`varying_axes`, :func:`vary_over` and :func:`varying_like`; and mutable
+array references (``jax.new_ref``): :func:`is_ref`, :func:`discharge` (jax's state
+discharge, ``jax._src.state``, which has no public name).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from typing import Any
 
 import jax
 from jax import lax
+from jax._src import core as _core
+from jax._src.state import discharge as _discharge
+from jax._src.state.types import AbstractRef as _AbstractRef
 from jax.extend import core as jcore
 
 # jax >= 0.11: ClosedJaxpr is Jaxpr (a jaxpr carries its constants)
@@ -98,3 +103,18 @@ def varying_like(z: Any, like: Any) -> Any:
     """``z`` made to vary over the manual axes ``like`` varies over (see
     :func:`vary_over`)."""
     return vary_over(z, varying_axes(like))
+
+
+# -- mutable array references (jax.new_ref) --------------------------------------
+INTERNAL_REF_EFFECT = _core.internal_mutable_array_effect
+
+
+def is_ref(aval: Any) -> bool:
+    """Whether ``aval`` is a mutable array reference's type."""
+    return isinstance(aval, _AbstractRef)
+
+
+def discharge(closed_jaxpr: Any) -> Any:
+    """``closed_jaxpr`` with the references it makes and frees itself turned into
+    values threaded through it (jax's state discharge: a pure program)."""
+    return _discharge.discharge_state(closed_jaxpr)

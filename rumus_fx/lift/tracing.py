@@ -51,6 +51,7 @@ from ..storage import current_trace_state
 from ..tensor import Tensor, next_grad_id
 from . import closure as _closure
 from . import concrete as _concrete
+from . import jax_versions as _state
 from .lifted_record import LiftedBackward
 from .program import Program
 
@@ -218,8 +219,26 @@ def _trace(
 
         with suspend_recording(), kernel_mode("reference"):
             closed = jax.make_jaxpr(flat2)(*avals, *cavals, *cap_avals)
-        return closed, out_info, captured, list(cap.constants.values())
-    return closed, out_info, [], list(cap.constants.values())
+        return _discharged(closed), out_info, captured, list(cap.constants.values())
+    return _discharged(closed), out_info, [], list(cap.constants.values())
+
+
+def _discharged(closed: Any) -> Any:
+    """A program that makes its own mutable array references (``jax.new_ref``,
+    read and written, frozen before it returns) as the pure program it is: jax's
+    state discharge threads each reference's value through the program (a program
+    transformation, not differentiation), so rf's rules see plain primitives. A
+    reference from outside the function (an argument, a closure) or one it
+    returns is left alone: writing it is an effect the function must keep, and a
+    gradient reaching it is refused by name."""
+    if _state.INTERNAL_REF_EFFECT not in closed.jaxpr.effects:
+        return closed
+    jaxpr = closed.jaxpr
+    if any(_state.is_ref(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars)) or any(
+        _state.is_ref(jax.typeof(c)) for c in closed.consts
+    ):
+        return closed
+    return _state.discharge(closed)
 
 
 def _raise_sharding_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
