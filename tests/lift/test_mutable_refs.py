@@ -91,8 +91,16 @@ PROGRAMS = [
 ]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("f", PROGRAMS, ids=[f.__name__ for f in PROGRAMS])
+# eagerly every program; under jax.jit two in the default run, all with -m slow
+CASES = [
+    pytest.param(f, jit, id=f"{f.__name__}-{'jit' if jit else 'eager'}", marks=[pytest.mark.slow] if slow else [])
+    for f in PROGRAMS
+    for jit in (False, True)
+    for slow in [jit and f not in (written_in_a_jit, made_in_a_scan_body)]
+]
+
+
+@pytest.mark.parametrize("f, jit", CASES)
 def test_references_made_inside(x64, f, jit):
     x, y = jnp.array([0.5, -1.0, 2.0]), jnp.array([1.5, 0.7, -0.2])
     oracle = checkpoint_without_references if f is made_in_a_checkpoint else f
