@@ -126,7 +126,15 @@ def _aval(v: Any) -> Aval:
         # a token (lax.create_token, lax.after_all) carries no value and is never
         # differentiated: a boolean scalar stands for it where an aval is read
         return Aval((), np.dtype(bool))
-    dtype = a.dtype
+    dtype = getattr(a, "dtype", None)
+    if dtype is None or not hasattr(a, "shape"):
+        # jax's high-level types (hijax boxes, quantized arrays: jax-internal) are not
+        # arrays; rf's rules take arrays
+        raise AutogradError(
+            f"rf.lift: the function holds a value of type {type(a).__name__}, one of jax's high-level "
+            "(hijax) types, which rf.lift does not take apart: its rules take arrays. Pass and return "
+            "the arrays such a value holds."
+        )
     if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys keep their jax dtype
         dtype = np.dtype(dtype)
     return Aval(tuple(a.shape), dtype)

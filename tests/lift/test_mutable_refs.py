@@ -125,3 +125,17 @@ def test_writing_a_tracked_value_to_a_reference_from_outside_is_refused():
 
     with pytest.raises(rf.AutogradError, match="'swap'"):
         rf.grad(rf.lift(f))(jnp.array([0.5, -1.0, 2.0]))
+
+
+def test_a_jax_high_level_type_is_refused_by_name():
+    hijax = pytest.importorskip("jax._src.hijax")  # jax-internal (a Box holding state)
+    box = hijax.Box(0.0)
+
+    def f(x):
+        y = x * 2.0
+        box.set(box.get() + jax.lax.stop_gradient(y))
+        return y
+
+    assert float(jax.grad(f)(1.0)) == 2.0
+    with pytest.raises(rf.AutogradError, match="BoxTy"):
+        rf.grad(rf.lift(f))(jnp.asarray(1.0))
