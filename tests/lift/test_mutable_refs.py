@@ -139,3 +139,32 @@ def test_a_jax_high_level_type_is_refused_by_name():
     assert float(jax.grad(f)(1.0)) == 2.0
     with pytest.raises(rf.AutogradError, match="BoxTy"):
         rf.grad(rf.lift(f))(jnp.asarray(1.0))
+
+
+def test_a_reference_from_outside_written_inside_a_jit():
+    stats = jax.new_ref(jnp.zeros(()))
+
+    @jax.jit
+    def count(x):
+        stats[...] += jnp.sum(jax.lax.stop_gradient(x))
+        return jnp.sin(x)
+
+    f = lambda x: jnp.sum(count(x) ** 2)  # noqa: E731
+    x = jnp.array([0.5, -1.0, 2.0])
+    np.testing.assert_allclose(rf.grad(rf.lift(f))(x), jax.grad(f)(x), rtol=1e-6)
+    np.testing.assert_allclose(stats[...], 3.0)  # the write happened once per call
+
+
+def test_a_reference_from_outside_passed_into_a_checkpoint_is_refused_by_name():
+    stats = jax.new_ref(jnp.zeros(()))
+
+    @jax.checkpoint
+    def count(x):
+        stats[...] += jnp.sum(jax.lax.stop_gradient(x))
+        return jnp.sin(x)
+
+    f = lambda x: jnp.sum(count(x) ** 2)  # noqa: E731
+    x = jnp.array([0.5, -1.0, 2.0])
+    jax.grad(f)(x)  # jax.grad takes it
+    with pytest.raises(rf.AutogradError, match=r"from outside it into '(remat2|checkpoint)'"):
+        rf.grad(rf.lift(f))(x)
