@@ -287,10 +287,15 @@ def test_no_runtime_export_from_the_registry():
         assert "globals()" not in path.read_text(), path
 
 
-# the one exception, with its reason at the import: a tracked Tensor passed to a plain
+# the exceptions, each with its reason at the import: a tracked Tensor passed to a plain
 # JAX function is refused with rf's message through JAX's type registry
-# (pytype_aval_mappings), for which JAX has no public hook
-PRIVATE_JAX_ALLOWED = {("tensor.py", "from jax._src import core as _jax_core")}
+# (pytype_aval_mappings), for which JAX has no public hook; the mutable array references
+# a lifted function makes itself are discharged by jax's state discharge, which has no
+# public name (Note in lift/jax_versions.py)
+PRIVATE_JAX_ALLOWED = {
+    ("tensor.py", "from jax._src import core as _jax_core"),
+    ("jax_versions.py", "from jax._src.state import discharge as _discharge  # isort: skip"),
+}
 
 
 def test_no_jax_private_modules():

@@ -48,8 +48,9 @@ tracers carry the primal values; rf does the same, as a fallback:
 Side effects inside the function (``jax.debug.print``, callbacks) run twice on
 such a call: once while tracing with values, once when the program runs.
 
-Everything here is jax's tracing machinery (``core.Trace``, ``core.Tracer``,
-``set_current_trace``), the same on jax 0.10.2 and 0.11.2.
+Everything here is jax's tracing machinery through its public names
+(``jax.core.Trace``/``Tracer``, ``jax.extend.core.set_current_trace`` and
+``take_current_trace``), the same on jax 0.10.2 and 0.11.2.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
+from jax.extend import core as jex
 
 from ..errors import AutogradError
 
@@ -76,7 +77,7 @@ class NotConcrete(Exception):
     values (the caller raises the original concretization error)."""
 
 
-class ConcreteTracer(core.Tracer):
+class ConcreteTracer(jax.core.Tracer):
     """A value of the function traced with values: its ``make_jaxpr`` tracer
     (``sym``), its concrete array (``value``) and whether it depends on a tracked
     input (``tracked``)."""
@@ -84,7 +85,7 @@ class ConcreteTracer(core.Tracer):
     __slots__ = ("sym", "tracked", "value")
 
     def __init__(self, trace: ConcreteTrace, sym: Any, val: Any, tracked: bool):
-        super().__init__(trace, core.typeof(sym))
+        super().__init__(trace, jax.typeof(sym))
         self.sym = sym
         self.value = val
         self.tracked = tracked
@@ -95,7 +96,7 @@ class ConcreteTracer(core.Tracer):
         # silently under jax.grad): jax's concretization error is raised instead.
         if self.tracked and _inexact(self.aval):
             return None
-        return core.to_concrete_value(self.value)
+        return self.value
 
     # a branch or an int() on a value carries no gradient: always answered
     def __bool__(self) -> bool:
@@ -132,11 +133,11 @@ class ConcreteTracer(core.Tracer):
     def full_lower(self) -> Any:
         return self
 
-    def cur_qdd(self) -> Any:  # pragma: no cover - mutable references are refused by the rules
-        return core.cur_qdd(self.value)
+    def cur_qdd(self) -> Any:  # (a mutable array reference's state: its value's)
+        return self.value.cur_qdd()
 
 
-class ConcreteTrace(core.Trace):
+class ConcreteTrace(jax.core.Trace):
     """Binds every primitive on the parent trace (``make_jaxpr``'s: the equation
     is recorded) and on jax's eval trace (the value is computed)."""
 
@@ -149,7 +150,7 @@ class ConcreteTrace(core.Trace):
         """(``make_jaxpr`` tracer, value, tracked) of an operand."""
         if isinstance(x, ConcreteTracer) and x._trace is self:
             return x.sym, x.value, x.tracked
-        if isinstance(x, core.Tracer):
+        if isinstance(x, jax.core.Tracer):
             raise NotConcrete(f"a value of another trace ({type(x).__name__}) is read")
         return x, x, False
 
@@ -172,10 +173,11 @@ class ConcreteTrace(core.Trace):
 
     def process_primitive(self, primitive: Any, tracers: Sequence[Any], params: dict, /) -> Any:
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
-        with core.set_current_trace(self.parent):
+        with jex.set_current_trace(self.parent):
             out_sym = primitive.bind_with_trace(self.parent, syms, _avals(syms), params)
-        with core.set_current_trace(core.eval_trace):
-            out_val = primitive.bind_with_trace(core.eval_trace, vals, _avals(vals), params)
+        ev = eval_trace()
+        with jex.set_current_trace(ev):
+            out_val = primitive.bind_with_trace(ev, vals, _avals(vals), params)
         carries = any(tracked) and primitive.name != "stop_gradient"
         return self._wrap(primitive.multiple_results, out_sym, out_val, carries)
 
@@ -186,12 +188,12 @@ class ConcreteTrace(core.Trace):
         for store in fun.stores:
             if store is not None:
                 store.reset()
-        with core.set_current_trace(_ValueTrace(self)):
+        with jex.set_current_trace(_ValueTrace(self)):
             return list(fun.call_wrapped(*vals))
 
     def process_custom_jvp_call(self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **params) -> Any:
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
-        with core.set_current_trace(self.parent):
+        with jex.set_current_trace(self.parent):
             out_sym = primitive.bind_with_trace(self.parent, syms, _avals(syms), dict(subfuns=(fun, jvp), **params))
         return self._wrap(True, out_sym, self._values_of(fun, vals), any(tracked))
 
@@ -199,7 +201,7 @@ class ConcreteTrace(core.Trace):
         self, primitive: Any, fun: Any, fwd: Any, bwd: Any, tracers: Sequence[Any], /, **params
     ) -> Any:
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
-        with core.set_current_trace(self.parent):
+        with jex.set_current_trace(self.parent):
             out_sym = primitive.bind_with_trace(
                 self.parent, syms, _avals(syms), dict(subfuns=(fun, fwd, bwd), **params)
             )
@@ -207,12 +209,12 @@ class ConcreteTrace(core.Trace):
 
     def process_call(self, primitive: Any, f: Any, tracers: Sequence[Any], params: dict, /) -> Any:
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
-        with core.set_current_trace(self.parent):
+        with jex.set_current_trace(self.parent):
             out_sym = self.parent.process_call(primitive, f, syms, params)
         return self._wrap(True, out_sym, self._values_of(f, vals), any(tracked))
 
 
-class _ValueTrace(core.Trace):
+class _ValueTrace(jax.core.Trace):
     """Evaluates a wrapped function on concrete values; values of ``of`` (the
     concrete trace) it closes over are read as their values."""
 
@@ -223,14 +225,15 @@ class _ValueTrace(core.Trace):
     def _value(self, x: Any) -> Any:
         if isinstance(x, ConcreteTracer) and x._trace is self.of:
             return x.value
-        if isinstance(x, core.Tracer):
+        if isinstance(x, jax.core.Tracer):
             raise NotConcrete(f"a value of another trace ({type(x).__name__}) is read")
         return x
 
     def process_primitive(self, primitive: Any, tracers: Sequence[Any], params: dict, /) -> Any:
         vals = [self._value(x) for x in tracers]
-        with core.set_current_trace(core.eval_trace):
-            return primitive.bind_with_trace(core.eval_trace, vals, _avals(vals), params)
+        ev = eval_trace()
+        with jex.set_current_trace(ev):
+            return primitive.bind_with_trace(ev, vals, _avals(vals), params)
 
     def process_custom_jvp_call(self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **_) -> Any:
         return fun.call_wrapped(*[self._value(x) for x in tracers])
@@ -252,7 +255,7 @@ def concrete_values(values: Sequence[Any]) -> list[Any] | None:
     for v in values:
         if isinstance(v, ConcreteTracer):
             v = v.value
-        if isinstance(v, core.Tracer):
+        if isinstance(v, jax.core.Tracer):
             return None
         out.append(v)
     return out
@@ -263,8 +266,20 @@ def _inexact(aval: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+_EVAL: list[Any] = []
+
+
+def eval_trace() -> Any:
+    """jax's eval trace (the one that computes values), which has no public name:
+    the trace ``take_current_trace`` makes current while it hands out another."""
+    if not _EVAL:
+        with jex.take_current_trace(), jex.take_current_trace() as ev:
+            _EVAL.append(ev)
+    return _EVAL[0]
+
+
 def _avals(xs: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple(core.typeof(x) for x in xs)
+    return tuple(jax.typeof(x) for x in xs)
 
 
 def _unzip(triples: Any) -> tuple[list[Any], list[Any], list[bool]]:
@@ -290,10 +305,10 @@ def traced(
     is tracked from ``tracked``); returns
     ``body``'s output list with each concrete tracer replaced by its
     ``make_jaxpr`` tracer. ``enter`` runs once the concrete trace is current."""
-    with core.take_current_trace() as parent:
+    with jex.take_current_trace() as parent:
         trace = ConcreteTrace(parent)
         inputs = [ConcreteTracer(trace, s, v, t) for s, v, t in zip(syms, vals, tracked)]
-        with core.set_current_trace(trace):
+        with jex.set_current_trace(trace):
             enter()
             out = body(*inputs)
         # (the trace stays valid, as make_jaxpr's does: a custom rule traced later

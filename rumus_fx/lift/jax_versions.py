@@ -22,8 +22,8 @@ looking at the data itself, not at a version number:
 Reads of jax's types that are the same on both also live here: which manual axes
 a value varies over inside ``shard_map`` (its type's ``mat.varying``),
 :func:`varying_axes`, :func:`vary_over` and :func:`varying_like`; and mutable
-array references (``jax.new_ref``): :func:`is_ref`, :func:`discharge` (jax's state
-discharge, ``jax._src.state``, which has no public name).
+array references (``jax.new_ref``): :func:`is_ref`, :func:`makes_refs`,
+:func:`discharge` (jax's state discharge, which has no public name).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax._src import core as _core
-from jax._src.state import discharge as _discharge
-from jax._src.state.types import AbstractRef as _AbstractRef
 from jax.extend import core as jcore
+
+# jax's state discharge (a program transformation, not differentiation) has no public
+# name; rf uses it for the mutable array references a lifted function makes itself
+from jax._src.state import discharge as _discharge  # isort: skip
 
 # jax >= 0.11: ClosedJaxpr is Jaxpr (a jaxpr carries its constants)
 ONE_JAXPR_CLASS = jcore.ClosedJaxpr is jcore.Jaxpr
@@ -106,12 +107,24 @@ def varying_like(z: Any, like: Any) -> Any:
 
 
 # -- mutable array references (jax.new_ref) --------------------------------------
-INTERNAL_REF_EFFECT = _core.internal_mutable_array_effect
+_MAKES_REF = frozenset({"new_ref", "empty_ref"})
 
 
 def is_ref(aval: Any) -> bool:
     """Whether ``aval`` is a mutable array reference's type."""
-    return isinstance(aval, _AbstractRef)
+    return isinstance(aval, jax.ref.AbstractRef)
+
+
+def makes_refs(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or a jaxpr in its equations' parameters) makes a
+    mutable array reference."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MAKES_REF:
+            return True
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            if makes_refs(getattr(sub, "jaxpr", sub)):
+                return True
+    return False
 
 
 def discharge(closed_jaxpr: Any) -> Any:

@@ -245,7 +245,7 @@ def _discharged(closed: Any) -> Any:
                 "follow such a reference into a call (reading it with r[...] in the function itself "
                 "works, and references the function makes itself are followed everywhere)."
             )
-    if _state.INTERNAL_REF_EFFECT not in jaxpr.effects:
+    if not _state.makes_refs(jaxpr):
         return closed
     if outside or any(_state.is_ref(getattr(v, "aval", None)) for v in jaxpr.outvars):
         return closed

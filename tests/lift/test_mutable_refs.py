@@ -168,3 +168,19 @@ def test_a_reference_from_outside_passed_into_a_checkpoint_is_refused_by_name():
     jax.grad(f)(x)  # jax.grad takes it
     with pytest.raises(rf.AutogradError, match=r"from outside it into '(remat2|checkpoint)'"):
         rf.grad(rf.lift(f))(x)
+
+
+def test_a_reference_in_a_function_traced_with_its_values(x64):
+    """A Python branch on a value (Note [Concrete tracing]) next to a reference the
+    function makes: traced with its values, then discharged."""
+
+    def f(x):
+        r = jax.new_ref(x)
+        if jnp.sum(x) > 0:
+            r[...] = jnp.sin(r[...])
+        else:
+            r[...] = r[...] ** 2
+        return jnp.sum(jax.freeze(r) * x)
+
+    for x in (jnp.array([0.5, 1.0]), jnp.array([-0.5, -1.0])):
+        check_grads(rf.lift(f), (x,), 0, oracle=f, atol=1e-10, rtol=1e-10)
