@@ -127,6 +127,14 @@ def run_rule(op: Any, grad_out: Any, needs: tuple[bool, ...], describe: Callable
     ``ShardingError`` names the record (default: its name)."""
     try:
         return _run(op, grad_out, needs)
+    except jax.errors.UnexpectedTracerError as e:
+        # a user's rule (a custom_vjp bwd) read a value of a traced function that is over
+        raise AutogradError(
+            f"rf: the backward of {op.name if describe is None else describe()} read a traced value that "
+            "leaked out of the function that made it: most often a jax.custom_vjp bwd that closes over a "
+            "value computed in the lifted function (return that value from the fwd as a residual). "
+            f"JAX's error: {str(e).splitlines()[0]}"
+        ) from e
     except Exception as e:
         err = sharding.backward_error(e, op.name if describe is None else describe(), grad_out)
         if err is None:

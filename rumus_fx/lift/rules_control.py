@@ -34,6 +34,7 @@ from .apart import barrier, kept_apart, recompute
 from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
 from .program import Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
+from .rules_custom import closure_input
 
 
 def _program(jaxpr, tracked, name):
@@ -435,12 +436,13 @@ def _custom_vjp_prepare(step):
             f"{len(step.out_avals)}: a transformation (jax.experimental.checkify) changed the function and not "
             "its fwd and bwd (jax.grad of the function under jax.jit fails on it too)."
         )
-    if any(isinstance(c, jax.core.Tracer) for c in fwd_consts):
-        raise AutogradError(
-            f"rf.lift: the fwd of jax.custom_vjp '{name}' closes over a value computed in the lifted function, "
-            "which is gone when rf traces the fwd; pass the value to the function as an argument "
-            "(jax.closure_convert does it)."
-        )
+    n_args = len(step.ins) - nc
+    # a value of the lifted function the fwd closes over becomes an input of the step
+    # (as for a custom_jvp's rule), read at each run: the fwd's constants are bound then
+    const_refs = tuple(
+        closure_input(step, c, name, "custom_vjp") if isinstance(c, jax.core.Tracer) else ("value", c)
+        for c in fwd_consts
+    )
     fwd = closed(fwd_jaxpr, fwd_consts)
     # residuals that are constants of the fwd (a Python bool or int the fwd returns)
     # stay static values: the bwd may branch on them in Python
@@ -448,6 +450,9 @@ def _custom_vjp_prepare(step):
     static = {j: v.val for j, v in enumerate(fwd.jaxpr.outvars[:n_res]) if isinstance(v, jcore.Literal)}
     return {
         "fwd": fwd,
+        "fwd_open": fwd_jaxpr if any(kind == "in" for kind, _ in const_refs) else None,
+        "const_refs": const_refs,
+        "n_args": n_args,
         "input_fwds": tuple(input_fwds),
         "n_out": out_tree.num_leaves,
         "nc": nc,
@@ -459,8 +464,11 @@ def _custom_vjp_prepare(step):
 def _custom_vjp_forward(step, vals):
     info = step.sub
     nc = info["nc"]
-    args = vals[nc:]
-    outs = jcore.jaxpr_as_fun(info["fwd"])(*args)
+    args = vals[nc : nc + info["n_args"]]  # (values the fwd closes over follow them)
+    fwd = info["fwd"]
+    if info["fwd_open"] is not None:
+        fwd = closed(info["fwd_open"], [vals[ref] if kind == "in" else ref for kind, ref in info["const_refs"]])
+    outs = jcore.jaxpr_as_fun(fwd)(*args)
     # the fwd jaxpr returns the residuals that are not inputs, then the outputs
     n_res = sum(k is None for k in info["input_fwds"])
     rest, primal = list(outs[:n_res]), list(outs[n_res:])
@@ -523,6 +531,7 @@ def _custom_vjp_vjp(r, g):
             out.append(None)
         else:
             out.append(jnp.asarray(gr).astype(a.dtype).reshape(a.shape))
+    out += [None] * (len(r.in_avals) - len(out))  # values the fwd closes over: no gradient
     return tuple(out)
 
 
@@ -563,15 +572,16 @@ def _closes_over_vmapped(z):
     return jax.vmap(per_example)(jnp.arange(3.0, dtype=z.dtype))
 
 
-def _fwd_closes_over_a_traced_value(a, y):
-    """A custom_vjp function whose fwd closes over a value computed from ``y``."""
+def _fwd_closes_over_a_tracked_value(a, y):
+    """A custom_vjp function whose fwd (not its primal) closes over a value
+    computed from ``y``, which is tracked."""
     w = jnp.sin(y)
 
     @jax.custom_vjp
     def scaled(v):
-        return v * w
+        return v * 2.0
 
-    scaled.defvjp(lambda v: (v * w, v), lambda res, g: (2.0 * g,))
+    scaled.defvjp(lambda v: (v * 2.0, v * w), lambda res, g: (2.0 * g,))
     return scaled(a)
 
 
@@ -579,11 +589,12 @@ def _custom_vjp_errors():
     ones = np.ones(3)
     return [
         BadProgram(
-            "its fwd closes over a value computed in the function",
-            _fwd_closes_over_a_traced_value,
+            "its fwd closes over a tracked value",
+            _fwd_closes_over_a_tracked_value,
             (ones, ones),
             AutogradError,
-            ("'scaled'", "closure_convert"),
+            ("'scaled'", "fwd", "tracked value"),
+            argnums=(0, 1),
             names=("rf.lift", "jax.custom_vjp"),
         ),
         BadProgram(

@@ -116,24 +116,25 @@ def _find_ref(program, var: Any) -> Any:
     return None
 
 
-def _closure_input(step, c: Any, name: str) -> tuple[str, int]:
-    """A value the JVP rule closes over, as an input of the step: found among
-    the variables of the program (the lifted function, the calls inlined in it,
-    and the constants a scan/cond/checkpoint body receives) and added to the
-    step's inputs if it is not one already. It carries no gradient through the
-    rule (jax.grad cannot differentiate a rule that closes over a differentiated
-    value either)."""
+def closure_input(step, c: Any, name: str, kind: str = "custom_jvp") -> tuple[str, int]:
+    """A value a custom rule (``kind`` ``custom_jvp``: its JVP rule; ``custom_vjp``:
+    its fwd) closes over, as an input of the step: found among the variables of the program (the
+    lifted function, the calls inlined in it, and the constants a
+    scan/cond/checkpoint body receives) and added to the step's inputs if it is not
+    one already. It carries no gradient through the rule (jax.grad cannot
+    differentiate a rule that closes over a differentiated value either)."""
     program = step.program
+    what = f"the {'JVP rule' if kind == 'custom_jvp' else 'fwd'} of the jax.{kind} function"
     ref = _find_ref(program, _tracer_var(c))
     if ref is None:
         raise AutogradError(
-            f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a traced value "
+            f"rf.lift: {what} '{name}' closes over a traced value "
             "that does not reach the body that calls it (only the rule uses it); pass the value to the "
-            "custom_jvp function as an argument."
+            f"{kind} function as an argument."
         )
     if isinstance(ref, int) and program.tracked[ref]:
         raise AutogradError(
-            f"rf.lift: the JVP rule of the jax.custom_jvp function '{name}' closes over a tracked value; "
+            f"rf.lift: {what} '{name}' closes over a tracked value; "
             "its rule only takes the tangents of its arguments (jax.grad cannot differentiate it "
             "either). Pass the value as an argument."
         )
@@ -165,7 +166,7 @@ def _custom_jvp_prepare(step) -> _Linear | Program:
     needs = step.needs[nc:]
     in_zeros = [not nd for nd in needs] if p["symbolic_zeros"] else [False] * n
     jaxpr, consts, out_zeros = trace_custom_rule(p["jvp_jaxpr_fun"], in_zeros, f"JVP rule of jax.custom_jvp '{name}'")
-    const_refs = [_closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
+    const_refs = [closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
     nz = tuple(k for k in range(n) if not in_zeros[k])
     # the rule's inputs past its constants (jax 0.11 reads an open jaxpr's constvars as invars)
     invars = closed(jaxpr, consts).jaxpr.invars

@@ -681,3 +681,40 @@ def test_library_second_order_sample():
         h = functools.partial(jnp.dot, jnp.array([0.5, -1.0, 2.0]))
         got = rf.grad(lambda x: rf.lift(h)(rf.grad(rf.lift(f))(x)))(x)
         np.testing.assert_allclose(got, jax.grad(lambda x: h(jax.grad(f)(x)))(x), rtol=1e-10)
+
+
+def _fwd_closure(a, y):
+    w = jnp.sin(y)  # computed in the function: the primal and the fwd close over it
+
+    @jax.custom_vjp
+    def scaled(v):
+        return v * w
+
+    scaled.defvjp(lambda v: (v * w, (v, w)), lambda res, g: (g * res[1],))
+    return jnp.sum(scaled(a) ** 2 * y)
+
+
+def _bwd_closure(a, y):
+    w = jnp.sin(y)
+
+    @jax.custom_vjp
+    def scaled(v):
+        return v * w
+
+    scaled.defvjp(lambda v: (v * w, None), lambda res, g: (g * w,))  # the bwd reads w itself
+    return jnp.sum(scaled(a) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_vjp_fwd_closing_over_a_value_of_the_function(jit):
+    """The fwd reads a value computed in the lifted function (w = sin(y)): it
+    becomes an input of the call (jax.grad accepts the program). y alone, whose
+    value the primal closes over, is refused, as jax.grad refuses it."""
+    with _x64():
+        a, y = jnp.array([1.0, 2.0, -0.5]), jnp.array([0.3, -0.4, 1.1])
+        check_grads(rf.lift(_fwd_closure), (a, y), 0, oracle=_fwd_closure, jit=jit, atol=1e-10, rtol=1e-10)
+        with pytest.raises(rf.AutogradError, match="closes over a tracked value"):
+            rf.grad(rf.lift(_fwd_closure), argnums=1)(a, y)
+        np.testing.assert_allclose(jax.grad(_bwd_closure)(a, y), 2 * a * jnp.sin(y) ** 2)  # jax.grad eagerly
+        with pytest.raises(rf.AutogradError, match=r"custom_vjp bwd that closes over a value computed.*residual"):
+            rf.grad(rf.lift(_bwd_closure))(a, y)
