@@ -21,6 +21,7 @@ from ..autograd.record import Aval
 from ..autograd.runner import apply_rule, conform
 from ..errors import AutogradError
 from .concrete import ConcreteTracer
+from .jax_versions import is_ref
 from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 _Tracer = jax.core.Tracer
@@ -68,6 +69,13 @@ class _Const:
 
     def __init__(self, value: Any):
         self.value = value
+
+
+# the calls a mutable array reference from outside the function may not enter: rf
+# would save or return it (jax refuses a reference as a compiled program's output).
+# Elsewhere one is only read or written (a value written into it never carries a
+# gradient: `swap` has no rule, so a tracked write is refused by name)
+_KEEPS_NO_REFS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call", "remat2", "checkpoint"})
 
 
 class _Alias:
@@ -206,6 +214,14 @@ class Program:
                     if not isinstance(v, jcore.DropVar):
                         env[v] = self._read(sub_env, w)
                 continue
+            if name in _KEEPS_NO_REFS and any(is_ref(getattr(v, "aval", None)) for v in eqn.invars):
+                raise AutogradError(
+                    f"rf.lift: the function passes a mutable array reference from outside it into '{name}' "
+                    f"(in {self.name}{', emitted ' + w if (w := _where(eqn, within=within)) else ''}): a "
+                    "jax.checkpoint or a custom rule, which rf does not follow such a reference into (reading "
+                    "and writing it with r[...] in the function, in a jax.jit, scan or cond it calls, works; "
+                    "references the function makes itself are followed everywhere)."
+                )
             outs = []
             for v in eqn.outvars:
                 s = self._new()

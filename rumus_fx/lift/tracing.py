@@ -229,31 +229,19 @@ def _discharged(closed: Any) -> Any:
     state discharge threads each reference's value through the program (a program
     transformation, not differentiation), so rf's rules see plain primitives. A
     reference from outside the function (an argument, a closure) or one it
-    returns is left alone: writing it is an effect the function must keep, and a
-    gradient reaching it is refused by name."""
+    returns is left alone: writing it is an effect the function must keep (the
+    program builder refuses one passed into a checkpoint or a custom rule:
+    ``_KEEPS_NO_REFS`` in lift/program.py)."""
     jaxpr = closed.jaxpr
     if not jaxpr.effects:
         return closed
     outside = {v for v in jaxpr.invars if _state.is_ref(v.aval)}
     outside |= {v for v, c in zip(jaxpr.constvars, closed.consts) if _state.is_ref(jax.typeof(c))}
-    for eqn in jaxpr.eqns if outside else ():
-        # read, written or passed into an inlined jax.jit: followed; into any other call: refused
-        if eqn.primitive.name not in _FOLLOWS_REFS and any(v in outside for v in eqn.invars):
-            raise AutogradError(
-                f"rf.lift: the function passes a mutable array reference from outside it into "
-                f"'{eqn.primitive.name}' (a jax.jit, scan, checkpoint or custom rule); rf does not "
-                "follow such a reference into a call (reading it with r[...] in the function itself "
-                "works, and references the function makes itself are followed everywhere)."
-            )
     if not _state.makes_refs(jaxpr):
         return closed
     if outside or any(_state.is_ref(getattr(v, "aval", None)) for v in jaxpr.outvars):
         return closed
     return _state.discharge(closed)
-
-
-# primitives a reference from outside the function may reach (the calls are inlined)
-_FOLLOWS_REFS = frozenset({"get", "swap", "addupdate", "jit", "pjit", "closed_call", "core_call"})
 
 
 def _raise_sharding_error(e: Exception, name: str, avals: Sequence[Any]) -> None:

@@ -184,3 +184,37 @@ def test_a_reference_in_a_function_traced_with_its_values(x64):
 
     for x in (jnp.array([0.5, 1.0]), jnp.array([-0.5, -1.0])):
         check_grads(rf.lift(f), (x,), 0, oracle=f, atol=1e-10, rtol=1e-10)
+
+
+def test_a_reference_from_outside_written_inside_a_scan():
+    counter = jax.new_ref(0)
+
+    def f(x):
+        def body(c, _):
+            counter[...] += 1
+            return jnp.sin(c) * x, ()
+
+        c, () = jax.lax.scan(body, x, (), length=3)
+        return jnp.sum(c)
+
+    x = jnp.array([0.5, -1.0, 2.0])
+    np.testing.assert_allclose(rf.grad(rf.lift(f))(x), jax.grad(f)(x), rtol=1e-6)
+    assert int(counter[...]) == 6  # three steps per call, once each for jax.grad and rf
+
+
+def test_a_reference_from_outside_passed_into_a_custom_vjp_is_refused_by_name():
+    grads = jax.new_ref(jnp.float32(0.0))
+
+    @jax.custom_vjp
+    def stash(ref, x):
+        return x
+
+    def bwd(ref, g):
+        ref[...] = g
+        return None, g
+
+    stash.defvjp(lambda ref, x: (x, ref), bwd)
+    f = lambda x: jnp.sin(stash(grads, jnp.sin(x)))  # noqa: E731
+    jax.grad(f)(jnp.float32(1.0))  # jax.grad takes it (the bwd stores the cotangent)
+    with pytest.raises(rf.AutogradError, match="from outside it into 'custom_vjp_call"):
+        rf.grad(rf.lift(f))(jnp.float32(1.0))
