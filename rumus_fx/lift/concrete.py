@@ -191,21 +191,21 @@ class ConcreteTrace(jax.core.Trace):
         with jex.set_current_trace(_ValueTrace(self)):
             return list(fun.call_wrapped(*vals))
 
-    def process_custom_jvp_call(self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **params) -> Any:
+    def _custom_call(self, primitive: Any, subfuns: tuple, tracers: Sequence[Any], params: dict) -> Any:
+        """A custom_jvp/custom_vjp call (``subfuns``: its primal first, then its
+        rules), recorded as the call itself; its values from the primal."""
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
         with jex.set_current_trace(self.parent):
-            out_sym = primitive.bind_with_trace(self.parent, syms, _avals(syms), dict(subfuns=(fun, jvp), **params))
-        return self._wrap(True, out_sym, self._values_of(fun, vals), any(tracked))
+            out_sym = primitive.bind_with_trace(self.parent, syms, _avals(syms), dict(subfuns=subfuns, **params))
+        return self._wrap(True, out_sym, self._values_of(subfuns[0], vals), any(tracked))
+
+    def process_custom_jvp_call(self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **params) -> Any:
+        return self._custom_call(primitive, (fun, jvp), tracers, params)
 
     def process_custom_vjp_call(
         self, primitive: Any, fun: Any, fwd: Any, bwd: Any, tracers: Sequence[Any], /, **params
     ) -> Any:
-        syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
-        with jex.set_current_trace(self.parent):
-            out_sym = primitive.bind_with_trace(
-                self.parent, syms, _avals(syms), dict(subfuns=(fun, fwd, bwd), **params)
-            )
-        return self._wrap(True, out_sym, self._values_of(fun, vals), any(tracked))
+        return self._custom_call(primitive, (fun, fwd, bwd), tracers, params)
 
     def process_call(self, primitive: Any, f: Any, tracers: Sequence[Any], params: dict, /) -> Any:
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
@@ -223,11 +223,7 @@ class _ValueTrace(jax.core.Trace):
         self.of = of
 
     def _value(self, x: Any) -> Any:
-        if isinstance(x, ConcreteTracer) and x._trace is self.of:
-            return x.value
-        if isinstance(x, jax.core.Tracer):
-            raise NotConcrete(f"a value of another trace ({type(x).__name__}) is read")
-        return x
+        return self.of.pair(x)[1]
 
     def process_primitive(self, primitive: Any, tracers: Sequence[Any], params: dict, /) -> Any:
         vals = [self._value(x) for x in tracers]

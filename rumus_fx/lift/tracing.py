@@ -233,14 +233,12 @@ def _discharged(closed: Any) -> Any:
     program builder refuses one passed into a checkpoint or a custom rule:
     ``_KEEPS_NO_REFS`` in lift/program.py)."""
     jaxpr = closed.jaxpr
-    if not jaxpr.effects:
+    if not jaxpr.effects or not _state.makes_refs(jaxpr):
         return closed
-    outside = {v for v in jaxpr.invars if _state.is_ref(v.aval)}
-    outside |= {v for v, c in zip(jaxpr.constvars, closed.consts) if _state.is_ref(jax.typeof(c))}
-    if not _state.makes_refs(jaxpr):
-        return closed
-    if outside or any(_state.is_ref(getattr(v, "aval", None)) for v in jaxpr.outvars):
-        return closed
+    if any(_state.is_ref(getattr(v, "aval", None)) for v in (*jaxpr.invars, *jaxpr.outvars)) or any(
+        _state.is_ref(jax.typeof(c)) for c in closed.consts
+    ):
+        return closed  # a reference from outside, or one it returns
     return _state.discharge(closed)
 
 
