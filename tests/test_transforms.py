@@ -166,6 +166,31 @@ def test_vjp_has_aux_and_integer_primal():
     assert aux["idx"].shape == (2,)
 
 
+def _int_and_float_outputs(xi, xf):
+    return 2 * xi.T, xf.T * xf.T
+
+
+@pytest.mark.parametrize("lifted", [False, True])
+def test_vjp_takes_float0_cotangents_of_integer_outputs(lifted):
+    # jax's pullback takes a float0 (or integer) cotangent for an integer output; rf's
+    # cast it with astype and failed with "invalid literal for int()".
+    xi = np.arange(6, dtype=np.int32).reshape(2, 3)
+    xf = np.arange(12, dtype=np.float32).reshape(3, 4)
+    f = rf.lift(_int_and_float_outputs) if lifted else _int_and_float_outputs
+    ctf = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    _, want = jax.vjp(_int_and_float_outputs, xi, xf)
+    _, got = rf.vjp(f, xi, xf)
+    for cti in (np.zeros((3, 2), jax.dtypes.float0), np.ones((3, 2), np.int32)):
+        gi, gf = got((cti, ctf))
+        assert gi.dtype == jax.dtypes.float0 and gi.shape == (2, 3)
+        np.testing.assert_allclose(gf, want((cti, ctf))[1], rtol=1e-6)
+        np.testing.assert_allclose(gf, 2 * xf * ctf.T, rtol=1e-6)  # d(x^2) = 2x, transposed back
+    under_jit = jax.jit(lambda c: rf.vjp(f, xi, xf)[1]((np.zeros((3, 2), jax.dtypes.float0), c))[1])
+    np.testing.assert_allclose(under_jit(ctf), 2 * xf * ctf.T, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"float0\[4, 3\] cotangent for an output of type float32\[4, 3\]"):
+        got((np.zeros((3, 2), jax.dtypes.float0), np.zeros((4, 3), jax.dtypes.float0)))
+
+
 def test_jit_traces_once_and_leaves_nothing_behind():
     params, x, y = _data()
     traces = []

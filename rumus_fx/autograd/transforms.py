@@ -359,6 +359,13 @@ def _plain_vjp(fun: Callable, primals: tuple, has_aux: bool) -> Any:
             raise TypeError(f"vjp: cotangent tree structure {ct_tree} does not match the output structure {out_tree}")
         seeds = []
         for gid, arr, ct in zip(out_ids, out_arrays, ct_leaves):
+            if getattr(ct, "dtype", None) == jax.dtypes.float0:  # jax's cotangent of an integer output
+                if jnp.issubdtype(arr.dtype, jnp.inexact) or tuple(ct.shape) != tuple(arr.shape):
+                    raise ValueError(
+                        f"vjp: a float0{list(ct.shape)} cotangent for an output of type "
+                        f"{arr.dtype}{list(arr.shape)}: float0 is the cotangent of integer and boolean outputs only"
+                    )
+                continue  # such an output carries no gradient
             ct = jnp.asarray(ct)
             if tuple(ct.shape) != tuple(arr.shape):
                 raise ValueError(f"vjp: cotangent of shape {tuple(ct.shape)} for an output of shape {tuple(arr.shape)}")
