@@ -527,6 +527,12 @@ def _custom_vjp_vjp(r, g):
     grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
     out = [None] * nc
     for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):
+        if jnp.issubdtype(getattr(gr, "dtype", np.float32), jax.dtypes.extended) and not _is_zero_ct(gr):
+            raise AutogradError(
+                f"rf.lift: the custom_vjp bwd of {custom_function_name(r.params)} returned a cotangent of the "
+                f"extended dtype {gr.dtype} for an input of dtype {a.dtype}: rf's tape keeps each gradient in its "
+                "input's dtype, so custom tangent dtypes have no rule in rf.lift"
+            )
         if not n or _is_zero_ct(gr) or not is_float(a) or getattr(gr, "dtype", None) == jax.dtypes.float0:
             out.append(None)
         else:

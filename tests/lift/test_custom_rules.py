@@ -14,6 +14,7 @@ per family and the values where the rule and the primal disagree (``relu`` at
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import chex
 import jax
@@ -718,3 +719,64 @@ def test_custom_vjp_fwd_closing_over_a_value_of_the_function(jit):
         np.testing.assert_allclose(jax.grad(_bwd_closure)(a, y), 2 * a * jnp.sin(y) ** 2)  # jax.grad eagerly
         with pytest.raises(rf.AutogradError, match=r"custom_vjp bwd that closes over a value computed.*residual"):
             rf.grad(rf.lift(_bwd_closure))(a, y)
+
+
+@pytest.mark.parametrize("through_a_converter", [False, True])
+def test_custom_vjp_bwd_returning_an_extended_tangent_dtype_is_refused(through_a_converter):
+    """A bwd may return a cotangent of a custom tangent dtype (jax's extended dtypes,
+    accumulated by the dtype's own ``add``, here a max). rf's tape keeps gradients in
+    their input's dtype: it cast such a cotangent to float32 and summed, a wrong
+    gradient where nothing read the dtype back (2.0 here, jax.grad's is the max, 1.0),
+    and crashed in the user's code where a second rule did. Refused by name."""
+    import dataclasses
+
+    from jax._src import core as jax_core
+    from jax._src import dtypes as jax_dtypes
+
+    class scale(jax_dtypes.extended):
+        pass
+
+    class Rules:
+        allow_conversion = True
+
+        @staticmethod
+        def physical_element_aval(dtype):
+            return jax_core.ShapedArray((), dtype.float_dtype)
+
+        @staticmethod
+        def add(dt, x, y):
+            as_float = functools.partial(lax.convert_element_type, new_dtype=dt.float_dtype)
+            return lax.convert_element_type(lax.max(as_float(x), as_float(y)), dt)
+
+        @staticmethod
+        def zero(dt):
+            return lax.convert_element_type(np.array(-np.inf, dt.float_dtype), dt)
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaleTy(jax_dtypes.ExtendedDType):
+        float_dtype: Any
+        name: str = "scale"
+        _rules: type = Rules
+        type: type = scale
+
+    @jax.custom_vjp
+    def g(x):
+        return x
+
+    g.defvjp(lambda x: (x, None), lambda _, ct: (lax.convert_element_type(ct, ScaleTy(jnp.float32)),))
+
+    @jax.custom_vjp
+    def convert(x):
+        return x
+
+    convert.defvjp(lambda x: (x, None), lambda _, ct: (lax.convert_element_type(ct, ct.dtype.float_dtype),))
+
+    def f(x):
+        x = convert(x) if through_a_converter else x
+        return g(x) + g(x)
+
+    x = jnp.array(3.0)
+    if through_a_converter:
+        assert jax.grad(jax.jit(f))(x) == 1.0  # the max of the two cotangents, not their sum
+    with pytest.raises(rf.AutogradError, match=r"custom_vjp bwd of g returned a cotangent of the extended dtype"):
+        rf.grad(rf.lift(f))(x)
