@@ -16,11 +16,13 @@ these.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .compiler import CPU_COMPILER_OPTIONS
 
@@ -147,13 +149,31 @@ def _relayout(x: Any, before: tuple[int, ...], axes: tuple[int, ...], after: tup
 relayout = eager_jit(_relayout, static_argnums=(1, 2, 3))  # (x, before, axes, after)
 
 
+def is_64_bit(x: Any) -> bool:
+    """Whether ``x`` (a value or its type) has a dtype that needs 64-bit types on:
+    float64, int64, uint64, complex128 (not complex64, two float32s)."""
+    return isinstance(dt := getattr(x, "dtype", None), np.dtype) and dt.itemsize == (16 if dt.kind == "c" else 8)
+
+
+def x64_as_made(values: Sequence[Any]) -> Any:
+    """A context in which ``values`` can be made and computed with: 64-bit types
+    turned on where one of them is 64-bit while they are off. Such a value was made
+    inside a ``jax.enable_x64()`` block of the user's function; rf runs a lifted
+    program's rules, a custom rule's trace and the backward's seed after that block
+    has ended (jax.grad runs them at the call), where ``jnp`` would make them 32-bit."""
+    if any(is_64_bit(v) for v in values) and not jax.config.jax_enable_x64:
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
 def ones_like_value(x: Any) -> Any:
     """``jnp.ones(x.shape, x.dtype)``, a new array every call (the seed of a
     backward pass: a gradient can be the seed itself and reach the user, who may
     donate it); one cached compiled call when ``x`` is concrete."""
-    if isinstance(x, _Tracer):
-        return jnp.ones(x.shape, x.dtype)
-    return _ones(tuple(x.shape), x.dtype)
+    with x64_as_made((x,)):
+        if isinstance(x, _Tracer):
+            return jnp.ones(x.shape, x.dtype)
+        return _ones(tuple(x.shape), x.dtype)
 
 
 def zeros_like_value(x: Any) -> Any:

@@ -19,6 +19,7 @@ from jax.extend import core as jcore
 from .. import sharding as shd
 from ..autograd.record import Aval
 from ..autograd.runner import apply_rule, conform
+from ..eager import is_64_bit, x64_as_made
 from ..errors import AutogradError
 from .concrete import ConcreteTracer
 from .jax_versions import is_ref
@@ -30,7 +31,7 @@ _Tracer = jax.core.Tracer
 ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
 
 # call primitives inlined into the program (their body is run with rf's rules)
-INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_lin"}
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call", "custom_lin"}
 
 # True while the program of a custom JVP rule is built (and the bodies nested in it):
 # a custom_jvp function the rule calls on the tangents is differentiated by its primal
@@ -45,15 +46,17 @@ def custom_function_name(params: Any) -> str:
     return params.get("name") or getattr(info, "func_name", None) or "?"
 
 
-def trace_custom_rule(thunk: Any, flags: Sequence[bool], what: str) -> Any:
+def trace_custom_rule(thunk: Any, flags: Sequence[bool], what: str, avals: Sequence[Any] = ()) -> Any:
     """Trace a custom_jvp/custom_vjp function's rule (``jvp_jaxpr_fun``,
-    ``fwd_jaxpr_thunk``) for the given flags. rf traces it after the lifted
+    ``fwd_jaxpr_thunk``) for the given flags, in the 64-bit mode of the call
+    (``avals``: its values' types; ``rumus_fx.eager.x64_as_made``). rf traces it after the lifted
     function's trace is over, so a rule that closes over a value of a
     ``jax.vmap`` (or other transformation) inside the function finds it gone
     (jax.grad, tracing both at once, accepts such a program; jax's newer custom_vjp
     refuses it): a clear error naming the function, not JAX's leaked-tracer one."""
     try:
-        return thunk.call_wrapped(*flags)
+        with x64_as_made(avals):
+            return thunk.call_wrapped(*flags)
     except jax.errors.UnexpectedTracerError as e:
         raise AutogradError(
             f"rf.lift: the {what} closes over a value of a jax.vmap (or another transformation) inside the "
@@ -178,7 +181,10 @@ class Program:
         self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
         self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
         self.out_shardings = tuple(_sharding(v) for v in jaxpr.outvars)
-        self._mark(tracked_in)
+        # a 64-bit value, if any: the program runs with 64-bit types on (a jax.enable_x64() block in it)
+        self.avals_64 = tuple(a for st in self.steps for a in st.in_avals + st.out_avals if is_64_bit(a))[:1]
+        with x64_as_made(self.avals_64):
+            self._mark(tracked_in)
         self._jit_forward: Callable | None = None
 
     # -- building -------------------------------------------------------------
@@ -298,6 +304,10 @@ class Program:
     # -- running ----------------------------------------------------------------
     def run(self, inputs: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
         """Evaluate the program: (outputs, residuals)."""
+        with x64_as_made(self.avals_64):
+            return self._run(inputs)
+
+    def _run(self, inputs: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
         env: list[Any] = [None] * self.nslots
         for s, x in zip(self.in_slots, inputs):
             env[s] = x
@@ -352,6 +362,10 @@ class Program:
         Each row's rule runs through the rule runner (Note [One rule runner] in
         rumus_fx/autograd/runner.py); ``rows_checked``: anomaly mode checks each
         row (a lifted call's own program, not the bodies of its control flow)."""
+        with x64_as_made(self.avals_64):
+            return self._backward(residuals, out_grads, rows_checked)
+
+    def _backward(self, residuals: Any, out_grads: Sequence[Any], rows_checked: bool) -> list[Any]:
         grads: dict[int, Any] = {}
         for k, (r, g, sh) in enumerate(zip(self.out_refs, out_grads, self.out_shardings)):
             if g is not None and isinstance(r, int) and self.tracked[r]:

@@ -176,6 +176,6 @@ COMPLEX_OK.update(
         "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
         # a custom JVP rule's reverse walk: every step of it is checked as above
         "custom_jvp_call",
-        "optimization_barrier", "sharding_constraint", "reshard", "device_put",
+        "optimization_barrier", "sharding_constraint", "reshard", "device_put", "shard_alike",
     }
 )  # fmt: skip

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import jax.scipy as jsp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.shard_alike import shard_alike
 
 from .. import sharding as shd
 from ..autograd.registry import Sample, TableEntry
@@ -417,6 +418,25 @@ defrule(
             "optimization_barrier",
             lambda x: lax.optimization_barrier((x, x * 2))[1] * x,
             unary_samples(),
+        ),
+    ),
+)
+
+
+def _shard_alike_vjp(r, g):
+    return tuple(shard_alike(*g))  # the cotangents placed alike, as jax's transpose does
+
+
+defrule(
+    "shard_alike",
+    _shard_alike_vjp,
+    ((), ()),
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "shard_alike",
+            lambda x, y: shard_alike(x * y, jnp.sin(y))[0] * shard_alike(x, y)[1],
+            binary_samples(shapes=(((3, 4), (3, 4)),)),
         ),
     ),
 )

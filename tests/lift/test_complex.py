@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.shard_alike import shard_alike
 
 import rumus_fx as rf
 import rumus_fx.numpy as rnp
@@ -68,6 +69,7 @@ LINEAR = {
     "sort": lambda z: jnp.sort(z, axis=1),  # by real part, then imaginary part
     "device_put": lambda z: jax.device_put(z, jax.devices()[0]),
     "name": lambda z: checkpoint_name(z, "complex_named") * 2,
+    "shard_alike": lambda z: (lambda a, b: a + b)(*shard_alike(z, z * 2j)),
 }
 
 BINARY = {

@@ -13,6 +13,7 @@ from jax import lax
 
 import rumus_fx as rf
 import rumus_fx.numpy as rnp
+from rumus_fx.testing import check_grads
 from tests.ops.test_special import MERGE_CASES
 
 
@@ -750,3 +751,53 @@ def test_unbatched_rows_under_vmap_and_jvp(term, argnums):
         got = jax.jvp(lambda x: g_rf(x, y), (xs[0],), (xs[1],))
         want = jax.jvp(lambda x: g_jax(x, y), (xs[0],), (xs[1],))
         _close(got, want, 1e-10)
+
+
+def _body_of_a_call(x, y):
+    return [jnp.sin(x) * y, x * 2.0]
+
+
+def _through_jax_call_primitive(x, y):
+    """``call_p`` (jax.extend.core.primitives), the untyped call primitive that
+    ``core.call`` binds: it was refused ("no backward rule for the primitive 'call'",
+    30 of jax's core_test gradients); rf now runs its body with its own rules."""
+    from jax.extend import linear_util as lu
+    from jax.extend.core import primitives
+
+    debug = jax.api_util.debug_info("call", _body_of_a_call, (x, y), {})
+    a, b = primitives.call_p.bind(x, y, subfuns=(lu.wrap_init(_body_of_a_call, debug_info=debug),))
+    return jnp.sum(a * b)
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["x", "y", "both"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jax_call_primitive_is_run_through(argnums, jit):
+    assert "call[" in str(jax.make_jaxpr(_through_jax_call_primitive)(jnp.ones(3), jnp.ones(3)))
+    with jax.enable_x64(True):
+        x, y = jnp.linspace(-1.0, 2.0, 4), jnp.array([0.5, -1.5, 2.0, 1.0])
+        check_grads(
+            rf.lift(_through_jax_call_primitive),
+            (x, y),
+            argnums,
+            oracle=lambda x, y: jnp.sum(jnp.sin(x) * y * x * 2.0),
+            jit=jit,
+            atol=1e-12,
+            rtol=1e-12,
+        )
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["x", "y", "both"])
+def test_shard_alike_has_a_rule(argnums):
+    """jax.experimental.shard_alike (refused before: 'no backward rule for the primitive
+    shard_alike'): its cotangents are placed alike too, as jax's transpose does."""
+    from jax.experimental.shard_alike import shard_alike
+
+    def f(x, y):
+        a, b = shard_alike(x * y, jnp.cos(y))
+        return jnp.sum(a * b + x)
+
+    with jax.enable_x64(True):
+        x, y = jnp.linspace(-1.0, 2.0, 6).reshape(2, 3), jnp.linspace(0.5, 1.5, 6).reshape(2, 3)
+        check_grads(
+            rf.lift(f), (x, y), argnums, oracle=lambda x, y: jnp.sum(x * y * jnp.cos(y) + x), atol=1e-12, rtol=1e-12
+        )
