@@ -1,0 +1,90 @@
+"""jax.experimental.sparse (BCOO) through rf.lift: a graph-convolution loss whose
+adjacency is a BCOO array (its values differentiated with the features and the
+weights, each alone and together), under jax.jit, with the sparse matrix never
+made dense in the backward (rumus_fx/lift/rules_sparse.py). The per-primitive
+checks are the primitive table's (``bcoo_*`` entries in tests/lift/test_ptable.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import sparse
+
+import rumus_fx as rf
+from rumus_fx.testing import check_grads
+
+N, NSE = 12, 30
+
+
+def _graph(n: int = N, nse: int = NSE, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(nse, 2)).astype(np.int32)
+    idx[1] = idx[0]  # a repeated edge: its two values add up
+    idx[-1] = n  # a padding entry (dropped by todense, no gradient through it)
+    return rng.standard_normal(nse), jnp.asarray(idx)
+
+
+def _gcn(values, x, w, idx):
+    a = sparse.BCOO((values, idx), shape=(N, N))
+    h = jnp.tanh(a @ (x @ w))
+    back = a.T @ h  # the transposed adjacency too
+    return jnp.sum(h**2) + jnp.sum(jnp.sin(back)) + jnp.sum(a.todense() * 0.1)
+
+
+def _gcn_dense(values, x, w, idx):
+    """The same loss with the adjacency made dense by hand (jnp only)."""
+    a = jnp.zeros((N + 1, N + 1), values.dtype).at[idx[:, 0], idx[:, 1]].add(values)[:N, :N]
+    h = jnp.tanh(a @ (x @ w))
+    return jnp.sum(h**2) + jnp.sum(jnp.sin(a.T @ h)) + jnp.sum(a * 0.1)
+
+
+@pytest.mark.parametrize("argnums", [0, 1, 2, (0, 1, 2)], ids=["values", "x", "w", "all"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_graph_convolution_with_a_bcoo_adjacency(argnums, jit):
+    with jax.enable_x64(True):
+        values, idx = _graph()
+        rng = np.random.default_rng(1)
+        x, w = rng.standard_normal((N, 5)), rng.standard_normal((5, 3)) * 0.5
+
+        def f(values, x, w):
+            return _gcn(values, x, w, idx)
+
+        def oracle(values, x, w):
+            return _gcn_dense(values, x, w, idx)
+
+        check_grads(rf.lift(f), (values, x, w), argnums, oracle=oracle, jit=jit, atol=1e-10, rtol=1e-10)
+
+
+def test_the_backward_never_makes_the_sparse_matrix_dense():
+    """S @ x and S^T @ y differentiated in S's values and x: the gradient of the
+    values is sampled at the indices, so no [n, n] array appears in the program
+    (n = 4096: dense, 64 MiB in float32)."""
+    n, nse = 4096, 64
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(rng.integers(0, n, size=(nse, 2)).astype(np.int32))
+
+    def f(values, x):
+        a = sparse.BCOO((values, idx), shape=(n, n))
+        return jnp.sum(jnp.tanh(a @ x)) + jnp.sum(a.T @ x)
+
+    values, x = jnp.ones(nse), jnp.ones((n, 2))
+    text = str(jax.make_jaxpr(rf.grad(rf.lift(f), argnums=(0, 1)))(values, x))
+    assert "bcoo_dot_general_sampled" in text
+    assert f"[{n},{n}]" not in text
+    got = rf.grad(rf.lift(f), argnums=(0, 1))(values, x)
+    want = jax.grad(f, argnums=(0, 1))(values, x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bcoo_extract_with_repeated_indices_is_refused_by_name():
+    values, idx = _graph()
+
+    def f(m):
+        a = sparse.BCOO((jnp.asarray(values, jnp.float32), idx), shape=(N, N))
+        return jnp.sum(sparse.bcoo_extract(a, m, assume_unique=False).data ** 2)
+
+    with pytest.raises(rf.AutogradError, match="bcoo_extract with assume_unique=False"):
+        rf.grad(rf.lift(f))(jnp.ones((N, N)))
