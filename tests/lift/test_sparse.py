@@ -88,3 +88,22 @@ def test_bcoo_extract_with_repeated_indices_is_refused_by_name():
 
     with pytest.raises(rf.AutogradError, match="bcoo_extract with assume_unique=False"):
         rf.grad(rf.lift(f))(jnp.ones((N, N)))
+
+
+def test_data_broadcast_along_a_batch_axis():
+    """A BCOO's values may have size 1 on a batch axis, broadcast against the
+    indices': their gradient sums over that axis (jax.grad fails here with a
+    cotangent shape error; the oracle makes the matrix dense by hand)."""
+    idx = jnp.array([[[0], [2]], [[1], [1]]], np.int32)
+    weights = np.arange(6.0).reshape(2, 3)
+
+    def f(d):
+        return jnp.sum(jnp.sin(sparse.BCOO((d, idx), shape=(2, 3)).todense()) * weights)
+
+    def oracle(d):
+        b = jnp.broadcast_to(d, (2, 2))
+        m = jnp.zeros((2, 3), d.dtype).at[0, 0].add(b[0, 0]).at[0, 2].add(b[0, 1]).at[1, 1].add(b[1, 0] + b[1, 1])
+        return jnp.sum(jnp.sin(m) * weights)
+
+    with jax.enable_x64(True):
+        check_grads(rf.lift(f), (jnp.array([[0.5, -1.0]]),), 0, oracle=oracle, atol=1e-12, rtol=1e-12)
