@@ -137,6 +137,11 @@ class ConcreteTracer(jax.core.Tracer):
         return self.value.cur_qdd()
 
 
+# side effects with no value to give back (jax.debug.callback, jax.debug.print): bound
+# on the parent trace only, so the program runs them once per call, as jax.grad does
+_CALLBACKS_WITHOUT_OUTPUTS = frozenset({"debug_callback", "debug_print"})
+
+
 class ConcreteTrace(jax.core.Trace):
     """Binds every primitive on the parent trace (``make_jaxpr``'s: the equation
     is recorded) and on jax's eval trace (the value is computed)."""
@@ -175,6 +180,8 @@ class ConcreteTrace(jax.core.Trace):
         syms, vals, tracked = _unzip(self.pair(x) for x in tracers)
         with jex.set_current_trace(self.parent):
             out_sym = primitive.bind_with_trace(self.parent, syms, _avals(syms), params)
+        if primitive.name in _CALLBACKS_WITHOUT_OUTPUTS:  # run by the compiled program only, not twice
+            return []
         ev = eval_trace()
         with jex.set_current_trace(ev):
             out_val = primitive.bind_with_trace(ev, vals, _avals(vals), params)

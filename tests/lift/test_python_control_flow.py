@@ -232,3 +232,26 @@ def test_shard_map_inside_is_refused_by_name():
     assert jnp.all(jax.grad(f)(x) == 8.0 * x)  # jax.grad runs it eagerly
     with pytest.raises(rf.AutogradError, match="shard_map"):
         rf.grad(rf.lift(f))(x)
+
+
+def test_a_debug_callback_runs_once_per_call():
+    """A function traced with its values binds each primitive twice (to record it and
+    to compute its value): a ``jax.debug.callback``/``jax.debug.print`` ran twice per
+    call. It has no value to give back, so it is only recorded; the program runs it
+    once, as jax.grad does."""
+    calls = []
+
+    def f(x):
+        jax.debug.callback(lambda v: calls.append(float(v.sum())), x)
+        if x.sum() > 0:
+            return jnp.sum(jnp.sin(x))
+        return jnp.sum(x**2)
+
+    for x in (jnp.arange(3.0), -jnp.arange(3.0)):
+        calls.clear()
+        jax.grad(f)(x)
+        want = list(calls)
+        calls.clear()
+        got = rf.grad(rf.lift(f))(x)
+        assert calls == want == [float(x.sum())]
+        np.testing.assert_allclose(got, jax.grad(f)(x), rtol=1e-6)
