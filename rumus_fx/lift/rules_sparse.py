@@ -26,8 +26,10 @@ other BCOO primitives:
 - ``bcoo_dot_general_sampled`` -> the cotangent made dense at the indices, then
   ``dot_general``'s two gradients.
 
-Sparse-sparse products (``bcoo_spdot_general``), ``bcoo_sort_indices``,
-``bcoo_sum_duplicates`` and the BCSR/COO/CSR primitives have no rule: refused by name.
+The COO and CSR formats' ``todense``, ``fromdense``, ``matvec`` and ``matmat`` are
+below (their own section). Sparse-sparse products (``bcoo_spdot_general``),
+``bcoo_sort_indices``, ``bcoo_sum_duplicates`` and the BCSR primitives have no rule:
+refused by name.
 """
 
 from __future__ import annotations
@@ -345,3 +347,168 @@ defrule(
         ),
     ),
 )
+
+
+# -- COO and CSR (jax.experimental.sparse.coo / .csr) ----------------------------------
+# A COO matrix is (data, row, col), a CSR one (data, indices, indptr), whose rows are
+# read from indptr as jax's own kernels read them. Their forward is a scatter-add to
+# the output's positions of data times a gather of the operand: out[o_k] += data_k *
+# v[i_k] with (o, i) = (row, col), or (col, row) with transpose=True. The gather clamps
+# an out-of-range index, the scatter drops one (a CSR's padding has row = n_rows), so
+# each rule reads and writes through the same indices the same way. jax.grad's own
+# rules differ in two places, where finite differences side with rf: with
+# transpose=True the values' gradient reads the wrong ends (ct[row] * v[col]), and
+# coo_fromdense's padding (row = col = 0, value 0) sends its cotangent into m[0, 0].
+
+
+def _csr_rows(indices: Any, indptr: Any) -> Any:
+    """The row of each stored element of a CSR matrix (jax's own reading)."""
+    return jnp.cumsum(jnp.zeros_like(indices).at[indptr].add(1)) - 1
+
+
+def _row_col(r) -> tuple[Any, Any]:
+    if r.rule.name.startswith("csr_"):
+        return _csr_rows(r.ins[1], r.ins[2]), r.ins[1]
+    return r.ins[1], r.ins[2]
+
+
+def _shape(r) -> tuple[int, ...]:
+    return tuple(r.params["shape"] if "shape" in r.params else r.params["spinfo"].shape)
+
+
+def _clamped(idx: Any, n: int) -> Any:
+    """Where a gather ``x[idx]`` of an axis of size ``n`` reads (negatives wrap, then clamp)."""
+    return jnp.clip(jnp.where(idx < 0, idx + n, idx), 0, n - 1)
+
+
+def _coo_todense_vjp(r, g):
+    row, col = _row_col(r)
+    return g.at[row, col].get(mode="fill", fill_value=0), None, None
+
+
+def _coo_mat_vjp(r, g):
+    row, col = _row_col(r)
+    out_idx, in_idx = (col, row) if r.params["transpose"] else (row, col)
+    data, v = r.ins[0], r.ins[3]
+    g_rows = g.at[out_idx].get(mode="fill", fill_value=0)  # [nse] or [nse, k]
+    g_data = g_v = None
+    if r.needs[0]:
+        prod = g_rows * v[in_idx].astype(g.dtype)
+        g_data = (prod if prod.ndim == 1 else jnp.sum(prod, 1)).astype(r.in_avals[0].dtype)
+    if r.needs[3]:
+        n = r.in_avals[3].shape[0]
+        d = data.astype(g.dtype)
+        contrib = d * g_rows if g_rows.ndim == 1 else d[:, None] * g_rows
+        g_v = jnp.zeros(r.in_avals[3].shape, g.dtype).at[_clamped(in_idx, n)].add(contrib).astype(r.in_avals[3].dtype)
+    return g_data, None, None, g_v
+
+
+def _coo_mat_saves(needs):
+    return tuple(k for k, n in ((1, True), (2, True), (3, needs[0]), (0, needs[3])) if n), ()
+
+
+def _coo_fromdense_vjp(r, g):
+    gd = g[0]
+    if gd is None:
+        return (None,)
+    data = r.outs[0]
+    row, col = (_csr_rows(r.outs[1], r.outs[2]), r.outs[1]) if r.rule.name == "csr_fromdense" else r.outs[1:]
+    kept = jnp.where(data != 0, gd, jnp.zeros_like(gd))  # the padding's values are constant zeros
+    return (jnp.zeros(r.in_avals[0].shape, gd.dtype).at[row, col].add(kept).astype(r.in_avals[0].dtype),)
+
+
+_ROW = np.array([0, 0, 1, 2, 2], np.int32)
+_COL = np.array([1, 3, 0, 2, 2], np.int32)  # a repeated element (2, 2)
+_CSR_INDICES = np.array([1, 3, 0, 2, 2, 0], np.int32)
+_CSR_INDPTR = np.array([0, 2, 3, 5], np.int32)  # five elements and one padding (row 3)
+
+
+def _coo(data: Any) -> Any:
+    return sparse.COO((data, jnp.asarray(_ROW), jnp.asarray(_COL)), shape=_SHAPE)
+
+
+def _csr(data: Any) -> Any:
+    return sparse.CSR((data, jnp.asarray(_CSR_INDICES), jnp.asarray(_CSR_INDPTR)), shape=_SHAPE)
+
+
+def _dense_by_hand(data: Any, fmt: str, transposed: bool = False) -> Any:
+    """The matrix of ``_coo``/``_csr`` made dense with jnp (the oracle's) as the
+    product reads it: a CSR's padding (row 3) is dropped where the product writes
+    its rows, read at the clamped row 2 where it gathers them (``transposed``)."""
+    if fmt == "coo":
+        return jnp.zeros(_SHAPE, data.dtype).at[_ROW, _COL].add(data)
+    rows = np.array([0, 0, 1, 2, 2, 2 if transposed else 3])
+    return jnp.zeros((4, 4), data.dtype).at[rows, _CSR_INDICES].add(data)[:3]
+
+
+def _mat_samples(nse: int, *operand: int) -> Any:
+    return lambda r: [Sample((r.standard_normal(nse), r.standard_normal(operand)), diff=(0, 1))]
+
+
+def _coo_csr_entries(fmt: str) -> tuple[TableEntry, ...]:
+    make, nse = (_coo, 5) if fmt == "coo" else (_csr, 6)
+    matvec, matmat = getattr(sparse, f"{fmt}_matvec"), getattr(sparse, f"{fmt}_matmat")
+    # a CSR's padding element (row 3) and, with transpose=True, every element: jax.grad's
+    # gradient of the values is wrong there (see above), so the oracle is dense by hand
+    dense = {"oracle": (lambda d, v: jnp.sin(_dense_by_hand(d, fmt) @ v))} if fmt == "csr" else {}
+    return (
+        TableEntry(f"{fmt}_matvec", lambda d, v: jnp.sin(matvec(make(d), v)), _mat_samples(nse, 4), **dense),
+        TableEntry(
+            f"{fmt}_matvec_transposed",
+            lambda d, v: jnp.sin(matvec(make(d), v, transpose=True)),
+            _mat_samples(nse, 3),
+            prims=(f"{fmt}_matvec",),
+            oracle=lambda d, v: jnp.sin(_dense_by_hand(d, fmt, transposed=True).T @ v),
+        ),
+        TableEntry(f"{fmt}_matmat", lambda d, b: jnp.sin(matmat(make(d), b)), _mat_samples(nse, 4, 2), **dense),
+        TableEntry(
+            f"{fmt}_matmat_transposed",
+            lambda d, b: jnp.sin(matmat(make(d), b, transpose=True)),
+            _mat_samples(nse, 3, 2),
+            prims=(f"{fmt}_matmat",),
+            oracle=lambda d, b: jnp.sin(_dense_by_hand(d, fmt, transposed=True).T @ b),
+        ),
+    )
+
+
+def _fromdense_entry(fmt: str) -> TableEntry:
+    fromdense = getattr(sparse, f"{fmt}_fromdense")
+
+    def program(m):
+        # five elements and two padding ones, whose values the program does not read: jax's
+        # own JVP and transpose give the padding a derivative (tests/lift/test_sparse.py)
+        s = fromdense(jnp.where(jnp.abs(m) > 0.5, m, 0.0), nse=7)
+        return jnp.sum(jnp.sin(s.data[:5]) * jnp.arange(1.0, 6.0))
+
+    return TableEntry(
+        f"{fmt}_fromdense",
+        program,
+        lambda r: [Sample((np.array([[0.9, 0.1, -1.2], [0.0, 2.0, 0.3], [-0.7, 0.8, 0.2]]),), diff=(0,))],
+        fd=False,  # the pattern (|m| > 0.5) is constant near the sample: checked against jax.grad
+    )
+
+
+for _fmt in ("coo", "csr"):
+    _make = _coo if _fmt == "coo" else _csr
+    defrule(
+        f"{_fmt}_todense",
+        _coo_todense_vjp,
+        lambda needs: ((1, 2) if needs[0] else (), ()),
+        table=(
+            TableEntry(
+                f"{_fmt}_todense",
+                lambda d, make=_make: jnp.sin(make(d).todense()) * jnp.arange(12.0).reshape(3, 4),
+                lambda r, nse=(5 if _fmt == "coo" else 6): [Sample((r.standard_normal(nse),), diff=(0,))],
+                oracle=lambda d, fmt=_fmt: jnp.sin(_dense_by_hand(d, fmt)) * jnp.arange(12.0).reshape(3, 4),
+            ),
+        ),
+    )
+    defrule(f"{_fmt}_matvec", _coo_mat_vjp, _coo_mat_saves, table=_coo_csr_entries(_fmt)[:2])
+    defrule(f"{_fmt}_matmat", _coo_mat_vjp, _coo_mat_saves, table=_coo_csr_entries(_fmt)[2:])
+    defrule(
+        f"{_fmt}_fromdense",
+        _coo_fromdense_vjp,
+        lambda needs: ((), (0, 1, 2) if needs[0] else ()),
+        multiple_results=True,
+        table=(_fromdense_entry(_fmt),),
+    )

@@ -107,3 +107,81 @@ def test_data_broadcast_along_a_batch_axis():
 
     with jax.enable_x64(True):
         check_grads(rf.lift(f), (jnp.array([[0.5, -1.0]]),), 0, oracle=oracle, atol=1e-12, rtol=1e-12)
+
+
+# jax.grad's own rules for the COO/CSR primitives are wrong in three places (jax 0.10.2),
+# where rf's follow the forward and finite differences confirm them:
+# 1. coo_matvec/coo_matmat with transpose=True: the values' gradient reads ct[row] * v[col]
+#    where the forward multiplies v[row] into out[col];
+# 2. coo_fromdense's padding elements (row = col = 0, value a constant 0) send their
+#    cotangent into m[0, 0];
+# 3. a CSR's padding element (row = n_rows, dropped where the product writes it) gets
+#    the cotangent of the clamped last row.
+IDX_ROW = np.array([0, 0, 1, 2, 2], np.int32)
+IDX_COL = np.array([1, 3, 0, 2, 2], np.int32)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transposed"])
+@pytest.mark.parametrize("op", ["matvec", "matmat"])
+def test_coo_products_match_finite_differences(op, transpose):
+    def dense(d):
+        return jnp.zeros((3, 4), d.dtype).at[IDX_ROW, IDX_COL].add(d)
+
+    def f(d, v):
+        a = sparse.COO((d, jnp.asarray(IDX_ROW), jnp.asarray(IDX_COL)), shape=(3, 4))
+        return jnp.sum(jnp.sin(getattr(sparse, f"coo_{op}")(a, v, transpose=transpose)))
+
+    def oracle(d, v):
+        m = dense(d).T if transpose else dense(d)
+        return jnp.sum(jnp.sin(m @ v))
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        n = 3 if transpose else 4
+        v = rng.standard_normal((n,) if op == "matvec" else (n, 2))
+        for argnums in (0, 1, (0, 1)):
+            check_grads(rf.lift(f), (rng.standard_normal(5), v), argnums, oracle=oracle, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr"])
+def test_padding_elements_of_fromdense_have_no_gradient(fmt):
+    """Seven stored elements of which two are padding (constant zeros): a loss that
+    reads every stored value gives m no gradient through the padding."""
+    m = np.array([[0.9, 0.0, -1.2], [0.0, 2.0, 0.0], [-0.7, 0.8, 0.0]])
+    weights = np.arange(1.0, 8.0)
+
+    def f(m):
+        s = getattr(sparse, f"{fmt}_fromdense")(m, nse=7)
+        return jnp.sum(jnp.sin(s.data) * weights)
+
+    def oracle(m):  # the five nonzeros in row-major order, read with jnp
+        rows, cols = np.nonzero(m)
+        return jnp.sum(jnp.sin(m[rows, cols]) * weights[:5])  # the padding: sin(0) * w, a constant
+
+    with jax.enable_x64(True):
+        got = rf.grad(rf.lift(f))(jnp.asarray(m))
+        np.testing.assert_allclose(got, jax.grad(oracle)(jnp.asarray(m)), rtol=1e-12, atol=1e-12)
+        rows, cols = np.nonzero(m)
+        want = np.zeros_like(m)
+        want[rows, cols] = np.cos(m[rows, cols]) * weights[:5]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)  # m[0, 0] = 0.9: its own weight only
+
+
+@pytest.mark.parametrize("op", ["matvec", "matmat", "todense"])
+def test_a_csr_padding_element_dropped_by_the_product_has_no_gradient(op):
+    indices = jnp.array([1, 3, 0, 2, 2, 0], jnp.int32)
+    indptr = jnp.array([0, 2, 3, 5], jnp.int32)  # element 5 is padding: its row is 3, out of range
+
+    def f(d, v):
+        a = sparse.CSR((d, indices, indptr), shape=(3, 4))
+        out = a.todense() * v[0] if op == "todense" else getattr(sparse, f"csr_{op}")(a, v)
+        return jnp.sum(jnp.sin(out))
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        d, v = rng.standard_normal(6), rng.standard_normal((4,) if op != "matmat" else (4, 2))
+        got = rf.grad(rf.lift(f))(d, v)
+        eps = 1e-6
+        fd = [(f(d + eps * e, v) - f(d - eps * e, v)) / (2 * eps) for e in np.eye(6)]
+        np.testing.assert_allclose(got, fd, rtol=1e-7, atol=1e-8)
+        assert got[5] == 0.0
