@@ -45,8 +45,10 @@ tracers carry the primal values; rf does the same, as a fallback:
 - Other primitives that call functions (``shard_map``, ``pmap``) are not handled
   by this trace: such a call raises ``AutogradError`` naming it.
 
-Side effects inside the function (``jax.debug.print``, callbacks) run twice on
-such a call: once while tracing with values, once when the program runs.
+``jax.debug.print`` and ``jax.debug.callback`` are only recorded, so the program
+runs them once per call, as jax.grad does. A callback that returns values
+(``jax.pure_callback``, ``io_callback``) runs twice on such a call: once while
+tracing with values (its values are needed there), once when the program runs.
 
 Everything here is jax's tracing machinery through its public names
 (``jax.core.Trace``/``Tracer``, ``jax.extend.core.set_current_trace`` and
