@@ -177,5 +177,10 @@ COMPLEX_OK.update(
         # a custom JVP rule's reverse walk: every step of it is checked as above
         "custom_jvp_call",
         "optimization_barrier", "sharding_constraint", "reshard", "device_put", "shard_alike",
+        # jax.experimental.sparse: linear in the values (and the dense operand), each rule the
+        # plain transpose (rules_sparse.py)
+        "bcoo_todense", "bcoo_extract", "bcoo_fromdense", "bcoo_transpose", "bcoo_dot_general",
+        "bcoo_dot_general_sampled", "coo_todense", "coo_fromdense", "coo_matvec", "coo_matmat",
+        "csr_todense", "csr_fromdense", "csr_matvec", "csr_matmat",
     }
 )  # fmt: skip

@@ -356,9 +356,10 @@ defrule(
 # v[i_k] with (o, i) = (row, col), or (col, row) with transpose=True. The gather clamps
 # an out-of-range index, the scatter drops one (a CSR's padding has row = n_rows), so
 # each rule reads and writes through the same indices the same way. jax.grad's own
-# rules differ in two places, where finite differences side with rf: with
-# transpose=True the values' gradient reads the wrong ends (ct[row] * v[col]), and
-# coo_fromdense's padding (row = col = 0, value 0) sends its cotangent into m[0, 0].
+# rules differ in three places, where finite differences side with rf: with
+# transpose=True the values' gradient reads the wrong ends (ct[row] * v[col]),
+# coo_fromdense's padding (row = col = 0, value 0) sends its cotangent into m[0, 0],
+# and a CSR's padding element gets the clamped last row's cotangent.
 
 
 def _csr_rows(indices: Any, indptr: Any) -> Any:

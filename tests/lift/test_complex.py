@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import sparse
 from jax.experimental.shard_alike import shard_alike
 
 import rumus_fx as rf
@@ -45,6 +46,21 @@ UNARY = {
     "convert": lambda z: z.astype(jnp.complex64).astype(z.dtype), "copy": lambda z: jnp.array(z, copy=True),
 }  # fmt: skip
 
+_SPARSE_ROW, _SPARSE_COL = np.array([0, 0, 1, 2, 2]), np.array([1, 3, 0, 2, 2])  # a repeated element
+
+
+def _bcoo(z):
+    return sparse.BCOO((z.reshape(-1)[:5], np.stack([_SPARSE_ROW, _SPARSE_COL], 1)), shape=(3, 4))
+
+
+def _coo(z):
+    return sparse.COO((z.reshape(-1)[:5], _SPARSE_ROW, _SPARSE_COL), shape=(3, 4))
+
+
+def _csr(z):  # no padding element: jax.grad, the oracle here, misreads one
+    return sparse.CSR((z.reshape(-1)[:5], _SPARSE_COL, np.array([0, 2, 3, 5])), shape=(3, 4))
+
+
 LINEAR = {
     "dot_general": lambda z: z @ jnp.asarray(M, z.dtype),
     "reduce_sum": lambda z: jnp.sum(z, 0),
@@ -70,6 +86,22 @@ LINEAR = {
     "device_put": lambda z: jax.device_put(z, jax.devices()[0]),
     "name": lambda z: checkpoint_name(z, "complex_named") * 2,
     "shard_alike": lambda z: (lambda a, b: a + b)(*shard_alike(z, z * 2j)),
+    # jax.experimental.sparse: BCOO (the values' gradient sampled at the indices), COO, CSR
+    "bcoo_todense": lambda z: sparse.BCOO.fromdense(z, nse=12).todense(),
+    "bcoo_dot_general": lambda z: _bcoo(z) @ z.T,
+    "bcoo_transpose": lambda z: _bcoo(z).T @ z,
+    "bcoo_extract": lambda z: sparse.bcoo_extract(_bcoo(z), z * 2, assume_unique=True).data,
+    "coo_matvec": lambda z: sparse.coo_matvec(_coo(z), z[0]),
+    "coo_matmat": lambda z: sparse.coo_matmat(_coo(z), z.T),
+    "csr_matvec": lambda z: sparse.csr_matvec(_csr(z), z[1]),  # not transposed: jax.grad misreads that
+    "bcoo_dot_general_sampled": lambda z: sparse.bcoo_dot_general_sampled(
+        z, z.T * 2, np.stack([_SPARSE_ROW, _SPARSE_ROW], 1), dimension_numbers=(((1,), (0,)), ((), ()))
+    ),
+    "csr_matmat": lambda z: sparse.csr_matmat(_csr(z), z.T) + _csr(z).todense() @ z.T,
+    "coo_fromdense": lambda z: (
+        sparse.coo_fromdense(z, nse=12).data + sparse.COO.fromdense(z, nse=12).todense().reshape(-1)
+    ),
+    "csr_fromdense": lambda z: sparse.csr_fromdense(z, nse=12).data * 2,
 }
 
 BINARY = {

@@ -111,7 +111,7 @@ def test_data_broadcast_along_a_batch_axis():
 
 # jax.grad's own rules for the COO/CSR primitives are wrong in three places (jax 0.10.2),
 # where rf's follow the forward and finite differences confirm them:
-# 1. coo_matvec/coo_matmat with transpose=True: the values' gradient reads ct[row] * v[col]
+# 1. the COO and CSR matvec/matmat with transpose=True: the values' gradient reads ct[row] * v[col]
 #    where the forward multiplies v[row] into out[col];
 # 2. coo_fromdense's padding elements (row = col = 0, value a constant 0) send their
 #    cotangent into m[0, 0];
