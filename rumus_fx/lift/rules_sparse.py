@@ -26,8 +26,8 @@ other BCOO primitives:
 - ``bcoo_dot_general_sampled`` -> the cotangent made dense at the indices, then
   ``dot_general``'s two gradients.
 
-The COO and CSR formats' ``todense``, ``fromdense``, ``matvec`` and ``matmat`` are
-below (their own section). Sparse-sparse products (``bcoo_spdot_general``),
+The COO and CSR formats' ``todense``, ``fromdense``, ``matvec`` and ``matmat``, and
+``spsolve``, are below (their own sections). Sparse-sparse products (``bcoo_spdot_general``),
 ``bcoo_sort_indices``, ``bcoo_sum_duplicates`` and the BCSR primitives have no rule:
 refused by name.
 """
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import sparse
+from jax.experimental.sparse.linalg import spsolve
 from jax.experimental.sparse.util import SparseInfo
 
 from ..autograd.registry import BadProgram, Sample, TableEntry
@@ -513,3 +514,55 @@ for _fmt in ("coo", "csr"):
         multiple_results=True,
         table=(_fromdense_entry(_fmt),),
     )
+
+
+# -- spsolve (jax.experimental.sparse.linalg) ------------------------------------------
+# x = A^-1 b for a square CSR matrix A: the cotangent of b is A^-T g, solved with the
+# transposed matrix; that of A's values is -(A^-T g)[row] x[col] at each element (the
+# plain transpose: jax.grad's convention for complex values too).
+
+
+def _csr_transposed(data: Any, indices: Any, indptr: Any, n: int) -> tuple[Any, Any, Any]:
+    """A square CSR matrix's transpose (its padding elements, past ``indptr[-1]``, kept last)."""
+    row = _csr_rows(indices, indptr)
+    valid = jnp.arange(indices.shape[0], dtype=indptr.dtype) < indptr[-1]
+    new_row = jnp.where(valid, indices, n)
+    new_row, new_col, data_t = lax.sort((new_row, jnp.where(valid, row, 0), data), num_keys=2)
+    counts = jnp.zeros(n, indptr.dtype).at[new_row].add(1)  # the padding's row n is dropped
+    indptr_t = jnp.concatenate([jnp.zeros(1, indptr.dtype), jnp.cumsum(counts).astype(indptr.dtype)])
+    return data_t, new_col.astype(indices.dtype), indptr_t
+
+
+def _spsolve_vjp(r, g):
+    data, indices, indptr, x = r.ins[0], r.ins[1], r.ins[2], r.outs[0]
+    n = r.in_avals[3].shape[0]
+    opts = {"tol": r.params["tol"], "reorder": r.params["reorder"]}
+    lam = spsolve(*_csr_transposed(data, indices, indptr, n), g, **opts)
+    g_data = None
+    if r.needs[0]:
+        row = _csr_rows(indices, indptr)
+        g_data = -(lam.at[row].get(mode="fill", fill_value=0) * x[indices]).astype(r.in_avals[0].dtype)
+    return g_data, None, None, lam.astype(r.in_avals[3].dtype) if r.needs[3] else None
+
+
+_SOLVE_INDICES = np.array([0, 2, 1, 0, 2, 3, 1, 3], np.int32)
+_SOLVE_INDPTR = np.array([0, 2, 3, 6, 8], np.int32)
+
+
+def _solve_samples(r):
+    diagonal = np.array([4.0, 0, 3.5, 0, 5.0, 0, 0, 4.5])  # elements 0, 2, 4, 7 are A's diagonal
+    return [Sample((r.standard_normal(8) * 0.5 + diagonal, r.standard_normal(4)), diff=(0, 1))]
+
+
+defrule(
+    "spsolve",
+    _spsolve_vjp,
+    lambda needs: ((0, 1, 2), (0,) if needs[0] else ()),
+    table=(
+        TableEntry(
+            "spsolve",
+            lambda d, b: jnp.sin(spsolve(d, jnp.asarray(_SOLVE_INDICES), jnp.asarray(_SOLVE_INDPTR), b * 2) * 3),
+            _solve_samples,
+        ),
+    ),
+)

@@ -185,3 +185,28 @@ def test_a_csr_padding_element_dropped_by_the_product_has_no_gradient(op):
         fd = [(f(d + eps * e, v) - f(d - eps * e, v)) / (2 * eps) for e in np.eye(6)]
         np.testing.assert_allclose(got, fd, rtol=1e-7, atol=1e-8)
         assert got[5] == 0.0
+
+
+def test_spsolve_with_a_padding_element():
+    """jax.experimental.sparse.linalg.spsolve of a CSR matrix with a padding element
+    (past indptr[-1]): rf's rule transposes the matrix with the padding kept last
+    and gives it no gradient, which finite differences confirm (jax.grad's own
+    transpose hands it to scipy, which fails: "COLAMD failed")."""
+    from jax.experimental.sparse.linalg import spsolve
+
+    indices = jnp.array([0, 2, 1, 0, 2, 3, 1, 3, 0], jnp.int32)
+    indptr = jnp.array([0, 2, 3, 6, 8], jnp.int32)
+
+    def f(d, b):
+        return jnp.sum(jnp.sin(spsolve(d, indices, indptr, b)) * jnp.arange(1.0, 5.0))
+
+    with jax.enable_x64(True):
+        d = jnp.array([4.0, 0.3, 3.5, -0.2, 5.0, 0.7, 0.1, 4.5, 9.0])
+        b = jnp.array([1.0, -2.0, 0.5, 1.5])
+        gd, gb = rf.grad(rf.lift(f), (0, 1))(d, b)
+        eps = 1e-6
+        fd_d = [(f(d + eps * e, b) - f(d - eps * e, b)) / (2 * eps) for e in np.eye(9)]
+        fd_b = [(f(d, b + eps * e) - f(d, b - eps * e)) / (2 * eps) for e in np.eye(4)]
+        np.testing.assert_allclose(gd, fd_d, rtol=1e-7, atol=1e-9)
+        np.testing.assert_allclose(gb, fd_b, rtol=1e-7, atol=1e-9)
+        assert gd[8] == 0.0
