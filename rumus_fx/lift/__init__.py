@@ -15,7 +15,6 @@ from . import rules_indexing as rules_indexing
 from . import rules_linalg as rules_linalg
 from . import rules_parallel as rules_parallel
 from . import rules_reduce as rules_reduce
-from . import rules_sparse as rules_sparse
 from . import rules_special as rules_special
 from . import rules_structural as rules_structural
 from .library import defrule as defrule

@@ -147,6 +147,15 @@ LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
         frozenset({"maybe_set", "select_if_vmap", "nondifferentiable_backward", "vprim"}),
         "rumus_fx.lift.rules_equinox",
     ),
+    (  # jax's own, but importing it imports scipy.sparse: half a second on every import of rf
+        "jax.experimental.sparse",
+        frozenset({
+            "bcoo_todense", "bcoo_extract", "bcoo_fromdense", "bcoo_transpose", "bcoo_dot_general",
+            "bcoo_dot_general_sampled", "coo_todense", "coo_fromdense", "coo_matvec", "coo_matmat",
+            "csr_todense", "csr_fromdense", "csr_matvec", "csr_matmat", "spsolve",
+        }),
+        "rumus_fx.lift.rules_sparse",
+    ),
 ]  # fmt: skip
 
 
