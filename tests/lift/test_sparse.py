@@ -210,3 +210,31 @@ def test_spsolve_with_a_padding_element():
         np.testing.assert_allclose(gd, fd_d, rtol=1e-7, atol=1e-9)
         np.testing.assert_allclose(gb, fd_b, rtol=1e-7, atol=1e-9)
         assert gd[8] == 0.0
+
+
+def test_the_sparse_rules_load_when_a_program_first_holds_a_sparse_primitive():
+    """``import rumus_fx`` imports neither jax.experimental.sparse (it imports
+    scipy.sparse) nor rf's rules for it; the first lifted program holding a sparse
+    primitive declares them."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        import jax.numpy as jnp
+        import rumus_fx as rf
+        assert "jax.experimental.sparse" not in sys.modules, "imported by rumus_fx"
+        assert "rumus_fx.lift.rules_sparse" not in sys.modules
+        from jax.experimental import sparse
+        idx = sparse.BCOO.fromdense(jnp.eye(2)).indices
+        f = lambda d, x: jnp.sum(sparse.BCOO((d, idx), shape=(2, 2)) @ x)
+        g = rf.grad(rf.lift(f))(jnp.array([2.0, 3.0]), jnp.array([1.0, -1.0]))
+        assert "rumus_fx.lift.rules_sparse" in sys.modules
+        print(g.tolist())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[1.0, -1.0]"
