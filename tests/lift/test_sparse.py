@@ -238,3 +238,31 @@ def test_the_sparse_rules_load_when_a_program_first_holds_a_sparse_primitive():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[1.0, -1.0]"
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_sparsified_function(jit):
+    """``jax.experimental.sparse.sparsify`` turns jnp code on a BCOO argument into the
+    sparse primitives (a product, a scaled copy, a sum over an axis); its gradient in
+    the stored values and the dense argument is jax.grad's and ``sparse.grad``'s."""
+
+    @sparse.sparsify
+    def f(a, x):
+        y = a @ x
+        z = (a * 2.0) @ x + jnp.sum(a, axis=0) @ x
+        return jnp.sum(jnp.sin(y) * z)
+
+    m = jnp.array([[0.0, 1.5, 0.0, 2.0], [3.0, 0.0, 0.0, -1.0], [0.0, 0.0, 4.0, 0.0]])
+    a = sparse.BCOO.fromdense(m)
+    x = jnp.arange(4.0) / 3
+
+    def loss(values, x):
+        return f(sparse.BCOO((values, a.indices), shape=a.shape), x)
+
+    g = rf.grad(rf.lift(loss), (0, 1))
+    got = (jax.jit(g) if jit else g)(a.data, x)
+    want = jax.grad(loss, (0, 1))(a.data, x)
+    by_sparse_grad = sparse.grad(f, (0, 1))(a, x)
+    for u, v, w in zip(got, want, (by_sparse_grad[0].data, by_sparse_grad[1])):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
