@@ -182,5 +182,6 @@ COMPLEX_OK.update(
         "bcoo_todense", "bcoo_extract", "bcoo_fromdense", "bcoo_transpose", "bcoo_dot_general",
         "bcoo_dot_general_sampled", "coo_todense", "coo_fromdense", "coo_matvec", "coo_matmat",
         "csr_todense", "csr_fromdense", "csr_matvec", "csr_matmat",
+        "bcsr_todense", "bcsr_extract", "bcsr_fromdense", "bcsr_dot_general",
     }
 )  # fmt: skip

@@ -26,16 +26,17 @@ other BCOO primitives:
 - ``bcoo_dot_general_sampled`` -> the cotangent made dense at the indices, then
   ``dot_general``'s two gradients.
 
-The COO and CSR formats' ``todense``, ``fromdense``, ``matvec`` and ``matmat``, and
-``spsolve``, are below (their own sections). Sparse-sparse products (``bcoo_spdot_general``),
-``bcoo_sort_indices``, ``bcoo_sum_duplicates`` and the BCSR primitives have no rule:
-refused by name.
+BCSR's ``todense``, ``extract``, ``fromdense`` and ``dot_general``, the COO and CSR
+formats' ``todense``, ``fromdense``, ``matvec`` and ``matmat``, and ``spsolve`` are
+below (their own sections). Sparse-sparse products (``bcoo_spdot_general``),
+``bcoo_sort_indices`` and ``bcoo_sum_duplicates`` have no rule: refused by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -231,20 +232,27 @@ def _remaining(n: int, *taken: Any) -> list[int]:
 
 
 def _dot_general_vjp(r, g):
+    data, indices, rhs = r.ins
+    g_data, g_rhs = _sparse_dot_vjp(r, r.in_avals[0], r.in_avals[2], r.needs[0], r.needs[2], data, indices, rhs, g)
+    return g_data, None, g_rhs
+
+
+def _sparse_dot_vjp(r, a_data, a_rhs, need_data, need_rhs, data, indices, rhs, g):
+    """The two gradients of a sparse-dense product (bcoo_dot_general's, and
+    bcsr_dot_general's with its indices read as BCOO ones)."""
     (lc, rc), (lb, rb) = r.params["dimension_numbers"]
     spinfo = r.params["lhs_spinfo"]
-    a_data, a_idx, a_rhs = r.in_avals
+    a_idx = indices  # batch + (nse, n_sparse)
     lhs_nd, rhs_nd = len(spinfo.shape), len(a_rhs.shape)
     lhs_kept, rhs_kept = _remaining(lhs_nd, lc, lb), _remaining(rhs_nd, rc, rb)
     nb = len(lb)
     ans_batch = list(range(nb))
     ans_lhs = list(range(nb, nb + len(lhs_kept)))
     ans_rhs = list(range(nb + len(lhs_kept), nb + len(lhs_kept) + len(rhs_kept)))
-    data, indices, rhs = r.ins
     n_batch = len(a_idx.shape) - 2
     n_dense = len(a_data.shape) - n_batch - 1
     g_data = g_rhs = None
-    if r.needs[0]:
+    if need_data:
         dims = ((tuple(ans_rhs), tuple(rhs_kept)), (tuple(ans_batch), tuple(rb)))
         # the product's axes hold the lhs's batch, kept, then contracted axes (in the rhs's order)
         order = list(lb) + lhs_kept + [int(d) for d in np.take(lc, np.argsort(rc))]
@@ -256,7 +264,7 @@ def _dot_general_vjp(r, g):
             dense = lax.transpose(lax.dot_general(g, rhs.astype(g.dtype), dims), tuple(np.argsort(order)))
             g_data = _extract(indices, dense)
         g_data = _unbroadcast(a_data, g_data)
-    if r.needs[2]:
+    if need_rhs:
         dims = ((tuple(lhs_kept), tuple(ans_lhs)), (tuple(lb), tuple(ans_batch)))
         if any(d >= lhs_nd - n_dense for d in lhs_kept):  # bcoo_dot_general cannot contract a dense axis
             lhs = _todense(data.astype(g.dtype), indices, spinfo.shape)
@@ -268,7 +276,7 @@ def _dot_general_vjp(r, g):
         # out's axes: batch, the lhs's contracted axes (in the lhs's order), the rhs's kept axes
         held = list(rb) + [int(d) for d in np.take(rc, np.argsort(lc))] + rhs_kept
         g_rhs = lax.transpose(out, tuple(int(k) for k in np.argsort(held))).astype(a_rhs.dtype)
-    return g_data, None, g_rhs
+    return g_data, g_rhs
 
 
 def _dot_saves(needs):
@@ -345,6 +353,134 @@ defrule(
                 sparse.bcoo_dot_general_sampled(a, b, jnp.asarray(_INDICES), dimension_numbers=(((1,), (0,)), ((), ())))
             ),
             lambda r: [Sample((r.standard_normal((3, 2)), r.standard_normal((2, 4))), diff=(0, 1))],
+        ),
+    ),
+)
+
+
+# -- BCSR: batched CSR, read as a BCOO array -------------------------------------------
+# A BCSR array of shape batch + (rows, cols) + dense is data [batch, nse, dense...],
+# indices [batch, nse] (columns) and indptr [batch, rows + 1]; jax computes each of its
+# primitives as the BCOO one of the same values at indices (row, col), the rows read
+# from indptr, so each rule is the BCOO rule at those indices. Its padding elements
+# (past indptr[-1]: row = rows, col = cols) are out of range, dropped on both sides.
+
+
+def _bcsr_as_bcoo(indices: Any, indptr: Any) -> Any:
+    """BCOO indices [batch, nse, 2] of a BCSR array's (indices, indptr)."""
+    batch = np.broadcast_shapes(indices.shape[:-1], indptr.shape[:-1])
+    indices = jnp.broadcast_to(indices, batch + indices.shape[-1:])
+    indptr = jnp.broadcast_to(indptr, batch + indptr.shape[-1:])
+
+    def one(i: Any, p: Any) -> Any:
+        return jnp.stack([_csr_rows(i, p), i], axis=-1)
+
+    for _ in batch:
+        one = jax.vmap(one)
+    return one(indices, indptr)
+
+
+def _bcsr_todense_vjp(r, g):
+    return _unbroadcast(r.in_avals[0], _extract(_bcsr_as_bcoo(r.ins[1], r.ins[2]), g)), None, None
+
+
+def _bcsr_extract_vjp(r, g):
+    return None, None, _todense(g, _bcsr_as_bcoo(r.ins[0], r.ins[1]), r.in_avals[2].shape)
+
+
+def _bcsr_fromdense_vjp(r, g):
+    gd = g[0]
+    if gd is None:
+        return (None,)
+    shape = r.in_avals[0].shape
+    return (_todense(gd, _bcsr_as_bcoo(r.outs[1], r.outs[2]), shape).astype(r.in_avals[0].dtype),)
+
+
+def _bcsr_dot_general_vjp(r, g):
+    data, indices, indptr, rhs = r.ins
+    bcoo_indices = _bcsr_as_bcoo(indices, indptr)
+    g_data, g_rhs = _sparse_dot_vjp(r, r.in_avals[0], r.in_avals[3], r.needs[0], r.needs[3], data, bcoo_indices, rhs, g)
+    return g_data, None, None, g_rhs
+
+
+_BCSR_INDICES = np.array([1, 3, 0, 2, 2, 4], np.int32)  # a repeated element (2, 2) and a padding one
+_BCSR_INDPTR = np.array([0, 2, 3, 5], np.int32)
+
+
+def _bcsr(data: Any) -> Any:
+    return sparse.BCSR((data, jnp.asarray(_BCSR_INDICES), jnp.asarray(_BCSR_INDPTR)), shape=_SHAPE)
+
+
+def _bcsr_batched(data: Any) -> Any:
+    """A BCSR array of shape (2, 3, 4): a batch axis, one padding element in each."""
+    indices = np.array([[1, 3, 0, 2, 4], [2, 0, 1, 3, 4]], np.int32)
+    indptr = np.array([[0, 2, 3, 4], [0, 1, 2, 4]], np.int32)
+    return sparse.BCSR((data, jnp.asarray(indices), jnp.asarray(indptr)), shape=(2, 3, 4))
+
+
+def _bcsr_samples(r):
+    return [Sample((r.standard_normal(6),), diff=(0,))]
+
+
+defrule(
+    "bcsr_todense",
+    _bcsr_todense_vjp,
+    lambda needs: ((1, 2) if needs[0] else (), ()),
+    table=(
+        TableEntry(
+            "bcsr_todense", lambda d: jnp.sin(_bcsr(d).todense()) * jnp.arange(12.0).reshape(3, 4), _bcsr_samples
+        ),
+        TableEntry(
+            "bcsr_todense_batched",
+            lambda d: jnp.cos(_bcsr_batched(d).todense()) * jnp.arange(24.0).reshape(2, 3, 4),
+            lambda r: [Sample((r.standard_normal((2, 5)),), diff=(0,))],
+        ),
+    ),
+)
+defrule(
+    "bcsr_extract",
+    _bcsr_extract_vjp,
+    lambda needs: ((0, 1) if needs[2] else (), ()),
+    table=(
+        TableEntry(
+            "bcsr_extract",
+            lambda m: jnp.sin(sparse.bcsr_extract(jnp.asarray(_BCSR_INDICES), jnp.asarray(_BCSR_INDPTR), m * m)),
+            _extract_samples,
+        ),
+    ),
+)
+defrule(
+    "bcsr_fromdense",
+    _bcsr_fromdense_vjp,
+    lambda needs: ((), (1, 2) if needs[0] else ()),
+    multiple_results=True,
+    table=(
+        TableEntry(
+            "bcsr_fromdense",
+            lambda m: jnp.sum(
+                jnp.sin(sparse.BCSR.fromdense(jnp.where(jnp.abs(m) > 0.5, m, 0.0), nse=7).data) * jnp.arange(7.0)
+            ),
+            lambda r: [Sample((np.array([[0.9, 0.1, -1.2], [0.0, 2.0, 0.3], [-0.7, 0.8, 0.2]]),), diff=(0,))],
+            fd=False,  # the pattern (|m| > 0.5) is constant near the sample: checked against jax.grad
+        ),
+    ),
+)
+defrule(
+    "bcsr_dot_general",
+    _bcsr_dot_general_vjp,
+    lambda needs: (tuple(k for k, n in ((1, True), (2, True), (3, needs[0]), (0, needs[3])) if n), ()),
+    table=(
+        TableEntry(
+            "bcsr_dot_general",
+            lambda d, x: jnp.tanh(_bcsr(d) @ x),
+            lambda r: [Sample((r.standard_normal(6), r.standard_normal((4, 2))), diff=(0, 1))],
+        ),
+        TableEntry(
+            "bcsr_dot_general_batched",
+            lambda d, x: jnp.sin(
+                sparse.bcsr_dot_general(_bcsr_batched(d), x, dimension_numbers=(((2,), (1,)), ((0,), (0,))))
+            ),
+            lambda r: [Sample((r.standard_normal((2, 5)), r.standard_normal((2, 4, 3))), diff=(0, 1))],
         ),
     ),
 )

@@ -57,6 +57,10 @@ def _coo(z):
     return sparse.COO((z.reshape(-1)[:5], _SPARSE_ROW, _SPARSE_COL), shape=(3, 4))
 
 
+def _bcsr(z):
+    return sparse.BCSR((z.reshape(-1)[:5], _SPARSE_COL, np.array([0, 2, 3, 5])), shape=(3, 4))
+
+
 def _csr(z):  # no padding element: jax.grad, the oracle here, misreads one
     return sparse.CSR((z.reshape(-1)[:5], _SPARSE_COL, np.array([0, 2, 3, 5])), shape=(3, 4))
 
@@ -102,6 +106,9 @@ LINEAR = {
         sparse.coo_fromdense(z, nse=12).data + sparse.COO.fromdense(z, nse=12).todense().reshape(-1)
     ),
     "csr_fromdense": lambda z: sparse.csr_fromdense(z, nse=12).data * 2,
+    "bcsr_todense": lambda z: sparse.BCSR.fromdense(z, nse=12).todense(),
+    "bcsr_dot_general": lambda z: _bcsr(z) @ z.T,
+    "bcsr_extract": lambda z: sparse.bcsr_extract(_SPARSE_COL, np.array([0, 2, 3, 5]), z * 2),
 }
 
 BINARY = {
