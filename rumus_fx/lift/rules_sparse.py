@@ -111,13 +111,20 @@ defrule(
 
 
 def _extract_vjp(r, g):
-    if not r.params["assume_unique"]:
+    return None, _todense(g, r.ins[0], r.in_avals[1].shape)
+
+
+def _extract_prepare(step) -> None:
+    """Refused when the program is lifted, before anything runs."""
+    if not step.params["assume_unique"]:
         raise AutogradError(
             "rf.lift: bcoo_extract with assume_unique=False (jax.experimental.sparse.bcoo_extract of an array whose "
             "indices may repeat) sums repeated indices into the first of them and has no rule in rf.lift "
             "(jax.grad cannot transpose it either); pass assume_unique=True or sum_duplicates() first."
         )
-    return None, _todense(g, r.ins[0], r.in_avals[1].shape)
+
+
+_extract_vjp.prepare = _extract_prepare
 
 
 def _extract_samples(r):
