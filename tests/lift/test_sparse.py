@@ -154,14 +154,14 @@ def test_padding_elements_of_fromdense_have_no_gradient(fmt):
         s = getattr(sparse, f"{fmt}_fromdense")(m, nse=7)
         return jnp.sum(jnp.sin(s.data) * weights)
 
-    def oracle(m):  # the five nonzeros in row-major order, read with jnp
-        rows, cols = np.nonzero(m)
+    rows, cols = np.nonzero(m)  # the five nonzeros, in row-major order
+
+    def oracle(m):
         return jnp.sum(jnp.sin(m[rows, cols]) * weights[:5])  # the padding: sin(0) * w, a constant
 
     with jax.enable_x64(True):
         got = rf.grad(rf.lift(f))(jnp.asarray(m))
         np.testing.assert_allclose(got, jax.grad(oracle)(jnp.asarray(m)), rtol=1e-12, atol=1e-12)
-        rows, cols = np.nonzero(m)
         want = np.zeros_like(m)
         want[rows, cols] = np.cos(m[rows, cols]) * weights[:5]
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)  # m[0, 0] = 0.9: its own weight only
