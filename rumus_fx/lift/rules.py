@@ -153,7 +153,7 @@ LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
             "bcoo_todense", "bcoo_extract", "bcoo_fromdense", "bcoo_transpose", "bcoo_dot_general",
             "bcoo_dot_general_sampled", "coo_todense", "coo_fromdense", "coo_matvec", "coo_matmat",
             "csr_todense", "csr_fromdense", "csr_matvec", "csr_matmat", "spsolve",
-            "bcsr_todense", "bcsr_extract", "bcsr_fromdense", "bcsr_dot_general",
+            "bcsr_todense", "bcsr_extract", "bcsr_fromdense", "bcsr_dot_general", "bcoo_sort_indices",
         }),
         "rumus_fx.lift.rules_sparse",
     ),

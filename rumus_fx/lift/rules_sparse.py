@@ -28,8 +28,9 @@ other BCOO primitives:
 
 BCSR's ``todense``, ``extract``, ``fromdense`` and ``dot_general``, the COO and CSR
 formats' ``todense``, ``fromdense``, ``matvec`` and ``matmat``, and ``spsolve`` are
-below (their own sections). Sparse-sparse products (``bcoo_spdot_general``),
-``bcoo_sort_indices`` and ``bcoo_sum_duplicates`` have no rule: refused by name.
+below (their own sections), and ``bcoo_sort_indices`` (its forward keeps the
+permutation). Sparse-sparse products (``bcoo_spdot_general``) and
+``bcoo_sum_duplicates`` have no rule: refused by name.
 """
 
 from __future__ import annotations
@@ -360,6 +361,80 @@ defrule(
                 sparse.bcoo_dot_general_sampled(a, b, jnp.asarray(_INDICES), dimension_numbers=(((1,), (0,)), ((), ())))
             ),
             lambda r: [Sample((r.standard_normal((3, 2)), r.standard_normal((2, 4))), diff=(0, 1))],
+        ),
+    ),
+)
+
+
+# -- bcoo_sort_indices ----------------------------------------------------------------
+# The stored elements sorted by index, their values permuted alike. Repeated indices tie,
+# and XLA leaves the order of ties to the implementation (an unstable sort): a second
+# sort in the backward could order them otherwise than the forward did and hand the
+# gradients of repeated elements to each other. So rf's forward sorts once, as jax's
+# does (the indices' columns as keys, an iota alongside), and keeps the permutation
+# (the record's ``extra``); the backward scatters the cotangent back through it.
+
+
+def _sort_one(indices: Any) -> tuple[Any, Any]:
+    """Sorted indices [nse, n_sparse] and the permutation, for one batch element."""
+    nse, n_sparse = indices.shape
+    *cols, perm = lax.sort((*(indices[:, k] for k in range(n_sparse)), lax.iota(indices.dtype, nse)), num_keys=n_sparse)
+    return jnp.stack(cols, axis=1), perm
+
+
+def _per_batch(fun: Any, n_batch: int) -> Any:
+    """``fun`` mapped over ``n_batch`` leading axes."""
+    for _ in range(n_batch):
+        fun = jax.vmap(fun)
+    return fun
+
+
+def _sort_indices_forward(step, vals):
+    data, indices = vals
+    n_batch = indices.ndim - 2
+    if indices.shape[-1] == 0:  # no sparse axes: nothing to sort
+        return step.bind(vals), None
+    if tuple(data.shape[:n_batch]) != tuple(indices.shape[:n_batch]):
+        raise AutogradError(
+            "rf.lift: bcoo_sort_indices of values broadcast along a batch axis against the indices has no rule "
+            "in rf.lift; broadcast the values first (jnp.broadcast_to)"
+        )
+    sorted_indices, perm = _per_batch(_sort_one, n_batch)(indices)
+    data_out = _per_batch(lambda d, p: d[p], n_batch)(data, perm)
+    return (data_out, sorted_indices.astype(step.out_avals[1].dtype)), perm
+
+
+def _sort_indices_vjp(r, g):
+    gd, perm = g[0], r.extra
+    if gd is None or perm is None:  # no gradient, or nothing was sorted (no sparse axes)
+        return gd, None
+    back = _per_batch(lambda x, p: jnp.zeros_like(x).at[p].set(x), len(r.in_avals[1].shape) - 2)(gd, perm)
+    return back.astype(r.in_avals[0].dtype), None
+
+
+_TIES = np.array([[2, 1], [0, 3], [2, 1], [1, 0], [2, 1], [3, 4]], np.int32)  # a triple tie and a padding row
+_TIES_BATCHED = np.array([[[2], [0], [2]], [[1], [1], [0]]], np.int32)  # a batch axis, a sparse one, a dense one
+
+
+defrule(
+    "bcoo_sort_indices",
+    _sort_indices_vjp,
+    ((), ()),
+    forward=_sort_indices_forward,
+    multiple_results=True,
+    table=(
+        TableEntry(  # each position of the sorted values weighted differently: tied values must not swap
+            "bcoo_sort_indices",
+            lambda d: jnp.sum(jnp.sin(sparse.bcoo_sort_indices(_bcoo(d, _TIES)).data) * jnp.arange(1.0, 7.0)),
+            lambda r: [Sample((r.standard_normal(6),), diff=(0,))],
+        ),
+        TableEntry(
+            "bcoo_sort_indices_batched",
+            lambda d: jnp.sum(
+                jnp.cos(sparse.bcoo_sort_indices(sparse.BCOO((d, jnp.asarray(_TIES_BATCHED)), shape=(2, 3, 2))).data)
+                * jnp.arange(12.0).reshape(2, 3, 2)
+            ),
+            lambda r: [Sample((r.standard_normal((2, 3, 2)),), diff=(0,))],
         ),
     ),
 )

@@ -266,3 +266,22 @@ def test_a_sparsified_function(jit):
     for u, v, w in zip(got, want, (by_sparse_grad[0].data, by_sparse_grad[1])):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+
+
+def test_sort_indices_gives_each_tied_value_the_gradient_of_its_own_place():
+    """Repeated indices tie in bcoo_sort_indices, and XLA may order ties either way:
+    rf's forward keeps its own permutation and the backward sends each place's
+    cotangent back through it, so every value gets the weight of the place its own
+    forward put it in (the values are distinct, so the place is read off the output)."""
+    idx = jnp.array([[2, 1], [0, 3], [2, 1], [1, 0], [2, 1], [3, 4]], jnp.int32)
+    weights = jnp.array([3.0, -1.0, 0.5, 2.0, 7.0, -4.0])
+
+    def sorted_values(d):
+        return sparse.bcoo_sort_indices(sparse.BCOO((d, idx), shape=(3, 4))).data
+
+    d = jnp.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    out = np.asarray(rf.lift(sorted_values)(d))
+    np.testing.assert_array_equal(out, sorted_values(d))  # the primitive's own order
+    place = [int(np.flatnonzero(out == v)[0]) for v in np.asarray(d)]
+    got = rf.grad(rf.lift(lambda d: jnp.sum(sorted_values(d) * weights)))(d)
+    np.testing.assert_array_equal(got, np.asarray(weights)[place])
