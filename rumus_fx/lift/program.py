@@ -46,17 +46,16 @@ def custom_function_name(params: Any) -> str:
     return params.get("name") or getattr(info, "func_name", None) or "?"
 
 
-def trace_custom_rule(thunk: Any, flags: Sequence[bool], what: str, avals: Sequence[Any] = ()) -> Any:
+def trace_custom_rule(thunk: Any, flags: Sequence[bool], what: str) -> Any:
     """Trace a custom_jvp/custom_vjp function's rule (``jvp_jaxpr_fun``,
-    ``fwd_jaxpr_thunk``) for the given flags, in the 64-bit mode of the call
-    (``avals``: its values' types; ``rumus_fx.eager.x64_as_made``). rf traces it after the lifted
+    ``fwd_jaxpr_thunk``) for the given flags (in the 64-bit mode of the call: the
+    program's, see ``Program.avals_64``). rf traces it after the lifted
     function's trace is over, so a rule that closes over a value of a
     ``jax.vmap`` (or other transformation) inside the function finds it gone
     (jax.grad, tracing both at once, accepts such a program; jax's newer custom_vjp
     refuses it): a clear error naming the function, not JAX's leaked-tracer one."""
     try:
-        with x64_as_made(avals):
-            return thunk.call_wrapped(*flags)
+        return thunk.call_wrapped(*flags)
     except jax.errors.UnexpectedTracerError as e:
         raise AutogradError(
             f"rf.lift: the {what} closes over a value of a jax.vmap (or another transformation) inside the "
@@ -181,7 +180,8 @@ class Program:
         self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
         self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
         self.out_shardings = tuple(_sharding(v) for v in jaxpr.outvars)
-        # a 64-bit value, if any: the program runs with 64-bit types on (a jax.enable_x64() block in it)
+        # a 64-bit value, if any: the program is built (its rules prepared, custom rules traced),
+        # run and differentiated with 64-bit types on (a jax.enable_x64() block in it)
         self.avals_64 = tuple(a for st in self.steps for a in st.in_avals + st.out_avals if is_64_bit(a))[:1]
         with x64_as_made(self.avals_64):
             self._mark(tracked_in)

@@ -28,7 +28,6 @@ from jax.extend import core as jcore
 
 from .. import sharding as shd
 from ..autograd.registry import BadProgram, Sample, TableEntry
-from ..eager import x64_as_made
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
@@ -429,9 +428,7 @@ def _custom_vjp_prepare(step):
     # (a symbolic_zeros=True fwd, e.g. equinox.filter_custom_vjp's, branches on it)
     perturbed = [bool(n) for n in step.needs[nc:]]
     name = custom_function_name(p)
-    fwd_jaxpr, fwd_consts = trace_custom_rule(
-        p["fwd_jaxpr_thunk"], perturbed, f"fwd of jax.custom_vjp '{name}'", step.in_avals + step.out_avals
-    )
+    fwd_jaxpr, fwd_consts = trace_custom_rule(p["fwd_jaxpr_thunk"], perturbed, f"fwd of jax.custom_vjp '{name}'")
     out_tree, res_tree, input_fwds = p["out_trees"]()
     if out_tree.num_leaves != len(step.out_avals):
         raise AutogradError(
@@ -527,8 +524,7 @@ def _custom_vjp_vjp(r, g):
             else:  # an integer or boolean output's cotangent, as jax instantiates it
                 gk = np.zeros(a.shape, jax.dtypes.float0)
         cts.append(gk)
-    with x64_as_made(r.in_avals + r.out_avals):
-        grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
+    grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
     out = [None] * nc
     for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):
         if jnp.issubdtype(getattr(gr, "dtype", np.float32), jax.dtypes.extended) and not _is_zero_ct(gr):

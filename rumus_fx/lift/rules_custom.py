@@ -165,9 +165,7 @@ def _custom_jvp_prepare(step) -> _Linear | Program:
         )
     needs = step.needs[nc:]
     in_zeros = [not nd for nd in needs] if p["symbolic_zeros"] else [False] * n
-    jaxpr, consts, out_zeros = trace_custom_rule(
-        p["jvp_jaxpr_fun"], in_zeros, f"JVP rule of jax.custom_jvp '{name}'", step.in_avals + step.out_avals
-    )
+    jaxpr, consts, out_zeros = trace_custom_rule(p["jvp_jaxpr_fun"], in_zeros, f"JVP rule of jax.custom_jvp '{name}'")
     const_refs = [closure_input(step, c, name) if isinstance(c, _Tracer) else ("value", c) for c in consts]
     nz = tuple(k for k in range(n) if not in_zeros[k])
     # the rule's inputs past its constants (jax 0.11 reads an open jaxpr's constvars as invars)
