@@ -48,7 +48,7 @@ from jax.experimental.sparse.util import SparseInfo
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from .rules import defrule
-from .rules_structural import _dot_lhs_grad
+from .rules_structural import _dot_lhs_grad, _ranges_except
 
 # -- helpers ------------------------------------------------------------------------
 
@@ -158,10 +158,13 @@ defrule(
 
 
 def _fromdense_vjp(r, g):
-    gd, _ = g
+    """The data's cotangent made dense at the output's indices (BCOO's, or BCSR's
+    read as BCOO ones): the padding's values are constant zeros, dropped there."""
+    gd = g[0]
     if gd is None:
         return (None,)
-    return (_todense(gd, r.outs[1], r.in_avals[0].shape).astype(r.in_avals[0].dtype),)
+    indices = _bcsr_as_bcoo(r.outs[1], r.outs[2]) if r.rule.name == "bcsr_fromdense" else r.outs[1]
+    return (_todense(gd, indices, r.in_avals[0].shape).astype(r.in_avals[0].dtype),)
 
 
 def _fromdense_program(m):
@@ -234,11 +237,6 @@ defrule(
 # -- bcoo_dot_general ---------------------------------------------------------------
 
 
-def _remaining(n: int, *taken: Any) -> list[int]:
-    used = {int(d) for t in taken for d in t}
-    return [d for d in range(n) if d not in used]
-
-
 def _dot_general_vjp(r, g):
     data, indices, rhs = r.ins
     g_data, g_rhs = _sparse_dot_vjp(r, r.in_avals[0], r.in_avals[2], r.needs[0], r.needs[2], data, indices, rhs, g)
@@ -250,14 +248,13 @@ def _sparse_dot_vjp(r, a_data, a_rhs, need_data, need_rhs, data, indices, rhs, g
     bcsr_dot_general's with its indices read as BCOO ones)."""
     (lc, rc), (lb, rb) = r.params["dimension_numbers"]
     spinfo = r.params["lhs_spinfo"]
-    a_idx = indices  # batch + (nse, n_sparse)
     lhs_nd, rhs_nd = len(spinfo.shape), len(a_rhs.shape)
-    lhs_kept, rhs_kept = _remaining(lhs_nd, lc, lb), _remaining(rhs_nd, rc, rb)
+    lhs_kept, rhs_kept = _ranges_except(lhs_nd, lc, lb), _ranges_except(rhs_nd, rc, rb)
     nb = len(lb)
     ans_batch = list(range(nb))
     ans_lhs = list(range(nb, nb + len(lhs_kept)))
     ans_rhs = list(range(nb + len(lhs_kept), nb + len(lhs_kept) + len(rhs_kept)))
-    n_batch = len(a_idx.shape) - 2
+    n_batch = indices.ndim - 2  # indices: batch + (nse, n_sparse)
     n_dense = len(a_data.shape) - n_batch - 1
     g_data = g_rhs = None
     if need_data:
@@ -341,8 +338,8 @@ def _sampled_vjp(r, g):
     # the product's shape: batch, a's kept axes, b's kept axes
     shape = (
         [a_aval.shape[d] for d in ab]
-        + [a_aval.shape[d] for d in _remaining(len(a_aval.shape), ac, ab)]
-        + [b_aval.shape[d] for d in _remaining(len(b_aval.shape), bc, bb)]
+        + [a_aval.shape[d] for d in _ranges_except(len(a_aval.shape), ac, ab)]
+        + [b_aval.shape[d] for d in _ranges_except(len(b_aval.shape), bc, bb)]
     )
     dense = _todense(g, indices, tuple(shape))
     ga = _dot_lhs_grad(dense, b, a_aval, dims) if r.needs[0] else None
@@ -454,12 +451,7 @@ def _bcsr_as_bcoo(indices: Any, indptr: Any) -> Any:
     indices = jnp.broadcast_to(indices, batch + indices.shape[-1:])
     indptr = jnp.broadcast_to(indptr, batch + indptr.shape[-1:])
 
-    def one(i: Any, p: Any) -> Any:
-        return jnp.stack([_csr_rows(i, p), i], axis=-1)
-
-    for _ in batch:
-        one = jax.vmap(one)
-    return one(indices, indptr)
+    return _per_batch(lambda i, p: jnp.stack([_csr_rows(i, p), i], axis=-1), len(batch))(indices, indptr)
 
 
 def _bcsr_todense_vjp(r, g):
@@ -468,14 +460,6 @@ def _bcsr_todense_vjp(r, g):
 
 def _bcsr_extract_vjp(r, g):
     return None, None, _todense(g, _bcsr_as_bcoo(r.ins[0], r.ins[1]), r.in_avals[2].shape)
-
-
-def _bcsr_fromdense_vjp(r, g):
-    gd = g[0]
-    if gd is None:
-        return (None,)
-    shape = r.in_avals[0].shape
-    return (_todense(gd, _bcsr_as_bcoo(r.outs[1], r.outs[2]), shape).astype(r.in_avals[0].dtype),)
 
 
 def _bcsr_dot_general_vjp(r, g):
@@ -533,7 +517,7 @@ defrule(
 )
 defrule(
     "bcsr_fromdense",
-    _bcsr_fromdense_vjp,
+    _fromdense_vjp,
     lambda needs: ((), (1, 2) if needs[0] else ()),
     multiple_results=True,
     table=(
@@ -590,10 +574,6 @@ def _row_col(r) -> tuple[Any, Any]:
     if r.rule.name.startswith("csr_"):
         return _csr_rows(r.ins[1], r.ins[2]), r.ins[1]
     return r.ins[1], r.ins[2]
-
-
-def _shape(r) -> tuple[int, ...]:
-    return tuple(r.params["shape"] if "shape" in r.params else r.params["spinfo"].shape)
 
 
 def _clamped(idx: Any, n: int) -> Any:
