@@ -11,7 +11,8 @@ integer outputs and pass through without a rule.
 * ``maybe_set(pred, xs, x, *i)``: ``xs.at[i].set(x)`` (with
   ``makes_false_steps``, ``xs.at[i].set(where(pred, x, xs[i]))``) into a
   buffer that equinox writes at most once per position: the gradient of ``x``
-  is the output's gradient read at ``i`` (where ``pred``, with false steps),
+  is the output's gradient read at ``i`` (where ``pred``, with false steps or
+  under a ``jax.vmap`` that batches ``pred``, also one around the gradient),
   that of ``xs`` the output's gradient whole, as equinox's own transpose gives
   it (the value at ``i`` before the write is never read, so ``jax.grad`` and rf
   agree with finite differences exactly when the buffer is used as equinox
@@ -77,8 +78,11 @@ def _maybe_set_vjp(r: Any, g: Any) -> tuple:
     if r.needs[1]:
         out[1] = ct  # write-once buffers: position i held no value that is read (equinox's own rule)
     if r.needs[2]:
+        # where(pred) with false steps; without, equinox's select_if_vmap: all of it outside
+        # vmap, where(pred) under a vmap that batches pred (one around the whole gradient
+        # too, which this trace does not see)
         ct_x = ct.at[i].get(**kwargs)
-        out[2] = jnp.where(pred, ct_x, jnp.zeros_like(ct_x)) if false_steps else ct_x
+        out[2] = _eqx_loop._select_if_vmap(pred, ct_x, jnp.zeros_like(ct_x), makes_false_steps=false_steps)
     return tuple(out)
 
 

@@ -34,6 +34,10 @@ from jax._src import test_util as jtu
 import rumus_fx as rf
 
 LOG = os.environ.get("PROBE_LOG", "probe.jsonl")
+# PROBE_TRACED=1: gradients taken inside a trace (under jax.jit, vmap, scan, ...) are
+# probed too: rf's gradient is traced beside jax's and the two are compared by a
+# jax.debug.callback when the compiled program runs (kind "traced:<transform>")
+TRACED = os.environ.get("PROBE_TRACED") == "1"
 _grad, _value_and_grad, _vjp = jax.grad, jax.value_and_grad, jax.vjp
 _busy = [0]  # > 0 while rf runs: jax.grad calls made by the probe itself are not probed
 _current = [""]
@@ -63,6 +67,10 @@ def _difference(got: Any, want: Any) -> float | str:
         return f"structure {ta} vs {tb}"
     worst = 0.0
     for x, y in zip(la, lb):
+        if not all(isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex)) for v in (x, y)):
+            if x is not y and x != y:  # an auxiliary string or object: compared as it is
+                return f"value {x!r} vs {y!r}"
+            continue
         x, y = np.asarray(x), np.asarray(y)
         if x.shape != y.shape:
             return f"shape {x.shape} vs {y.shape}"
@@ -94,9 +102,61 @@ def _compare(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
         return
     finally:
         _busy[0] -= 1
-    d = _difference(got, want)
+    try:
+        d = _difference(got, want)
+    except Exception as e:  # the probe never fails a test
+        d = f"incomparable: {e!r}"[:300]
     ok = not isinstance(d, str) and d < 1e-3
     _log(kind=kind, status="ok" if ok else "MISMATCH", where=where, err=d)
+
+
+def _compare_traced(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
+    """Like ``_compare`` for a gradient taken inside a trace: rf's side is traced
+    now, its values compared with jax's by a debug callback at run time."""
+    code = getattr(fun, "__code__", None)
+    where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if code else repr(fun)[:120]
+    kind = "traced:" + kind
+    test = _current[0]
+    _busy[0] += 1
+    try:
+        got = rf_side()
+    except Exception as e:
+        refusal = isinstance(e, (rf.AutogradError, rf.ShapeError))
+        status = type(e).__name__ if refusal else "ERROR:" + type(e).__name__
+        _log(kind=kind, status=status, where=where, err=repr(e)[:500], tb=traceback.format_exc()[-3000:])
+        return
+    finally:
+        _busy[0] -= 1
+    lg, tg = jax.tree_util.tree_flatten(got)
+    lw, tw = jax.tree_util.tree_flatten(want)
+    if tg != tw:
+        _log(kind=kind, status="MISMATCH", where=where, err=f"structure {tg} vs {tw}")
+        return
+    arrays = [i for i, (x, y) in enumerate(zip(lg, lw)) if isinstance(x, jax.Array) and isinstance(y, jax.Array)]
+    rest = [i for i in range(len(lg)) if i not in arrays]
+    d = _difference([lg[i] for i in rest], [lw[i] for i in rest])
+    if isinstance(d, str) or d >= 1e-3:
+        _log(kind=kind, status="MISMATCH", where=where, err=d)
+        return
+    static = [(lg[i].shape, lg[i].dtype) for i in arrays] == [(lw[i].shape, lw[i].dtype) for i in arrays]
+    if not static:
+        _log(kind=kind, status="MISMATCH", where=where, err="shapes or dtypes differ")
+        return
+
+    def check(*pairs: Any) -> None:
+        _current[0], saved = test, _current[0]
+        try:
+            d = _difference(list(pairs[0::2]), list(pairs[1::2]))
+        except Exception as e:
+            d = f"incomparable: {e!r}"[:300]
+        ok = not isinstance(d, str) and d < 1e-3
+        _log(kind=kind, status="ok" if ok else "MISMATCH", where=where, err=d)
+        _current[0] = saved
+
+    try:
+        jax.debug.callback(check, *[v for i in arrays for v in (lg[i], lw[i])])
+    except Exception as e:
+        _log(kind=kind, status="ERROR:probe", where=where, err=repr(e)[:300])
 
 
 def check_grads(f, args, order, modes=("fwd", "rev"), atol=None, rtol=None, eps=None) -> None:
@@ -133,6 +193,9 @@ def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
             if _probing((args, kwargs)):
                 lifted = rf_transform(rf.lift(fun), argnums=argnums, has_aux=has_aux)
                 _compare(kind, want, lambda: lifted(*args, **kwargs), fun)
+            elif TRACED and _busy[0] == 0:
+                lifted = rf_transform(rf.lift(fun), argnums=argnums, has_aux=has_aux)
+                _compare_traced(kind, want, lambda: lifted(*args, **kwargs), fun)
             return want
 
         return probed
@@ -142,13 +205,16 @@ def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
 
 def vjp(fun, *primals, has_aux=False, **kw):
     res = _vjp(fun, *primals, has_aux=has_aux, **kw)
-    if kw or not _probing(primals):
+    if kw or _busy[0] or not (TRACED or _probing(primals)):
         return res
 
     def vjp_fn(ct):
         want = res[1](ct)
-        if _probing(ct):
-            _compare("vjp", want, lambda: rf.vjp(rf.lift(fun), *primals, has_aux=has_aux)[1](ct), fun)
+        side = lambda: rf.vjp(rf.lift(fun), *primals, has_aux=has_aux)[1](ct)  # noqa: E731
+        if _probing((primals, ct)):
+            _compare("vjp", want, side, fun)
+        elif TRACED and _busy[0] == 0:
+            _compare_traced("vjp", want, side, fun)
         return want
 
     return (res[0], vjp_fn, *res[2:])
