@@ -6,6 +6,7 @@ a gradient taken under ``jax.jit`` (not probed: its values are traced)."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -69,3 +70,73 @@ def test_probe_logs_each_gradient_and_summarizes(tmp_path):
         [sys.executable, str(TOOL / "summarize.py"), str(out / "fake_test.jsonl")], capture_output=True, text=True
     )
     assert summary.returncode == 0 and summary.stdout.count("\n") == 3, summary.stdout
+
+
+TRACED_TEST = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, mlir
+
+    import rumus_fx as rf
+
+    # a primitive whose rf rule is wrong on purpose (3x where its JVP says 2x)
+    twice = Primitive("twice_probe_test")
+    twice.def_impl(lambda x: 2 * x)
+    twice.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(twice, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
+    ad.defjvp(twice, lambda t, x: 2 * t)
+    rf.defrule(twice, lambda r, g: (3 * g,), saves=((), ()))
+
+
+    def test_under_jit():
+        jax.jit(jax.grad(lambda x: jnp.sum(x ** 2)))(jnp.ones(2))
+
+
+    def test_vmap_and_scan():
+        jax.vmap(jax.grad(lambda x: jnp.sin(x) * x))(jnp.arange(2.0))
+        lax.scan(lambda c, x: (c + jax.grad(lambda y: y ** 3)(x), None), 0.0, jnp.arange(3.0))
+
+
+    def test_vjp_under_jit():
+        @jax.jit
+        def f(x):
+            y, pull = jax.vjp(jnp.tanh, x)
+            return pull(jnp.ones_like(y))
+
+        f(jnp.ones(3))
+
+
+    def test_wrong_rule_under_jit():
+        jax.jit(jax.grad(lambda x: jnp.sum(twice.bind(x))))(jnp.ones(2))
+    """
+)
+
+
+def test_probe_compares_gradients_taken_inside_traces(tmp_path):
+    """PROBE_TRACED=1: a gradient taken under jax.jit, vmap or scan is traced on
+    the tape beside jax's and compared when the program runs, once per example
+    under vmap and once per iteration in a loop; a wrong rule shows as MISMATCH."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "traced_test.py").write_text(TRACED_TEST)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(TOOL / "run.sh"), str(tests), str(out), "traced_test.py"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PROBE_TRACED": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "traced_test.jsonl").read_text().splitlines()]
+    by_test = {}
+    for r in rows:
+        by_test.setdefault(r["test"].rsplit("::", 1)[-1], []).append((r["kind"], r["status"]))
+    assert by_test.pop("test_under_jit") == [("traced:grad", "ok")], rows
+    assert by_test.pop("test_vmap_and_scan") == [("traced:grad", "ok")] * 5, rows
+    assert by_test.pop("test_vjp_under_jit") == [("traced:vjp", "ok")], rows
+    assert by_test.pop("test_wrong_rule_under_jit") == [("traced:grad", "MISMATCH")], rows
+    assert not by_test, by_test

@@ -250,6 +250,19 @@ class Program:
             )
         self.var_refs.update(env)
 
+    # Note [Tracked outputs]
+    # ~~~~~~~~~~~~~~~~~~~~~~~
+    # A step with a tracked input tracks every floating-point output, except where
+    # its rule says which outputs depend on a tracked input (``vjp.out_tracked(step)``,
+    # run after ``prepare``): control flow, whose bodies are programs of their own. A
+    # ``cond`` output is tracked if some branch makes it so; a ``scan``'s carry if its
+    # initial value is or the body makes it so, its stacked outputs as the body's; a
+    # ``while_loop``'s carries as its body's fixed point (so one whose float carries
+    # do not depend on the tracked value, which only decides the trip count, is
+    # differentiated as jax.grad does; its rule refuses only a gradient that reaches
+    # it). An untracked output gets no gradient, and what reads only untracked values
+    # is not recorded: a non-differentiable rule there (a JVP rule that raises) is
+    # never traced, as jax.grad never traces it for a value that carries no tangent.
     def _mark(self, tracked_in: Sequence[bool]) -> None:
         tracked = self.tracked = [False] * self.nslots
         for s, t in zip(self.in_slots, tracked_in):
@@ -275,17 +288,23 @@ class Program:
             step.rule = rule
             step.needs = needs
             prepare = None if step.refusal else getattr(rule.vjp, "prepare", None)
-            if prepare is not None:  # control flow: nested programs for the bodies
+            # which outputs depend on a tracked input (Note [Tracked outputs]); None: every float one
+            out_tracked = None if step.refusal else getattr(rule.vjp, "out_tracked", None)
+            outs_tracked = None
+            if prepare is not None or out_tracked is not None:  # control flow: nested programs for the bodies
                 token = ENCLOSING.set((self, step))
                 try:
-                    step.sub = prepare(step)
+                    if prepare is not None:
+                        step.sub = prepare(step)
+                    if out_tracked is not None:
+                        outs_tracked = out_tracked(step)
                 finally:
                     ENCLOSING.reset(token)
             si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
             step.saved_in = tuple(si)
             step.saved_out = tuple(range(len(step.outs))) if so is None else tuple(so)  # None: every output
             for k, s in enumerate(step.outs):
-                tracked[s] = is_float(step.out_avals[k])
+                tracked[s] = is_float(step.out_avals[k]) and (outs_tracked is None or bool(outs_tracked[k]))
         self.tracked = tracked
         self.tracked_steps = [i for i, st in enumerate(self.steps) if st.rule is not None]
         self.out_tracked = [isinstance(r, int) and tracked[r] for r in self.out_refs]

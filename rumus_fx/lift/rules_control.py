@@ -217,7 +217,17 @@ def _scan_program(w, x):
     return jnp.sum(ys) + h
 
 
+def _scan_out_tracked(step):
+    """The carries tracked at the body's fixed point (their initial values or the body
+    make them so), the stacked outputs as the body's (Note [Tracked outputs] in program.py)."""
+    prog = step.sub
+    nc, nk = scan_counts(step.params)
+    carry = [bool(prog.tracked[s]) for s in prog.in_slots[nc : nc + nk]]
+    return carry + list(prog.out_tracked[nk:])
+
+
 _scan_vjp.prepare = _scan_prepare
+_scan_vjp.out_tracked = _scan_out_tracked
 defrule(
     "scan",
     _scan_vjp,
@@ -297,7 +307,13 @@ def _cond_samples(r):
     ]
 
 
+def _cond_out_tracked(step):
+    """An output is tracked if some branch makes it so (Note [Tracked outputs] in program.py)."""
+    return [any(prog.out_tracked[k] for prog in step.sub) for k in range(len(step.outs))]
+
+
 _cond_vjp.prepare = _cond_prepare
+_cond_vjp.out_tracked = _cond_out_tracked
 defrule(
     "cond",
     _cond_vjp,
@@ -322,6 +338,31 @@ def _while_vjp(r, g):
         "known at run time), in rf as in jax.grad. Use lax.scan or lax.fori_loop with static "
         "bounds (rf.lax.scan / rf.lax.fori_loop), which record their body once."
     )
+
+
+def _while_out_tracked(step):
+    """The carries tracked at the body's fixed point (Note [Tracked outputs] in
+    program.py): a value read only by the loop's condition decides the trip count
+    and makes no carry tracked. None (every float carry tracked, as before this
+    analysis) where the body cannot be marked: then a gradient reaching the loop is
+    refused by ``_while_vjp`` as always."""
+    p = step.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    consts = [bool(n) for n in step.needs[nc : nc + nb]]
+    carry = [bool(n) for n in step.needs[nc + nb :]]
+    try:
+        for _ in range(len(carry) + 1):
+            prog = _program(p["body_jaxpr"], consts + carry, "while body")
+            new = [a or b for a, b in zip(carry, prog.out_tracked)]
+            if new == carry:
+                return carry
+            carry = new
+    except Exception:  # e.g. a primitive without a rule on a tracked path in the body
+        return None
+    return None  # pragma: no cover - the fixed point is reached within len(carry) + 1 rounds
+
+
+_while_vjp.out_tracked = _while_out_tracked
 
 
 def _while_errors():

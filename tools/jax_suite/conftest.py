@@ -1,11 +1,17 @@
-"""Run jax's own test files with every gradient they take also taken on rf's tape.
+"""Run jax's (or a library's) test files with every gradient they take also taken on rf's tape.
 
-Copied into a checkout of jax's ``tests/`` directory (``run.sh`` does it), this
-conftest patches ``jax.grad``, ``jax.value_and_grad``, ``jax.vjp`` and
-``jtu.check_grads`` so that each call on concrete values (outside any jax trace)
-also runs ``rf.grad``/``rf.value_and_grad``/``rf.vjp`` of ``rf.lift`` of the same
-function, compares the two, and appends one JSON line per comparison to
-``$PROBE_LOG``. jax's tests keep their own verdicts; the probe never fails one.
+Loaded as a pytest plugin (``run.sh`` copies it as ``_rf_probe.py`` and runs
+``pytest -p _rf_probe``), it patches ``jax.grad``, ``jax.value_and_grad``,
+``jax.vjp`` and ``jtu.check_grads`` so that each call on concrete values (outside
+any jax trace) also runs ``rf.grad``/``rf.value_and_grad``/``rf.vjp`` of
+``rf.lift`` of the same function, compares the two, and appends one JSON line per
+comparison to ``$PROBE_LOG``. With ``PROBE_TRACED=1``, a call inside a trace
+(under ``jax.jit``, ``vmap``, ``scan``, a library's loop) is probed too: rf's side
+is traced beside jax's and a ``jax.debug.callback`` compares the values each time
+the program runs (kind ``traced:...``; once per example under vmap, once per
+iteration in a loop, and also in the branch of a batched ``cond`` whose result is
+discarded). The tests keep their own verdicts; the probe never fails one, though
+tests that count traces or inspect jaxprs see rf's extra work.
 
 Statuses: ``ok`` (every leaf within 1e-3 of its scale), ``MISMATCH`` (values,
 shapes, dtypes or the finite pattern differ: read these first), a refusal rf

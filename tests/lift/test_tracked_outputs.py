@@ -1,0 +1,107 @@
+"""Which outputs of a control-flow step depend on a tracked input (Note [Tracked
+outputs] in ``rumus_fx/lift/program.py``): a ``cond`` output if some branch makes it
+so, a ``scan`` or ``while_loop`` carry at its body's fixed point.
+
+Before, every float output of a step with a tracked input was tracked. Two programs
+``jax.grad`` differentiates were refused: a ``while_loop`` whose condition alone reads
+the differentiated value (it decides the trip count; no float carry depends on it),
+and a value that never depends on the input passing through a ``cond`` in a ``scan``
+into a rule that refuses a tangent (equinox's ``nondifferentiable``, found by running
+equinox's ``test_while_loop.py`` through ``tools/jax_suite``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import rumus_fx as rf
+from rumus_fx.testing import check_fd
+
+
+@jax.custom_jvp
+def _no_tangent(v):
+    return v
+
+
+@_no_tangent.defjvp
+def _no_tangent_jvp(primals, tangents):
+    raise RuntimeError("a tangent reached _no_tangent")
+
+
+def _trip_count_from_x(x, w):
+    """The condition alone reads x: y doubles until it passes x; w scales outside."""
+    n, y = lax.while_loop(lambda c: jnp.sum(c[1]) < jnp.sum(x), lambda c: (c[0] + 1, c[1] * 2.0), (0, jnp.ones_like(x)))
+    return jnp.sum(y * w + x * n.astype(x.dtype) + jnp.sin(x) * w)
+
+
+def _untracked_carry_through_cond(x, w):
+    """z never depends on x or w; the cond's branches pass it to _no_tangent."""
+
+    def body(c, _):
+        a, z = c
+        a, z = lax.cond(z > 0, lambda a, z: (jnp.tanh(a * w) + _no_tangent(z), z + 1.0), lambda a, z: (a, z), a, z)
+        return (a, z), None
+
+    (a, z), _ = lax.scan(body, (x, jnp.ones((), x.dtype)), None, length=3)
+    return jnp.sum(a) + z
+
+
+def _one_branch_tracks(x, w):
+    """The second output is tracked in one branch only (the other returns a constant)."""
+    a, b = lax.cond(jnp.sum(x) > 0, lambda x, w: (x * 2.0, jnp.sin(x) * w), lambda x, w: (x, jnp.ones_like(x)), x, w)
+    return jnp.sum(a * b)
+
+
+FUNCTIONS = [_trip_count_from_x, _untracked_carry_through_cond, _one_branch_tracks]
+
+
+def _args(f):
+    x = np.array([0.7, 1.9, 3.1]) if f is _trip_count_from_x else np.array([0.3, -0.6, 0.5])
+    return x, np.array([1.3, -0.4, 0.9])
+
+
+@pytest.mark.parametrize("f", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_matches_jax_grad_each_argument_alone(f, argnums, jit):
+    with jax.enable_x64(True):
+        args = _args(f)
+        want = jax.grad(f, argnums=argnums)(*args)
+        g = rf.grad(rf.lift(f), argnums=argnums)
+        got = (jax.jit(g) if jit else g)(*args)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12), got, want)
+
+
+@pytest.mark.parametrize("f", FUNCTIONS, ids=lambda f: f.__name__)
+def test_finite_differences(f):
+    # the trip count is constant near these points, so the function is smooth there
+    check_fd(rf.lift(f), _args(f), argnums=(0, 1))
+
+
+def test_negative_argument_also_takes_the_first_branch_gradient():
+    """The cond's other branch (sum(x) <= 0): its second output is a constant."""
+    x, w = -np.abs(_args(_one_branch_tracks)[0]), np.array([1.3, -0.4, 0.9])
+    with jax.enable_x64(True):
+        want = jax.grad(_one_branch_tracks, argnums=(0, 1))(x, w)
+        got = rf.grad(rf.lift(_one_branch_tracks), argnums=(0, 1))(x, w)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12), got, want)
+
+
+def test_a_while_loop_whose_carry_depends_on_the_value_is_still_refused():
+    def f(x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * x), (0, 1.0))[1]
+
+    with pytest.raises(rf.AutogradError, match="while_loop"):
+        rf.grad(rf.lift(f))(2.0)
+
+
+def test_a_tangent_reaching_the_refusing_rule_still_raises():
+    def f(x):
+        return lax.cond(x > 0, lambda v: _no_tangent(v * 2.0), lambda v: v, x)
+
+    with pytest.raises(RuntimeError, match="a tangent reached"):
+        rf.grad(rf.lift(f))(1.0)
