@@ -267,7 +267,21 @@ def _custom_jvp_vjp(r, g):
     return tuple(out)
 
 
+def _custom_jvp_out_tracked(step) -> list[bool]:
+    """The outputs whose tangent the rule returns and makes depend on a tracked
+    tangent (Note [Tracked outputs] in program.py): one with a symbolic zero
+    tangent, or a tangent from untracked ones, is untracked, as under jax.grad."""
+    lin = step.sub
+    if isinstance(lin, Program):
+        return list(lin.out_tracked)
+    tracked = [False] * len(step.outs)
+    for j, k in enumerate(lin.out_nz):
+        tracked[k] = bool(lin.program.out_tracked[lin.n_out + j])
+    return tracked
+
+
 _custom_jvp_vjp.prepare = _custom_jvp_prepare
+_custom_jvp_vjp.out_tracked = _custom_jvp_out_tracked
 
 
 def _custom_jvp_forward(step, vals):

@@ -1,13 +1,15 @@
 """Which outputs of a control-flow step depend on a tracked input (Note [Tracked
 outputs] in ``rumus_fx/lift/program.py``): a ``cond`` output if some branch makes it
-so, a ``scan`` or ``while_loop`` carry at its body's fixed point.
+so, a ``scan`` or ``while_loop`` carry at its body's fixed point, a ``custom_jvp``
+output if its rule's tangent depends on a tracked input's tangent.
 
 Before, every float output of a step with a tracked input was tracked. Two programs
 ``jax.grad`` differentiates were refused: a ``while_loop`` whose condition alone reads
 the differentiated value (it decides the trip count; no float carry depends on it),
 and a value that never depends on the input passing through a ``cond`` in a ``scan``
 into a rule that refuses a tangent (equinox's ``nondifferentiable``, found by running
-equinox's ``test_while_loop.py`` through ``tools/jax_suite``).
+equinox's ``test_while_loop.py`` through ``tools/jax_suite``), and the same after a
+``custom_jvp`` output whose rule gives it a tangent that does not depend on the input's.
 """
 
 from __future__ import annotations
@@ -56,7 +58,29 @@ def _one_branch_tracks(x, w):
     return jnp.sum(a * b)
 
 
-FUNCTIONS = [_trip_count_from_x, _untracked_carry_through_cond, _one_branch_tracks]
+@jax.custom_jvp
+def _sin_and_floor(x):
+    return jnp.sin(x), jnp.floor(x)
+
+
+@_sin_and_floor.defjvp
+def _sin_and_floor_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _sin_and_floor(x), (jnp.cos(x) * t, jnp.zeros_like(x))  # the floor's tangent: no tangent's
+
+
+def _custom_rule_with_a_constant_tangent(x, w):
+    """A custom_jvp output whose rule's tangent does not depend on the input's, read by _no_tangent."""
+    a, b = _sin_and_floor(x * w)
+    return jnp.sum(a * w + _no_tangent(b))
+
+
+FUNCTIONS = [
+    _trip_count_from_x,
+    _untracked_carry_through_cond,
+    _one_branch_tracks,
+    _custom_rule_with_a_constant_tangent,
+]
 
 
 def _args(f):
