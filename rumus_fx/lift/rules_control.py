@@ -429,6 +429,7 @@ def _remat_vjp(r, g):
 
 
 _remat_vjp.prepare = _remat_prepare
+_remat_vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
 defrule(
     "remat2",
     _remat_vjp,

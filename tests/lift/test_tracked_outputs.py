@@ -75,7 +75,14 @@ def _custom_rule_with_a_constant_tangent(x, w):
     return jnp.sum(a * w + _no_tangent(b))
 
 
+def _checkpoint_passing_an_untracked_value(x, w):
+    """A jax.checkpoint output that does not depend on the inputs, read by _no_tangent."""
+    a, z = jax.checkpoint(lambda a, z: (jnp.sin(a) * w, z + 1.0))(x, jnp.ones((), x.dtype))
+    return jnp.sum(a) + _no_tangent(z)
+
+
 FUNCTIONS = [
+    _checkpoint_passing_an_untracked_value,
     _trip_count_from_x,
     _untracked_carry_through_cond,
     _one_branch_tracks,
@@ -129,3 +136,36 @@ def test_a_tangent_reaching_the_refusing_rule_still_raises():
 
     with pytest.raises(RuntimeError, match="a tangent reached"):
         rf.grad(rf.lift(f))(1.0)
+
+
+@pytest.mark.parametrize(
+    "argnums", [(0, 1), pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow)]
+)
+def test_diffrax_sde_with_the_direct_adjoint(argnums):
+    """diffrax's DirectAdjoint runs equinox's bounded while loop (scans of
+    checkpoints and conds); the time carried through it never depends on the
+    inputs and reaches the Brownian tree's ``nondifferentiable`` check (with more
+    than 16 steps allowed, the loop nests checkpoints). Found by
+    diffrax's ``test_adjoint.py::test_sde_against`` through ``tools/jax_suite``."""
+    import diffrax
+    import lineax
+
+    def drift(t, y, args):
+        return -args[0] * y
+
+    def diffusion(t, y, args):
+        return lineax.DiagonalLinearOperator(args[1] * y)
+
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, 1e-3, (2,), key=jax.random.PRNGKey(0))
+    terms = diffrax.MultiTerm(diffrax.ODETerm(drift), diffrax.ControlTerm(diffusion, bm))
+
+    def run(y0, args):
+        sol = diffrax.diffeqsolve(
+            terms, diffrax.Heun(), 0.0, 1.0, 0.1, y0, args, adjoint=diffrax.DirectAdjoint(), max_steps=32
+        )
+        return jnp.sum(sol.ys)
+
+    y0, args = jnp.array([1.0, 2.0]), (jnp.array(0.5), jnp.array(0.1))
+    want = jax.grad(run, argnums=argnums)(y0, args)
+    got = rf.grad(rf.lift(run), argnums=argnums)(y0, args)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
