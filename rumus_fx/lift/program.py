@@ -260,11 +260,12 @@ class Program:
     # ``while_loop``'s carries as its body's fixed point (so one whose float carries
     # do not depend on the tracked value, which only decides the trip count, is
     # differentiated as jax.grad does; its rule refuses only a gradient that reaches
-    # it); a ``jax.checkpoint``'s as its body's; a ``custom_jvp`` output if its rule's tangent depends on a tracked input's
-    # tangent (not a symbolic zero, not a value computed from the primals alone). An
-    # untracked output gets no gradient, and what reads only untracked values
-    # is not recorded: a non-differentiable rule there (a JVP rule that raises) is
-    # never traced, as jax.grad never traces it for a value that carries no tangent.
+    # it); a ``jax.checkpoint``'s as its body's; a ``custom_jvp`` output if its
+    # rule's tangent depends on a tracked input's tangent (not a symbolic zero, not a
+    # value computed from the primals alone). An untracked output gets no gradient,
+    # and what reads only untracked values is not recorded: a non-differentiable rule
+    # there (a JVP rule that raises) is never traced, as jax.grad never traces it for
+    # a value that carries no tangent.
     def _mark(self, tracked_in: Sequence[bool]) -> None:
         tracked = self.tracked = [False] * self.nslots
         for s, t in zip(self.in_slots, tracked_in):
