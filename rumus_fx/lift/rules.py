@@ -147,6 +147,7 @@ LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
         frozenset({"maybe_set", "select_if_vmap", "nondifferentiable_backward", "vprim"}),
         "rumus_fx.lift.rules_equinox",
     ),
+    ("lineax", frozenset({"linear_solve"}), "rumus_fx.lift.rules_lineax"),
     (  # jax's own, but importing it imports scipy.sparse: half a second on every import of rf
         "jax.experimental.sparse",
         frozenset({

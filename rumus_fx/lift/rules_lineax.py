@@ -1,0 +1,153 @@
+"""The rule for lineax's ``linear_solve`` primitive, so ``lineax.linear_solve`` and
+what is built on it (optimistix's root finds and their implicit gradients,
+diffrax's events and implicit solvers) differentiate on the tape.
+
+Declared with the public ``rf.defrule`` for lineax's own ``Primitive`` object and
+imported the first time a program holds it (``LIBRARY_RULES`` in
+``lift/rules.py``), so ``import rumus_fx`` never imports lineax.
+
+``linear_solve(operator, state, vector, options, solver, throw)`` returns
+``x = A^+ b`` (with the solve's result code and statistics, which carry no
+gradient). lineax stops the gradient of ``state`` (the solver's factorisation)
+and refuses one for ``options`` and ``solver``, so only the operator's arrays and
+the vector's take one:
+
+* ``vector``: ``A^{-T} g``, one more solve with the transposed operator and the
+  solver's transposed state (lineax's own transpose rule);
+* the operator's arrays: ``-(d/dA [A x])^T (A^{-T} g)``, the reverse of the
+  operator's ``mv`` at the solution, taken on the tape (the operator's ``mv`` is
+  traced into a program of its arrays and run backward by rf's rules). This is
+  the derivative of ``A^{-1} b`` for a square operator the solver assumes full
+  rank (LU, QR, Cholesky, CG, ...); for a least-squares or rank-deficient solve
+  (``SVD``, a non-square operator, ``assume_full_rank() == False``) the
+  pseudo-inverse has more terms, and a gradient for the operator there is refused
+  by name (the vector's is still taken).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import lineax as lx
+import numpy as np
+from equinox.internal._primitive import _missing_dynamic
+from lineax._solve import linear_solve_p
+
+from ..autograd.registry import Sample, TableEntry
+from ..errors import AutogradError
+from ..ops._declare import normal
+from .jax_versions import closed
+from .library import defrule
+from .program import Program
+
+_ARGS = ("operator", "state", "vector", "options", "solver", "throw")
+
+
+def _arguments(r: Any) -> tuple[list[Any], list[int]]:
+    """The call's six arguments rebuilt from the saved inputs, and for each input
+    of the equation the argument (index into ``_ARGS``) it is a leaf of."""
+    p = r.params
+    treedef, static = p["treedef"], p["static"]
+    ins = iter(r.ins)
+    flat = [next(ins) if s is _missing_dynamic else s for s in static]
+    args = list(jtu.tree_unflatten(treedef, flat))
+    owner, at = [], 0
+    for k, child in enumerate(treedef.children()):
+        n = child.num_leaves
+        owner += [k for s in static[at : at + n] if s is _missing_dynamic]
+        at += n
+    return args, owner
+
+
+def _operator_gradient(operator: Any, x: Any, ct_b: Any) -> list[Any]:
+    """``-(d/dA [A x])^T ct_b`` for the operator's arrays, in their order: the
+    operator's ``mv`` at ``x`` traced as a program of those arrays and run
+    backward on the tape."""
+    dynamic, static = eqx.partition(operator, eqx.is_array)
+    leaves, tree = jtu.tree_flatten(dynamic)
+
+    def mv(*arrays: Any) -> list[Any]:
+        op = eqx.combine(jtu.tree_unflatten(tree, list(arrays)), static)
+        return jtu.tree_leaves(op.mv(x))
+
+    prog = Program(closed(jax.make_jaxpr(mv)(*leaves)), [True] * len(leaves), "the lineax operator's mv")
+    _, residuals = prog.run(list(leaves))
+    grads = prog.backward(residuals, [-c for c in jtu.tree_leaves(ct_b)])
+    return [jnp.zeros_like(a) if gr is None else gr for gr, a in zip(grads, leaves)]
+
+
+def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
+    args, owner = _arguments(r)
+    operator, state, _, options, solver, _ = args
+    needs_op = any(n for n, k in zip(r.needs, owner) if k == 0)
+    needs_b = any(n for n, k in zip(r.needs, owner) if k == 2)
+    out: list[Any] = [None] * len(r.ins)
+    if not (needs_op or needs_b):
+        return tuple(out)
+    leaves, tree = jtu.tree_flatten(operator.in_structure())
+    ct_x = jtu.tree_unflatten(tree, list(g[: len(leaves)]))  # the solution comes first among the outputs
+    state_t, options_t = solver.transpose(state, options)
+    ct_b, _, _ = eqx.internal.filter_primitive_bind(
+        linear_solve_p, operator.transpose(), state_t, ct_x, options_t, solver, True
+    )
+    if needs_b:
+        it = iter(jtu.tree_leaves(ct_b))
+        for j, k in enumerate(owner):
+            if k == 2:
+                gb = next(it)
+                out[j] = gb if r.needs[j] else None
+    if needs_op:
+        if not (solver.assume_full_rank() and operator.in_size() == operator.out_size()):
+            raise AutogradError(
+                f"rf.lift: lineax.linear_solve with the solver {type(solver).__name__}: the gradient of the "
+                "operator is taken for a square operator the solver assumes full rank (LU, QR, Cholesky, CG, ...); "
+                "for a least-squares or rank-deficient solve the pseudo-inverse's derivative has more terms, "
+                "which rf does not write. Differentiate the vector only, or use such a solver."
+            )
+        x = jtu.tree_unflatten(tree, list(r.outs[: len(leaves)]))
+        it = iter(_operator_gradient(operator, x, ct_b))
+        for j, k in enumerate(owner):
+            if k == 0:
+                ga = next(it)
+                out[j] = ga if r.needs[j] else None
+    return tuple(out)
+
+
+def _solve(solver: Any, make: Any) -> Any:
+    def f(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.sin(lx.linear_solve(make(a), b, solver=solver).value))
+
+    return f
+
+
+def _square(rng: np.random.Generator) -> list[Sample]:
+    a = normal(rng, 3, 3) + 3.0 * np.eye(3)
+    return [Sample((a, normal(rng, 3)), diff=(0, 1))]
+
+
+def _function_operator(a: jax.Array) -> Any:
+    """A matrix-free operator: ``v -> a @ v + 0.5 * tanh(a) @ v`` as a function of ``a``."""
+    return lx.FunctionLinearOperator(lambda v: a @ v + 0.5 * jnp.tanh(a) @ v, jax.ShapeDtypeStruct((3,), a.dtype))
+
+
+defrule(
+    linear_solve_p,
+    _linear_solve_vjp,
+    doc="Backward record of lineax's ``linear_solve`` primitive.",
+    table=(
+        TableEntry("lineax_lu", _solve(lx.LU(), lx.MatrixLinearOperator), _square, vmap=True),
+        TableEntry("lineax_qr", _solve(lx.QR(), lx.MatrixLinearOperator), _square),
+        TableEntry(
+            "lineax_cholesky",
+            # symmetric by construction: Cholesky reads one triangle, so a perturbation of a
+            # symmetric matrix that is not symmetric would not be what finite differences see
+            _solve(lx.Cholesky(), lambda a: lx.MatrixLinearOperator(a @ a.T, lx.positive_semidefinite_tag)),
+            _square,
+        ),
+        TableEntry("lineax_function_operator", _solve(lx.LU(), _function_operator), _square),
+    ),
+)
