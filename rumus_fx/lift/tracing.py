@@ -287,8 +287,8 @@ def _describe_aval(a: Any) -> str:
 def _raise_shape_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
     """JAX's own shape errors, raised while tracing, as rf.ShapeError naming the
     function and the shapes (nothing is recorded then)."""
-    if isinstance(e, (ShapeError, jax.errors.ConcretizationTypeError)) or "shape" not in str(e).lower():
-        return  # (a concretization error is about values, not shapes)
+    if isinstance(e, (ShapeError, *_concrete.CONCRETIZATION_ERRORS)) or "shape" not in str(e).lower():
+        return  # (a concretization error, such as an index read from a traced value, is about values)
     shapes = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals)
     cls = ShapeTypeError if isinstance(e, TypeError) else ShapeError
     raise cls(f"{name}: operands of shapes {shapes}: {e}") from e

@@ -64,6 +64,21 @@ def test_trip_count_and_item_index_from_values(x64, n):
     _check(looped, (jnp.asarray(-X * 3.0), jnp.asarray(n)), [0])
 
 
+_BRANCHES = [lambda x, y: jnp.sum(jnp.sin(x) * y), lambda x, y: jnp.sum(x**2 * y), lambda x, y: jnp.sum(x * y**3)]
+
+
+def indexed(x, y):
+    """A list indexed by a traced integer (its ``__index__``), as jax's
+    lax_control_flow_test ``f_ref`` writes a switch."""
+    return _BRANCHES[jnp.argmax(y)](x, y)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_list_indexed_by_a_value(x64, k):
+    y = np.roll(Y, k - 1)  # the largest element at position k
+    _check(indexed, (jnp.asarray(X), jnp.asarray(y)), [0, 1, (0, 1)])
+
+
 def test_python_while_on_a_value(x64):
     for scale in (0.5, 3.0, 40.0):  # zero, two and six halvings
         _check(halving, (jnp.asarray(X * scale),), [0])
@@ -190,6 +205,14 @@ def test_under_a_transformation_the_error_is_jaxs(transform):
         wrap(jax.grad(f))(arg)
     with pytest.raises(jax.errors.TracerBoolConversionError):
         wrap(rf.grad(rf.lift(f)))(arg)
+
+
+def test_a_list_indexed_by_a_value_under_jit_raises_jaxs_error():
+    args = (jnp.asarray(X), jnp.asarray(Y))
+    with pytest.raises(jax.errors.TracerIntegerConversionError):
+        jax.jit(jax.grad(indexed))(*args)
+    with pytest.raises(jax.errors.TracerIntegerConversionError):
+        jax.jit(rf.grad(rf.lift(indexed)))(*args)
 
 
 def test_float_of_a_tracked_value_is_refused_as_by_jax_grad():
