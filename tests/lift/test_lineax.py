@@ -119,3 +119,25 @@ def test_diffrax_event_time_gradient():
         got = rf.grad(rf.lift(event_time))(y0)
         np.testing.assert_allclose(got, jax.grad(event_time)(y0), rtol=1e-8)
         np.testing.assert_allclose(got, [0.5], rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["batched_operator", "shared_operator"])
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
+def test_linear_solve_vmapped_inside_the_function(shared, argnums):
+    """Under a jax.vmap inside the lifted function the solve is equinox's batched
+    primitive (``vprim``): the rule runs per example, a shared operator's gradient
+    summed over the batch."""
+
+    def f(a, b):
+        solve = lambda a, b: lx.linear_solve(lx.MatrixLinearOperator(a), b).value  # noqa: E731
+        x = jax.vmap(solve, in_axes=(None if shared else 0, 0))(a, b)
+        return jnp.sum(jnp.sin(x))
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((3, 3)) + 3.0 * np.eye(3)
+    a = a if shared else np.stack([a, a.T, 2.0 * a])
+    b = rng.standard_normal((3, 3))
+    with jax.enable_x64(True):
+        want = jax.grad(f, argnums=argnums)(a, b)
+        got = rf.grad(rf.lift(f), argnums=argnums)(a, b)
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12), got, want)
