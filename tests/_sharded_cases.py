@@ -1036,6 +1036,36 @@ def _lift_errors(mesh: Any) -> list[str]:
             close(g, want, 1e-5, "errors/lift: the fix")
             if not g.sharding.is_equivalent_to(x.sharding, 2):
                 fails.append(f"errors/lift: reshard gradient sharding {g.sharding}")
+    fails += _reduced_axes_refused(mesh)
+    return fails
+
+
+def _reduced_axes_refused(mesh: Any) -> list[str]:
+    """A value with reduced mesh axes (PartitionSpec(reduced=...), jax's explicit
+    sharding sums) is refused by name when the gradient reads it: rf's rules do
+    not follow them (they failed inside rf with jax's "Using *pspec is dangerous";
+    jax's pjit_test.py through tools/jax_suite)."""
+    if mesh.axis_types[0] != AxisType.Explicit:
+        return []
+    fails = []
+    axis = mesh.axis_names[0]
+    w = jax.device_put(f32(4, 2), NamedSharding(mesh, P(reduced={axis})))
+    v = jax.device_put(f32(2, 8), NamedSharding(mesh, P(None, axis)))
+
+    def f(a, b):
+        return jnp.sum(jnp.sin(a) @ jnp.sin(b))
+
+    with jax.set_mesh(mesh):
+        try:
+            jax.jit(rf.grad(rf.lift(f), argnums=(0, 1)))(w, v)
+        except rf.AutogradError as e:
+            for part in ("reduced or unreduced", "rf.lift"):
+                if part not in str(e):
+                    fails.append(f"errors/reduced: {part!r} missing from: {e}")
+        except Exception as e:
+            fails.append(f"errors/reduced: {type(e).__name__}: {e}")
+        else:
+            fails.append("errors/reduced: no error raised")
     return fails
 
 

@@ -158,6 +158,12 @@ def _sharding(v: Any) -> Any:
     return shd.explicit(getattr(v.aval, "sharding", None))
 
 
+def _reduced(sharding: Any) -> bool:
+    """A sharding whose spec has reduced or unreduced mesh axes."""
+    spec = getattr(sharding, "spec", None)
+    return bool(getattr(spec, "reduced", None) or getattr(spec, "unreduced", None))
+
+
 class Program:
     """A jaxpr flattened into steps, with which slots are tracked."""
 
@@ -285,6 +291,13 @@ class Program:
                     "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
                     "Write the computation with primitives rf.lift supports, wrap it in "
                     "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
+                )
+            if any(_reduced(sh) for sh in (*step.in_shardings, *step.out_shardings)):
+                where = f", emitted {step.where}" if step.where else ""
+                raise AutogradError(
+                    f"rf.lift: '{name}' (in {self.name}{where}) reads or makes a value with reduced or unreduced "
+                    "mesh axes (a PartitionSpec with reduced=/unreduced=, jax's explicit-sharding sums), which "
+                    "rf's rules do not follow; differentiate it without them, or with jax.grad."
                 )
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
                 rule = _refusing_complex(step, rule, self.name)
