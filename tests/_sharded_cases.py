@@ -600,8 +600,16 @@ def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]
         r = lax.cond(jnp.sum(c) > 0, lambda v: jnp.tanh(v) * c, lambda v: v * v, a)
         return jnp.sum(r) + jnp.sum(lax.cond(jnp.sum(c) < 0, jnp.sin, lambda v: v * 2.0, a))
 
+    def custom_jvp(a, w):  # jax.custom_jvp functions (jax.nn.relu) on sharded values, in a scan too
+        def layer(h, _):
+            return jax.nn.relu(h @ w - 0.1) + 0.5 * h, jnp.sum(jax.nn.relu(h))
+
+        h, ys = lax.scan(layer, a, None, length=2)
+        return jnp.sum(h**2) + jnp.sum(ys) + jnp.sum(jax.nn.relu(a) * a)
+
     return {
         "elementwise": (elementwise, (x, b), (D, R), (0, 1)),
+        "custom_jvp": (custom_jvp, (x, f32(6, 6, scale=0.3)), (D, R), (0, 1)),
         "elementwise_sharded": (elementwise, (x, y), (D, D), (0, 1)),
         "reductions": (reductions, (x3,), (D,), (0,)),
         "dot_general": (dot, (x3, f32(5, 4)), (D, R), (0, 1)),

@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from .. import sharding as shd
 from ..autograd.record import Aval
 from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
@@ -177,9 +178,12 @@ def _custom_jvp_prepare(step) -> _Linear | Program:
         return jcore.jaxpr_as_fun(closed(jaxpr, list(cs)))(*primals, *tangents)
 
     def spec(a):
-        # inside a shard_map body the rule's values keep the manual axes they vary over
+        # inside a shard_map body the rule's values keep the manual axes they vary over,
+        # and over Explicit mesh axes their shardings (the rule was traced with them)
         mat = getattr(a, "manual_axis_type", None)
         kw = {} if mat is None or getattr(mat, "empty", True) else {"sharding": a.sharding, "manual_axis_type": mat}
+        if not kw and shd.explicit(getattr(a, "sharding", None)) is not None:
+            kw = {"sharding": a.sharding}
         return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False), **kw)
 
     linear_jaxpr = jax.make_jaxpr(linear)(
@@ -238,7 +242,8 @@ def _check_tangent_shapes(step, name: str, tangent_avals: list, out_nz: tuple) -
 def _zero_tangent(a: Any) -> Any:
     if a.dtype == jax.dtypes.float0:
         return np.zeros(a.shape, dtype=jax.dtypes.float0)
-    return varying_like(jnp.zeros(a.shape, a.dtype), a)  # inside a shard_map body: a's type
+    # inside a shard_map body: a's type; over Explicit mesh axes: a's sharding
+    return varying_like(shd.zeros(a.shape, a.dtype, shd.explicit(getattr(a, "sharding", None))), a)
 
 
 def _custom_jvp_vjp(r, g):
