@@ -158,7 +158,12 @@ def _check_at_run_time(kind: str, where: str, test: str, got: Any, want: Any) ->
         for i, (x, y) in enumerate(zip(lg, lw))
         if _arrayish(x) and _arrayish(y) and (isinstance(x, jax.Array) or isinstance(y, jax.Array))
     ]
-    rest = [i for i in range(len(lg)) if i not in traced]
+    float0 = jax.dtypes.float0
+    skip = {
+        i for i, (x, y) in enumerate(zip(lg, lw)) if float0 in (getattr(x, "dtype", None), getattr(y, "dtype", None))
+    }
+    traced = [i for i in traced if i not in skip]  # float0 cotangents (a tracer inside jit, a NumPy array outside)
+    rest = [i for i in range(len(lg)) if i not in traced and i not in skip]
     if any(isinstance(v, jcore.Tracer) for i in rest for v in (lg[i], lw[i])):
         _log(kind=kind, status="MISMATCH", where=where, err="a traced leaf against a non-array")
         return
