@@ -545,8 +545,9 @@ def _custom_vjp_residuals(info, extra):
     res = []
     j = 0
     for k in info["input_fwds"]:
-        if k is not None:
-            res.append(next(it))
+        if k is not None:  # an input the fwd returns: a jax array, as jax gives it to the bwd
+            v = next(it)
+            res.append(jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v)
         else:
             res.append(static[j] if j in static else next(it))
             j += 1

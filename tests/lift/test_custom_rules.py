@@ -780,3 +780,22 @@ def test_custom_vjp_bwd_returning_an_extended_tangent_dtype_is_refused(through_a
         assert jax.grad(jax.jit(f))(x) == 1.0  # the max of the two cotangents, not their sum
     with pytest.raises(rf.AutogradError, match=r"custom_vjp bwd of g returned a cotangent of the extended dtype"):
         rf.grad(rf.lift(f))(x)
+
+
+def test_custom_vjp_bwd_gets_a_numpy_constant_input_as_a_jax_array():
+    """A custom_vjp whose fwd returns an input that is a NumPy constant of the
+    traced function (odeint's time grid, built with np.arange inside a jax.jit)
+    gives the bwd a jax array, as jax does: odeint's bwd indexes it with a traced
+    integer inside a scan, which a NumPy array refuses (TracerArrayConversionError
+    before; jax's ode_test.py::test_grad_closure_with_vmap through tools/jax_suite)."""
+    from jax.experimental.ode import odeint
+
+    @jax.jit
+    def experiment(x):
+        return odeint(lambda y, t: -x * y, 1.0, np.arange(0.0, 2.0, 0.1))[-1]
+
+    t = np.arange(0.0, 1.0, 0.25)
+    want = jax.vmap(jax.value_and_grad(experiment))(t)
+    got = jax.vmap(rf.value_and_grad(rf.lift(experiment)))(t)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    np.testing.assert_allclose(got[1], -1.9 * np.exp(-1.9 * t), rtol=1e-3)
