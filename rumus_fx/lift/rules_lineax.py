@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -91,7 +92,7 @@ def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
     leaves, tree = jtu.tree_flatten(operator.in_structure())
     ct_x = jtu.tree_unflatten(tree, list(g[: len(leaves)]))  # the solution comes first among the outputs
     state_t, options_t = solver.transpose(state, options)
-    ct_b, _, _ = eqx.internal.filter_primitive_bind(
+    ct_b, _, _ = eqxi.filter_primitive_bind(
         linear_solve_p, operator.transpose(), state_t, ct_x, options_t, solver, True
     )
     if needs_b:
