@@ -416,19 +416,29 @@ def float32_jit() -> None:
 
 
 def main(names: list[str]) -> int:
+    """Run the cases and checks named (all by default); ``--part=K/N`` runs every
+    N-th of them from the K-th (so N processes share the work)."""
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_numpy_rank_promotion", "raise")
+    part, parts = 0, 1
+    if names and names[0].startswith("--part="):
+        part, parts = (int(v) for v in names[0].removeprefix("--part=").split("/"))
+        names = names[1:]
+    checks = (second_order, pmap, float32_jit)
+    all_names = [c.name for c in cases()] + [c.__name__ for c in checks]
+    mine = {n for i, n in enumerate(all_names) if i % parts == part}
+    names = [n for n in (names or all_names) if n in mine]
     failures = []
     for case in cases():
-        if names and case.name not in names:
+        if case.name not in names:
             continue
         for kind in (AxisType.Auto, AxisType.Explicit):
             try:
                 run_case(case, kind)
             except Exception:
                 failures.append(f"{case.name} {kind.name}:\n{traceback.format_exc()}")
-    for check in (second_order, pmap, float32_jit):
-        if names and check.__name__ not in names:
+    for check in checks:
+        if check.__name__ not in names:
             continue
         try:
             with jax.enable_x64(check is not float32_jit):

@@ -22,12 +22,18 @@ import rumus_fx as rf
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_shard_map_on_eight_devices():
+@pytest.mark.parametrize("part", ["0/2", "1/2"])  # two processes: the default run's workers share them
+def test_shard_map_on_eight_devices(part):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests._shard_map_cases"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "tests._shard_map_cases", f"--part={part}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-6000:] + proc.stderr[-6000:]
 
