@@ -1030,16 +1030,12 @@ def _lift_errors(mesh: Any) -> list[str]:
     want = jax.grad(bad)(jax.device_put(np.asarray(x), jax.devices()[0]))
     for under_mesh in (False, True):
         with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
-            try:
-                jax.jit(rf.grad(rf.lift(bad)))(x)
-            except rf.ShardingError as e:
-                for part in ("rf.lift(bad)", "'cumsum'", "float32[16@data,6]", "rf.reshard", "AxisType.Auto"):
-                    if part not in str(e):
-                        fails.append(f"errors/lift: {part!r} missing from: {e}")
-            except Exception as e:
-                fails.append(f"errors/lift: {type(e).__name__}: {e}")
-            else:
-                fails.append("errors/lift: no error raised")
+            fails += _raises(
+                "errors/lift",
+                lambda: jax.jit(rf.grad(rf.lift(bad)))(x),
+                rf.ShardingError,
+                ("rf.lift(bad)", "'cumsum'", "float32[16@data,6]", "rf.reshard", "AxisType.Auto"),
+            )
             g = jax.jit(rf.grad(rf.lift(fixed)))(x)
             close(g, want, 1e-5, "errors/lift: the fix")
             if not g.sharding.is_equivalent_to(x.sharding, 2):
@@ -1055,7 +1051,6 @@ def _reduced_axes_refused(mesh: Any) -> list[str]:
     jax's pjit_test.py through tools/jax_suite)."""
     if mesh.axis_types[0] != AxisType.Explicit:
         return []
-    fails = []
     axis = mesh.axis_names[0]
     w = jax.device_put(f32(4, 2), NamedSharding(mesh, P(reduced={axis})))
     v = jax.device_put(f32(2, 8), NamedSharding(mesh, P(None, axis)))
@@ -1064,17 +1059,23 @@ def _reduced_axes_refused(mesh: Any) -> list[str]:
         return jnp.sum(jnp.sin(a) @ jnp.sin(b))
 
     with jax.set_mesh(mesh):
-        try:
-            jax.jit(rf.grad(rf.lift(f), argnums=(0, 1)))(w, v)
-        except rf.AutogradError as e:
-            for part in ("reduced or unreduced", "rf.lift"):
-                if part not in str(e):
-                    fails.append(f"errors/reduced: {part!r} missing from: {e}")
-        except Exception as e:
-            fails.append(f"errors/reduced: {type(e).__name__}: {e}")
-        else:
-            fails.append("errors/reduced: no error raised")
-    return fails
+        return _raises(
+            "errors/reduced",
+            lambda: jax.jit(rf.grad(rf.lift(f), argnums=(0, 1)))(w, v),
+            rf.AutogradError,
+            ("reduced or unreduced", "rf.lift"),
+        )
+
+
+def _raises(label: str, call: Callable[[], Any], exc: type[Exception], parts: tuple[str, ...]) -> list[str]:
+    """What is wrong with ``call()``'s error: it must raise ``exc`` naming each of ``parts``."""
+    try:
+        call()
+    except exc as e:
+        return [f"{label}: {part!r} missing from: {e}" for part in parts if part not in str(e)]
+    except Exception as e:
+        return [f"{label}: {type(e).__name__}: {e}"]
+    return [f"{label}: no error raised"]
 
 
 GROUPS: dict[str, Callable[[], list[str]]] = {

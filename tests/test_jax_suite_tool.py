@@ -44,19 +44,26 @@ FAKE_TEST = textwrap.dedent(
 )
 
 
-def test_probe_logs_each_gradient_and_summarizes(tmp_path):
+def _probe(tmp_path, name: str, text: str, **env: str):
+    """Run the tool on one test file ``name`` holding ``text``: (the run, its log's rows, the log)."""
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "fake_test.py").write_text(FAKE_TEST)
+    (tests / name).write_text(text)
     out = tmp_path / "out"
     run = subprocess.run(
-        ["bash", str(TOOL / "run.sh"), str(tests), str(out), "fake_test.py"],
+        ["bash", str(TOOL / "run.sh"), str(tests), str(out), name],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **env},
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in (out / "fake_test.jsonl").read_text().splitlines()]
+    log = out / name.replace(".py", ".jsonl")
+    return run, [json.loads(line) for line in log.read_text().splitlines()], log
+
+
+def test_probe_logs_each_gradient_and_summarizes(tmp_path):
+    run, rows, log = _probe(tmp_path, "fake_test.py", FAKE_TEST)
     by_test = {}
     for r in rows:
         by_test.setdefault(r["test"].rsplit("::", 1)[-1], []).append(r["status"])
@@ -66,9 +73,7 @@ def test_probe_logs_each_gradient_and_summarizes(tmp_path):
     assert not by_test, by_test  # nothing probed under jax.jit
     # the summary: the counts, then one line per outcome that is not ok
     assert "'ok': 3" in run.stdout and "AutogradError" in run.stdout and "jaxfail" in run.stdout, run.stdout
-    summary = subprocess.run(
-        [sys.executable, str(TOOL / "summarize.py"), str(out / "fake_test.jsonl")], capture_output=True, text=True
-    )
+    summary = subprocess.run([sys.executable, str(TOOL / "summarize.py"), str(log)], capture_output=True, text=True)
     assert summary.returncode == 0 and summary.stdout.count("\n") == 3, summary.stdout
 
 
@@ -119,19 +124,7 @@ def test_probe_compares_gradients_taken_inside_traces(tmp_path):
     """PROBE_TRACED=1: a gradient taken under jax.jit, vmap or scan is traced on
     the tape beside jax's and compared when the program runs, once per example
     under vmap and once per iteration in a loop; a wrong rule shows as MISMATCH."""
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "traced_test.py").write_text(TRACED_TEST)
-    out = tmp_path / "out"
-    run = subprocess.run(
-        ["bash", str(TOOL / "run.sh"), str(tests), str(out), "traced_test.py"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PROBE_TRACED": "1"},
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in (out / "traced_test.jsonl").read_text().splitlines()]
+    _, rows, _ = _probe(tmp_path, "traced_test.py", TRACED_TEST, PROBE_TRACED="1")
     by_test = {}
     for r in rows:
         by_test.setdefault(r["test"].rsplit("::", 1)[-1], []).append((r["kind"], r["status"]))

@@ -95,19 +95,29 @@ def _difference(got: Any, want: Any) -> float | str:
     return worst
 
 
-def _compare(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
+def _where(fun: Any) -> str:
     code = getattr(fun, "__code__", None)
-    where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if code else repr(fun)[:120]
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if code else repr(fun)[:120]
+
+
+_FAILED = object()
+
+
+def _run_rf(kind: str, where: str, rf_side: Any) -> Any:
+    """rf's side, or ``_FAILED`` after logging what it raised (never raised on)."""
     _busy[0] += 1
     try:
-        got = rf_side()
+        return rf_side()
     except Exception as e:  # every outcome is logged, none is raised
         refusal = isinstance(e, (rf.AutogradError, rf.ShapeError))
         status = type(e).__name__ if refusal else "ERROR:" + type(e).__name__
         _log(kind=kind, status=status, where=where, err=repr(e)[:500], tb=traceback.format_exc()[-3000:])
-        return
+        return _FAILED
     finally:
         _busy[0] -= 1
+
+
+def _log_difference(kind: str, where: str, got: Any, want: Any) -> None:
     try:
         d = _difference(got, want)
     except Exception as e:  # the probe never fails a test
@@ -116,23 +126,20 @@ def _compare(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
     _log(kind=kind, status="ok" if ok else "MISMATCH", where=where, err=d)
 
 
+def _compare(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
+    where = _where(fun)
+    got = _run_rf(kind, where, rf_side)
+    if got is not _FAILED:
+        _log_difference(kind, where, got, want)
+
+
 def _compare_traced(kind: str, want: Any, rf_side: Any, fun: Any) -> None:
     """Like ``_compare`` for a gradient taken inside a trace: rf's side is traced
     now, its values compared with jax's by a debug callback at run time."""
-    code = getattr(fun, "__code__", None)
-    where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if code else repr(fun)[:120]
-    kind = "traced:" + kind
-    test = _current[0]
-    _busy[0] += 1
-    try:
-        got = rf_side()
-    except Exception as e:
-        refusal = isinstance(e, (rf.AutogradError, rf.ShapeError))
-        status = type(e).__name__ if refusal else "ERROR:" + type(e).__name__
-        _log(kind=kind, status=status, where=where, err=repr(e)[:500], tb=traceback.format_exc()[-3000:])
+    where, kind, test = _where(fun), "traced:" + kind, _current[0]
+    got = _run_rf(kind, where, rf_side)
+    if got is _FAILED:
         return
-    finally:
-        _busy[0] -= 1
     try:
         _check_at_run_time(kind, where, test, got, want)
     except Exception as e:  # the probe never fails a test
@@ -176,13 +183,8 @@ def _check_at_run_time(kind: str, where: str, test: str, got: Any, want: Any) ->
         return
 
     def check(*pairs: Any) -> None:
-        _current[0], saved = test, _current[0]
-        try:
-            d = _difference(list(pairs[0::2]), list(pairs[1::2]))
-        except Exception as e:
-            d = f"incomparable: {e!r}"[:300]
-        ok = not isinstance(d, str) and d < 1e-3
-        _log(kind=kind, status="ok" if ok else "MISMATCH", where=where, err=d)
+        _current[0], saved = test, _current[0]  # the test that traced it, not the one running
+        _log_difference(kind, where, list(pairs[0::2]), list(pairs[1::2]))
         _current[0] = saved
 
     jax.debug.callback(check, *[v for i in traced for v in (lg[i], lw[i])])
