@@ -96,11 +96,7 @@ def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
         linear_solve_p, operator.transpose(), state_t, ct_x, options_t, solver, True
     )
     if needs_b:
-        it = iter(jtu.tree_leaves(ct_b))
-        for j, k in enumerate(owner):
-            if k == 2:
-                gb = next(it)
-                out[j] = gb if r.needs[j] else None
+        _place(out, r.needs, owner, 2, jtu.tree_leaves(ct_b))
     if needs_op:
         if not (solver.assume_full_rank() and operator.in_size() == operator.out_size()):
             raise AutogradError(
@@ -110,12 +106,17 @@ def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
                 "which rf does not write. Differentiate the vector only, or use such a solver."
             )
         x = jtu.tree_unflatten(tree, list(r.outs[: len(leaves)]))
-        it = iter(_operator_gradient(operator, x, ct_b))
-        for j, k in enumerate(owner):
-            if k == 0:
-                ga = next(it)
-                out[j] = ga if r.needs[j] else None
+        _place(out, r.needs, owner, 0, _operator_gradient(operator, x, ct_b))
     return tuple(out)
+
+
+def _place(out: list[Any], needs: tuple[bool, ...], owner: list[int], arg: int, grads: list[Any]) -> None:
+    """Put argument ``arg``'s leaf gradients, in order, at its inputs that need one."""
+    it = iter(grads)
+    for j, k in enumerate(owner):
+        if k == arg:
+            gr = next(it)
+            out[j] = gr if needs[j] else None
 
 
 def _solve(solver: Any, make: Any) -> Any:
