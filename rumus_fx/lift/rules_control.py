@@ -111,21 +111,28 @@ def _typed_branches(branches, *operands):
 # -- scan -------------------------------------------------------------------------
 
 
-def _scan_prepare(step):
-    p = step.params
-    nc, nk = scan_counts(p)
-    body = p["jaxpr"]
-    needs = list(step.needs)
+def _loop_body(body, needs, nc: int, nk: int, name: str) -> Program:
+    """A loop body's program, its inputs ``nc`` constants, ``nk`` carries (its
+    first ``nk`` outputs) and the rest, with each carry tracked at the fixed point:
+    if its initial value is or the body makes it so."""
     tracked = [bool(n) for n in needs]
-    # the carry is tracked if its initial value is or the body makes it so: iterate
     for _ in range(nk + 1):
-        prog = _program(body, tracked, "scan body")
-        out_carry = prog.out_tracked[:nk]
-        new = tracked[:nc] + [a or b for a, b in zip(tracked[nc : nc + nk], out_carry)] + tracked[nc + nk :]
-        if new == tracked:
+        prog = _program(body, tracked, name)
+        carry = [a or b for a, b in zip(tracked[nc : nc + nk], prog.out_tracked[:nk])]
+        if carry == tracked[nc : nc + nk]:
             break
-        tracked = new
+        tracked[nc : nc + nk] = carry
     return prog
+
+
+def _carries_tracked(prog: Program, nc: int, nk: int) -> list[bool]:
+    """Which of a loop body's carries (inputs ``nc`` to ``nc + nk``) are tracked."""
+    return [bool(prog.tracked[s]) for s in prog.in_slots[nc : nc + nk]]
+
+
+def _scan_prepare(step):
+    nc, nk = scan_counts(step.params)
+    return _loop_body(step.params["jaxpr"], step.needs, nc, nk, "scan body")
 
 
 def _forwarded(prog, nc, nk):
@@ -220,10 +227,8 @@ def _scan_program(w, x):
 def _scan_out_tracked(step):
     """The carries tracked at the body's fixed point (their initial values or the body
     make them so), the stacked outputs as the body's (Note [Tracked outputs] in program.py)."""
-    prog = step.sub
     nc, nk = scan_counts(step.params)
-    carry = [bool(prog.tracked[s]) for s in prog.in_slots[nc : nc + nk]]
-    return carry + list(prog.out_tracked[nk:])
+    return _carries_tracked(step.sub, nc, nk) + list(step.sub.out_tracked[nk:])
 
 
 _scan_vjp.prepare = _scan_prepare
@@ -348,18 +353,12 @@ def _while_out_tracked(step):
     refused by ``_while_vjp`` as always."""
     p = step.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    consts = [bool(n) for n in step.needs[nc : nc + nb]]
-    carry = [bool(n) for n in step.needs[nc + nb :]]
+    nk = len(step.needs) - nc - nb
     try:
-        for _ in range(len(carry) + 1):
-            prog = _program(p["body_jaxpr"], consts + carry, "while body")
-            new = [a or b for a, b in zip(carry, prog.out_tracked)]
-            if new == carry:
-                return carry
-            carry = new
+        prog = _loop_body(p["body_jaxpr"], step.needs[nc:], nb, nk, "while body")
     except Exception:  # e.g. a primitive without a rule on a tracked path in the body
         return None
-    return None  # pragma: no cover - the fixed point is reached within len(carry) + 1 rounds
+    return _carries_tracked(prog, nb, nk)
 
 
 _while_vjp.out_tracked = _while_out_tracked
