@@ -21,7 +21,7 @@ integer outputs and pass through without a rule.
   ``jax.vmap``, with a batched predicate): the inner primitive's rule, vmapped
   over the batch axes (an unbatched input's gradient summed over the batch).
   Under ``vmap`` equinox's ``select_if_vmap`` is a real select, so the inner
-  ``maybe_set`` with a batched predicate has false steps.
+  ``maybe_set`` rule, vmapped with a batched predicate, masks its false steps.
 * ``select_if_vmap(pred, x, y)``: ``x`` outside ``vmap`` (its forward); the
   gradient goes to ``x``.
 * ``nondifferentiable_backward(x)``: the identity whose reverse refuses a
@@ -220,8 +220,6 @@ def _vprim_vjp(r: Any, g: Any) -> tuple:
     axes = tuple(r.params["__batch_axes"])
     size = r.params["__axis_size"]
     params = dict(r.params["params"])
-    if inner_prim is eqxi.maybe_set_p and axes[0] is not None:
-        params["makes_false_steps"] = True  # select_if_vmap with a batched predicate selects
     in_avals = tuple(_unbatched(a, b) for a, b in zip(r.in_avals, axes))
     out_avals = tuple(_unbatched(a, 0) for a in r.out_avals)
     inner_params = Params(params)
