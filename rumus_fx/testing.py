@@ -34,9 +34,28 @@ def _to_f64(tree: Any) -> Any:
     return jax.tree_util.tree_map(conv, tree, is_leaf=lambda x: isinstance(x, Tensor))
 
 
+# what jax raises where a function needs its arguments' values, or an argument that is
+# not an array, while ``jax.jit`` traces it: the oracle then runs eagerly
+_NOT_TRACEABLE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    TypeError,
+)
+
+
 def jax_oracle_grad(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int] = 0) -> Any:
-    """``jax.grad`` of ``fun`` run on plain arrays (no tape records then)."""
-    return jax.grad(lambda *a: as_array(fun(*a)).reshape(()), argnums=argnums)(*args)
+    """``jax.grad`` of ``fun`` run on plain arrays (no tape records then).
+
+    Compiled with ``jax.jit`` (one program; eagerly jax compiles one per primitive,
+    several times slower for a one-off check); run eagerly instead where ``fun``
+    does not trace (it needs an argument's value, or an argument is not an array),
+    so that it gives, or raises, what ``jax.grad`` does there."""
+    g = jax.grad(lambda *a: as_array(fun(*a)).reshape(()), argnums=argnums)
+    try:
+        return jax.jit(g)(*args)
+    except _NOT_TRACEABLE:
+        return g(*args)
 
 
 def check_grads(
@@ -89,8 +108,13 @@ def check_fd(
     directions: int = 2,
     seed: int = 0,
     jit: bool = False,
+    grads: Any = None,
 ) -> None:
-    """Float64 central-difference check of ``rf.grad`` along random directions."""
+    """Float64 central-difference check of ``rf.grad`` along random directions.
+
+    ``grads``: rf's gradients with respect to ``argnums`` (a tuple, one per
+    argument), already computed at ``args`` in float64, to check instead of
+    computing them again."""
     nums = _nums(argnums)
     with jax.enable_x64(True):
         args64 = list(_to_f64(tuple(args)))
@@ -98,7 +122,10 @@ def check_fd(
         f = lambda *a: as_array(fun(*a)).reshape(())  # noqa: E731
         if jit:
             g, f = jax.jit(g), jax.jit(f)
-        grads = g(*args64)
+        if grads is None:
+            grads = g(*args64)
+        elif len(grads) != len(nums):
+            raise ValueError(f"check_fd: {len(grads)} gradients given for argnums {nums}")
         rng = np.random.default_rng(seed)
         # the steps and dot products in NumPy (the same float64 arithmetic): jnp
         # eagerly would compile a program per primitive and shape

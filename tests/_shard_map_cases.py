@@ -334,14 +334,23 @@ def _fd(loss: Callable, args: tuple, grads: tuple, what: str, positions: tuple[i
         assert abs(fd - got) <= 1e-6 * max(1.0, abs(fd)), f"{what}: argument {k}: {got} != finite difference {fd}"
 
 
+KINDS = (AxisType.Auto, AxisType.Explicit)
+
+
 def run_case(case: Case, kind: AxisType) -> None:
+    """All arguments together in every (axis type, ``check_vma``) setting; each
+    argument alone in one of them, taken in turn from one argument to the next
+    (in all of them with ``SHARD_MAP_EVERY_SUBSET=1``, the ``-m slow`` run)."""
     mesh = _mesh(kind)
+    settings = [(k, c) for k in KINDS for c in case.checks]
+    every = bool(os.environ.get("SHARD_MAP_EVERY_SUBSET"))
     for check in case.checks:
         loss = case.make(mesh, check)
         args = tuple(jax.device_put(jnp.asarray(a), NamedSharding(mesh, s)) for a, s in zip(case.args, case.specs))
         n = len(args)
         what = f"{case.name} check_vma={check} {kind.name}"
-        subsets = [tuple(range(n))] + ([(i,) for i in range(n)] if n > 1 else [])
+        alone = [(i,) for i in range(n) if every or settings[i % len(settings)] == (kind, check)]
+        subsets = [tuple(range(n))] + (alone if n > 1 else [])
         for sub in subsets:
             got = rf.grad(rf.lift(loss), argnums=sub)(*args)
             got_jit = jax.jit(rf.grad(rf.lift(loss), argnums=sub))(*args)
@@ -432,7 +441,7 @@ def main(names: list[str]) -> int:
     for case in cases():
         if case.name not in names:
             continue
-        for kind in (AxisType.Auto, AxisType.Explicit):
+        for kind in KINDS:
             try:
                 run_case(case, kind)
             except Exception:

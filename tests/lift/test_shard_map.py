@@ -24,7 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("part", ["0/2", "1/2"])  # two processes: the default run's workers share them
 def test_shard_map_on_eight_devices(part):
-    env = dict(os.environ)
+    """Each case with all its arguments in every setting, each argument alone in
+    one setting (``run_case`` in tests/_shard_map_cases.py)."""
+    _run_cases(part)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["0/2", "1/2"])
+def test_shard_map_every_argument_alone_in_every_setting(part):
+    _run_cases(part, SHARD_MAP_EVERY_SUBSET="1")
+
+
+def _run_cases(part: str, **extra_env: str) -> None:
+    env = dict(os.environ, **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rumus_fx as rf
-from rumus_fx.testing import check_fd, check_grads
+from rumus_fx.testing import check_fd, check_grads, jax_oracle_grad
 
 from .optable import OPS, OpInfo, Sample
 
@@ -201,7 +201,7 @@ def test_grad_through_noncontiguous_view(info: OpInfo, k: int, jit: bool):
     if jit:
         g = jax.jit(g)
     got = g(*flipped)
-    want = jax.grad(fun_ref, argnums=diff)(*arrays)
+    want = jax_oracle_grad(fun_ref, arrays, diff)
     want = tuple(w if swap[d] is None else jnp.swapaxes(w, *swap[d]) for w, d in zip(want, diff))
     chex.assert_trees_all_close(got, want, **_tols(info, jnp.float32))
 
