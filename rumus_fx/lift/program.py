@@ -5,6 +5,7 @@ rules in reverse, through the rule runner). Note [Lifting] in
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -118,6 +119,9 @@ class Step:
     where: str = ""  # the library call and the user's line that emitted it (for errors)
     program: Any = None  # the Program it belongs to (a custom rule finds the values it closes over there)
     refusal: str = ""  # the error a gradient reaching this step raises (complex values its rule is not checked for)
+    mesh: Any = None  # the abstract mesh it was traced under, where not the program's (Note [A step's mesh])
+    in_types: tuple[Any, ...] = ()  # its inputs' and outputs' traced shardings
+    out_types: tuple[Any, ...] = ()
 
     def bind(self, vals: Sequence[Any]) -> tuple[Any, ...]:
         """The primitive applied to ``vals``: its outputs, as a tuple (a call
@@ -177,6 +181,7 @@ class Program:
         self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
         self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
         self.enclosing = ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
+        self.mesh = jax.sharding.get_abstract_mesh()  # the context mesh it is built (and traced) under
         env: dict[Any, Any] = {}
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
@@ -186,6 +191,7 @@ class Program:
         self.out_refs = [self._read(env, v) for v in jaxpr.outvars]
         self.out_avals = tuple(_aval(v) for v in jaxpr.outvars)
         self.out_shardings = tuple(_sharding(v) for v in jaxpr.outvars)
+        self.meshes = any(st.mesh is not None for st in self.steps)  # Note [A step's mesh]
         # a 64-bit value, if any: the program is built (its rules prepared, custom rules traced),
         # run and differentiated with 64-bit types on (a jax.enable_x64() block in it)
         self.avals_64 = tuple(a for st in self.steps for a in st.in_avals + st.out_avals if is_64_bit(a))[:1]
@@ -240,6 +246,7 @@ class Program:
                 outs.append(s)
                 if not isinstance(v, jcore.DropVar):
                     env[v] = s
+            mesh = getattr(getattr(eqn, "ctx", None), "cur_abstract_mesh", None)
             self.steps.append(
                 Step(
                     eqn.primitive,
@@ -252,6 +259,9 @@ class Program:
                     tuple(_sharding(v) for v in eqn.outvars),
                     where=_where(eqn, within=within),
                     program=self,
+                    mesh=None if mesh is None or mesh == self.mesh else mesh,
+                    in_types=_types(eqn.invars),
+                    out_types=_types(eqn.outvars),
                 )
             )
         self.var_refs.update(env)
@@ -349,11 +359,12 @@ class Program:
         extras: list[Any] = []
         for step in self.steps:
             vals = [x.value if isinstance(x, _Const) else env[x] for x in step.ins]
-            if step.rule is not None and step.rule.forward is not None:
-                outs, extra = step.rule.forward(step, vals)
-                extras.append(extra)
-            else:
-                outs = step.bind(vals)
+            with _in_mesh(step):
+                if step.rule is not None and step.rule.forward is not None:
+                    outs, extra = step.rule.forward(step, vals)
+                    extras.append(extra)
+                else:
+                    outs = step.bind(vals)
             for s, o in zip(step.outs, outs):
                 env[s] = o
         outputs = [r.value if isinstance(r, _Const) else env[r] for r in self.out_refs]
@@ -380,6 +391,10 @@ class Program:
                 e += 1
             ins = tuple(self._saved(values, st.ins[k]) if k in st.saved_in else None for k in range(len(st.ins)))
             outs = tuple(self._saved(values, st.outs[k]) if k in st.saved_out else None for k in range(len(st.outs)))
+            if self.meshes:  # the values with their traced types (Note [A step's mesh])
+                mesh = self.mesh if st.mesh is None else st.mesh
+                ins = tuple(_onto_type(x, t, mesh) for x, t in zip(ins, st.in_types))
+                outs = tuple(_onto_type(x, t, mesh) for x, t in zip(outs, st.out_types))
             rec = st.rule.record(
                 st.params, st.in_avals, st.out_avals, st.needs, ins, outs, extra, st.in_shardings, st.out_shardings
             )
@@ -415,29 +430,69 @@ class Program:
                 continue
             if st.refusal:
                 raise AutogradError(st.refusal)
-            if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
-                g_out = tuple(gs)
-            elif st.rule.multiple_results or st.prim.multiple_results:
-                g_out = tuple(
-                    shd.zeros(a.shape, a.dtype, sh) if g is None else g
-                    for g, a, sh in zip(gs, st.out_avals, st.out_shardings)
+            if self.meshes:
+                gs = [_onto_type(g, t, self.mesh if st.mesh is None else st.mesh) for g, t in zip(gs, st.out_types)]
+            with _in_mesh(st):
+                if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
+                    g_out = tuple(gs)
+                elif st.rule.multiple_results or st.prim.multiple_results:
+                    g_out = tuple(
+                        shd.zeros(a.shape, a.dtype, sh) if g is None else g
+                        for g, a, sh in zip(gs, st.out_avals, st.out_shardings)
+                    )
+                else:
+                    g_out = gs[0]
+                in_grads = apply_rule(
+                    rec,
+                    g_out,
+                    st.needs,
+                    st.in_avals,
+                    st.in_shardings,
+                    name=f"{rec.name} in rf.lift({self.name})",
+                    row=row if rows_checked else None,
+                    describe=functools.partial(_describe, rec),
                 )
-            else:
-                g_out = gs[0]
-            in_grads = apply_rule(
-                rec,
-                g_out,
-                st.needs,
-                st.in_avals,
-                st.in_shardings,
-                name=f"{rec.name} in rf.lift({self.name})",
-                row=row if rows_checked else None,
-                describe=functools.partial(_describe, rec),
-            )
+            if self.meshes:  # (they add up with the others under the program's mesh)
+                in_grads = [_onto_type(g, t, self.mesh) for g, t in zip(in_grads, st.in_types)]
             for x, g in zip(st.ins, in_grads):
                 if g is not None:
                     grads[x] = g if x not in grads else grads[x] + g
         return [grads.get(s) for s in self.in_slots]
+
+
+# Note [A step's mesh]
+# ~~~~~~~~~~~~~~~~~~~~~
+# jax records with each equation the abstract mesh it was traced under
+# (``eqn.ctx.cur_abstract_mesh``) and evaluates it under that mesh, as
+# ``jax.sharding.auto_axes`` / ``explicit_axes`` need: their body is traced under
+# the mesh with the axes' types changed, and its primitives check that their
+# operands' mesh is the context's. A step traced under another mesh than the
+# program's (``Step.mesh``) runs, forward and backward, under it again; the others
+# run under whatever mesh the program runs under, as before.
+# Its inputs' gradients, computed there with that mesh's types, take their inputs'
+# traced types again (``reshard``, as auto_axes' exit does; a meshless input's
+# gradient replicated over the program's mesh), so that they add up with the other
+# gradients of those inputs.
+def _in_mesh(step: Step) -> Any:
+    return contextlib.nullcontext() if step.mesh is None else jax.sharding.use_abstract_mesh(step.mesh)
+
+
+def _types(vs: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(getattr(getattr(v, "aval", None), "sharding", None) for v in vs)
+
+
+def _onto_type(x: Any, sharding: Any, mesh: Any) -> Any:
+    """``x`` with the traced ``sharding`` (a meshless one: replicated over ``mesh``,
+    the mesh the value is used under)."""
+    if x is None or sharding is None or not hasattr(x, "shape"):
+        return x
+    if sharding.mesh.empty:
+        if mesh.empty:
+            return x
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if jax.typeof(x).sharding.mesh == sharding.mesh:
+        return x
+    return jax.sharding.reshard(x, sharding)
 
 
 def _refusing_complex(step: Step, rule: Rule, program: str) -> Rule:
