@@ -181,7 +181,12 @@ class Program:
         self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
         self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
         self.enclosing = ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
-        self.mesh = jax.sharding.get_abstract_mesh()  # the context mesh it is built (and traced) under
+        # the mesh it runs under (Note [A step's mesh]): a body's, its step's
+        if self.enclosing is None:
+            self.mesh = jax.sharding.get_abstract_mesh()
+        else:
+            parent, step = self.enclosing
+            self.mesh = parent.mesh if step.mesh is None else step.mesh
         env: dict[Any, Any] = {}
         for v, s in zip(jaxpr.invars, self.in_slots):
             env[v] = s
@@ -259,7 +264,7 @@ class Program:
                     tuple(_sharding(v) for v in eqn.outvars),
                     where=_where(eqn, within=within),
                     program=self,
-                    mesh=None if mesh is None or mesh == self.mesh else mesh,
+                    mesh=None if mesh is None or mesh == self.mesh or getattr(mesh, "manual_axes", ()) else mesh,
                     in_types=_types(eqn.invars),
                     out_types=_types(eqn.outvars),
                 )
@@ -467,8 +472,10 @@ class Program:
 # ``jax.sharding.auto_axes`` / ``explicit_axes`` need: their body is traced under
 # the mesh with the axes' types changed, and its primitives check that their
 # operands' mesh is the context's. A step traced under another mesh than the
-# program's (``Step.mesh``) runs, forward and backward, under it again; the others
-# run under whatever mesh the program runs under, as before.
+# program's (``Step.mesh``; a body's program runs under its step's mesh) runs,
+# forward and backward, under it again; the others run under whatever mesh the
+# program runs under, as before. A ``shard_map`` body's steps (Manual axes) are
+# not marked: rf runs that body inside jax's shard_map, under their mesh already.
 # Its inputs' gradients, computed there with that mesh's types, take their inputs'
 # traced types again (``reshard``, as auto_axes' exit does; a meshless input's
 # gradient replicated over the program's mesh), so that they add up with the other
