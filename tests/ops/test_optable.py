@@ -109,8 +109,18 @@ def test_forward_and_record(info: OpInfo, k: int):
     assert len(tape2) == 0
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+# float64 eager and float32 jit for every sample by default (an op runs the same code
+# eagerly and under jit; the argument-subset test runs all four on ops of several arguments); the
+# other two with -m slow
+GRAD_MODES = [
+    pytest.param(jnp.float64, False, id="f64-eager"),
+    pytest.param(jnp.float32, True, id="f32-jit"),
+    pytest.param(jnp.float32, False, id="f32-eager", marks=pytest.mark.slow),
+    pytest.param(jnp.float64, True, id="f64-jit", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype,jit", GRAD_MODES)
 @pytest.mark.parametrize("info,k", CASES)
 def test_grad_matches_jax(info: OpInfo, k: int, dtype, jit: bool):
     with jax.enable_x64(dtype == jnp.float64):
