@@ -109,9 +109,9 @@ def test_forward_and_record(info: OpInfo, k: int):
     assert len(tape2) == 0
 
 
-# float64 eager and float32 jit for every sample by default (an op runs the same code
-# eagerly and under jit; the argument-subset test runs all four on ops of several arguments); the
-# other two with -m slow
+# float64 eager and float32 jit for every sample by default (the eager path and the jit
+# path, each dtype once; the argument-subset test runs all four on ops of several
+# arguments); the other two with -m slow
 GRAD_MODES = [
     pytest.param(jnp.float64, False, id="f64-eager"),
     pytest.param(jnp.float32, True, id="f32-jit"),
