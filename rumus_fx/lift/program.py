@@ -289,7 +289,7 @@ class Program:
     # a value that carries no tangent.
     def _mark(self, tracked_in: Sequence[bool]) -> None:
         tracked = self.tracked = [False] * self.nslots
-        for s, t in zip(self.in_slots, tracked_in):
+        for s, t in zip(self.in_slots, tracked_in, strict=True):
             tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
         for step in self.steps:
             needs = tuple(isinstance(x, int) and tracked[x] for x in step.ins)
@@ -359,7 +359,7 @@ class Program:
 
     def _run(self, inputs: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
         env: list[Any] = [None] * self.nslots
-        for s, x in zip(self.in_slots, inputs):
+        for s, x in zip(self.in_slots, inputs, strict=True):
             env[s] = x
         extras: list[Any] = []
         for step in self.steps:

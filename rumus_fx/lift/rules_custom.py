@@ -95,6 +95,13 @@ def _body_input(step, k: int) -> int | None:
     return None
 
 
+def _computed_from(program, step, ref: int) -> bool:
+    """Whether slot ``ref`` of ``program`` is an output of ``step`` or of a step after
+    it (slots are numbered in the order the program defines them)."""
+    i = next(k for k, st in enumerate(program.steps) if st is step)
+    return any(ref in st.outs for st in program.steps[i:])
+
+
 def _find_ref(program, var: Any) -> Any:
     """The ref of jaxpr variable ``var`` in ``program``: one of its own
     variables, or a value of an enclosing program that enters this body as a
@@ -132,6 +139,18 @@ def closure_input(step, c: Any, name: str, kind: str = "custom_jvp") -> tuple[st
             f"rf.lift: {what} '{name}' closes over a traced value "
             "that does not reach the body that calls it (only the rule uses it); pass the value to the "
             f"{kind} function as an argument."
+        )
+    if isinstance(ref, int) and _computed_from(program, step, ref):
+        # the rule is traced after the function's trace (trace_custom_rule), and Python
+        # state it reads changed after the call: jax.grad run eagerly traces the rule
+        # during the call and reads the old value, rf would read one the call does not
+        # have yet
+        raise AutogradError(
+            f"rf.lift: {what} '{name}' closes over a value the lifted function computes at or after the call "
+            "itself: rf traces the rule after the function has run, and the Python state the rule reads was "
+            "changed after the call (flax nnx's custom_vjp with graph updates does this; jax.grad of jax.jit "
+            "of the function fails on it too). Pass the value to the function as an argument, or leave the "
+            "state as the call found it."
         )
     if isinstance(ref, int) and program.tracked[ref]:
         raise AutogradError(
@@ -254,7 +273,7 @@ def _custom_jvp_vjp(r, g):
     nc = lin.nc
     vals = r.ins
     cs = [vals[ref] if kind == "in" else ref for kind, ref in lin.const_refs]
-    primals = list(vals[nc:])
+    primals = list(vals[nc : nc + lin.n])  # (values the rule closes over follow them: closure_input)
     tangents = [_zero_tangent(a) for a in lin.tangent_avals]
     prog = lin.program
     _, residuals = prog.forward([*cs, *primals, *tangents])
@@ -265,7 +284,7 @@ def _custom_jvp_vjp(r, g):
             seeds[lin.n_out + j] = gk
     grads = prog.backward(residuals, seeds)
     t_grads = grads[len(cs) + lin.n :]
-    out: list[Any] = [None] * (nc + lin.n)
+    out: list[Any] = [None] * len(vals)  # no gradient for the values the rule closes over
     for k, gt in zip(lin.nz, t_grads):
         if r.needs[nc + k] and gt is not None:
             out[nc + k] = gt

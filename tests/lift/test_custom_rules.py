@@ -799,3 +799,68 @@ def test_custom_vjp_bwd_gets_a_numpy_constant_input_as_a_jax_array():
     got = jax.vmap(rf.value_and_grad(rf.lift(experiment)))(t)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
     np.testing.assert_allclose(got[1], -1.9 * np.exp(-1.9 * t), rtol=1e-3)
+
+
+def _stateful_rule_program(kind: str, after: str):
+    """A custom function whose rule reads Python state (``state["w"]``) that the
+    lifted function changes after the call, as flax nnx's custom_vjp with graph
+    updates does. jax.grad run eagerly traces the rule during the call (it reads
+    ``w``); rf traces it after the function has run, when ``state["w"]`` holds a
+    value the call does not have yet (``after``: the call's own output, or a value
+    computed after it)."""
+    state: dict[str, Any] = {}
+
+    if kind == "custom_vjp":
+
+        @jax.custom_vjp
+        def f(v):
+            return jnp.sin(v) * 2.0
+
+        f.defvjp(lambda v: (f(v), (jnp.cos(v), state["w"])), lambda r, g: (g * r[0] * r[1],))
+    else:
+
+        @jax.custom_jvp
+        def f(v):
+            return jnp.sin(v) * 2.0
+
+        f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * state["w"] * t[0]))
+
+    def loss(x, w, change: bool = True):
+        state["w"] = w
+        y = f(x)
+        if change:
+            state["w"] = y if after == "own output" else jnp.exp(y)
+        return jnp.sum(y)
+
+    return loss
+
+
+@pytest.mark.parametrize("after", ["own output", "later value"])
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+def test_rule_reading_state_changed_after_the_call_is_refused(kind, after):
+    """The rule would read a value of the call itself or of a later step: before,
+    a TypeError from inside the rule's forward (None for the value) or a wrong value;
+    now an AutogradError saying why, before anything runs."""
+    loss = _stateful_rule_program(kind, after)
+    x, w = jnp.array([0.3, 0.7]), jnp.array([2.0, 3.0])
+    want = jax.grad(loss)(x, w)  # eagerly, jax reads w: cos(x) * w
+    np.testing.assert_allclose(want, np.cos([0.3, 0.7]) * np.array([2.0, 3.0]), rtol=1e-6)
+    with pytest.raises(rf.AutogradError, match="at or after the call itself"):
+        rf.grad(rf.lift(loss))(x, w)
+    with pytest.raises(rf.AutogradError, match="at or after the call itself"):
+        jax.jit(rf.grad(rf.lift(loss)))(x, w)
+
+
+@pytest.mark.parametrize("kind", ["custom_vjp", "custom_jvp"])
+def test_rule_reading_state_left_as_the_call_found_it(kind):
+    """The same rule, the state left alone: the value it reads becomes an input of
+    the call, and the gradient is jax.grad's (x alone; w, read only by the rule,
+    carries no gradient there for either)."""
+    loss = _stateful_rule_program(kind, "own output")
+    with _x64():
+        x, w = jnp.array([0.3, 0.7, -1.2]), jnp.array([2.0, 3.0, 0.5])
+        f = functools.partial(loss, change=False)
+        got = rf.grad(rf.lift(f))(x, w)
+        chex.assert_trees_all_close(got, jax.grad(f)(x, w), rtol=1e-12)
+        chex.assert_trees_all_close(got, np.cos(np.asarray(x)) * np.asarray(w), rtol=1e-12)
+        chex.assert_trees_all_close(jax.jit(rf.grad(rf.lift(f)))(x, w), got, rtol=1e-12)

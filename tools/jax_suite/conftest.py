@@ -24,6 +24,7 @@ some pass a Python float as a cotangent, which jax returns as it came.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import traceback
@@ -77,7 +78,8 @@ def _difference(got: Any, want: Any) -> float | str:
             if x is not y and x != y:  # an auxiliary string or object: compared as it is
                 return f"value {x!r} vs {y!r}"
             continue
-        x, y = np.asarray(x), np.asarray(y)
+        # jax's typed literals (a float subclass that carries a dtype) keep their dtype
+        x, y = (np.asarray(v, dtype=getattr(v, "dtype", None)) for v in (x, y))
         if x.shape != y.shape:
             return f"shape {x.shape} vs {y.shape}"
         if jax.dtypes.float0 in (x.dtype, y.dtype):
@@ -213,6 +215,20 @@ def check_grads(f, args, order, modes=("fwd", "rev"), atol=None, rtol=None, eps=
     _compare("check_grads", want, lambda: rf.vjp(rf.lift(f), *args)[1](ct), f)
 
 
+def _queues(fun: Any) -> list[tuple[collections.deque, list]]:
+    """The queues a callable object consumes as it runs (flax nnx's ``GradFn`` pops
+    one entry per argument from ``nondiff_states``), with their contents, so that rf's
+    call can be given what jax's call consumed."""
+    attrs = getattr(fun, "__dict__", None) or {}
+    return [(q, list(q)) for q in attrs.values() if isinstance(q, collections.deque)]
+
+
+def _refill(queues: list[tuple[collections.deque, list]]) -> None:
+    for q, items in queues:
+        q.clear()
+        q.extend(items)
+
+
 def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
     def transform(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, **kw):
         g = jax_transform(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int, **kw)
@@ -220,7 +236,9 @@ def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
             return g
 
         def probed(*args, **kwargs):
+            queues = _queues(fun)
             want = g(*args, **kwargs)
+            _refill(queues)
             if _probing((args, kwargs)):
                 lifted = rf_transform(rf.lift(fun), argnums=argnums, has_aux=has_aux)
                 _compare(kind, want, lambda: lifted(*args, **kwargs), fun)
