@@ -23,7 +23,7 @@ from ..autograd.runner import apply_rule, conform
 from ..eager import is_64_bit, x64_as_made
 from ..errors import AutogradError
 from .concrete import ConcreteTracer
-from .jax_versions import is_ref
+from .jax_versions import is_ref, scan_counts
 from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 _Tracer = jax.core.Tracer
@@ -180,6 +180,7 @@ class Program:
         self.in_avals = tuple(_aval(v) for v in jaxpr.invars)
         self.in_shardings = tuple(_sharding(v) for v in jaxpr.invars)
         self.var_refs: dict[Any, Any] = {}  # every jaxpr variable flattened (inlined calls included) -> ref
+        self.calls: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []  # inlined: steps, ins, outs
         self.enclosing = ENCLOSING.get()  # (program, step) when this is the body of a step's primitive
         # the mesh it runs under (Note [A step's mesh]): a body's, its step's
         if self.enclosing is None:
@@ -232,10 +233,14 @@ class Program:
                 for v, x in zip(inner_jaxpr.invars, ins):
                     sub_env[v] = x
                 call = eqn.params.get("name") or getattr(eqn.params.get("call_jaxpr"), "__name__", None) or name
+                start = len(self.steps)
                 self._flatten(inner_jaxpr, sub_env, _where(eqn, f"inside {name} {call!r}") or within)
                 for v, w in zip(eqn.outvars, inner_jaxpr.outvars):
                     if not isinstance(v, jcore.DropVar):
                         env[v] = self._read(sub_env, w)
+                outs = tuple(r for w in inner_jaxpr.outvars if isinstance(r := self._read(sub_env, w), int))
+                ins_ = tuple(x for x in ins if isinstance(x, int))
+                self.calls.append((start, len(self.steps), ins_, outs))  # Note [A user's bwd on zero cotangents]
                 continue
             if name in _KEEPS_NO_REFS and any(is_ref(getattr(v, "aval", None)) for v in eqn.invars):
                 raise AutogradError(
@@ -427,18 +432,44 @@ class Program:
                 g = conform(f"{self.name} output", k, g, sh)
                 grads[r] = g if r not in grads else grads[r] + g
         recs = self.records(residuals)
+        first_bwd = self.first_user_bwd
         for row in range(len(recs) - 1, -1, -1):
             rec = recs[row]
             st = rec._step
+            bwd_here = first_bwd is not None and first_bwd <= row  # Note [A user's bwd on zero cotangents]
+            if bwd_here:
+                self._leave_unreached_calls(row, grads)
             gs = [grads.pop(s, None) for s in st.outs]
-            if all(g is None for g in gs):
-                continue
+            if all(g is None or g is _REACHED for g in gs):
+                # no cotangent, or zero ones that reach a user's bwd at or before this row
+                if not bwd_here or not any(g is _REACHED for g in gs):
+                    continue
+                if not runs_on_zero(st):
+                    for x, n in zip(st.ins, st.needs):
+                        if n and isinstance(x, int):
+                            grads.setdefault(x, _REACHED)
+                    continue
+            holds = bwd_here and holds_user_bwd(st)
+            if (
+                holds
+                and not getattr(st.rule.vjp, "takes_none", False)
+                and not getattr(st.rule.vjp, "zero_as_none", False)
+            ):
+                # a body's bwd runs on a zero cotangent, not on a missing one
+                gs = [
+                    shd.zeros(a.shape, a.dtype, sh) if g is _REACHED else g
+                    for g, a, sh in zip(gs, st.out_avals, st.out_shardings or (None,) * len(gs))
+                ]
+            gs = [None if g is _REACHED else g for g in gs]
             if st.refusal:
                 raise AutogradError(st.refusal)
             if self.meshes:
                 gs = [_onto_type(g, t, self.mesh if st.mesh is None else st.mesh) for g, t in zip(gs, st.out_types)]
             with _in_mesh(st):
-                if getattr(st.rule.vjp, "takes_none", False):  # the rule tells zero cotangents apart
+                takes_none = getattr(st.rule.vjp, "takes_none", False) or (
+                    holds and getattr(st.rule.vjp, "none_safe", False)
+                )
+                if takes_none:  # the rule tells missing cotangents apart
                     g_out = tuple(gs)
                 elif st.rule.multiple_results or st.prim.multiple_results:
                     g_out = tuple(
@@ -459,10 +490,124 @@ class Program:
                 )
             if self.meshes:  # (they add up with the others under the program's mesh)
                 in_grads = [_onto_type(g, t, self.mesh) for g, t in zip(in_grads, st.in_types)]
-            for x, g in zip(st.ins, in_grads):
+            user = bwd_here and getattr(st.rule.vjp, "runs_user_bwd", False)
+            for x, g, n in zip(st.ins, in_grads, st.needs):
                 if g is not None:
-                    grads[x] = g if x not in grads else grads[x] + g
-        return [grads.get(s) for s in self.in_slots]
+                    grads[x] = g if grads.get(x, _REACHED) is _REACHED else grads[x] + g
+                elif user and n and isinstance(x, int):  # the bwd returned a zero: x is reached
+                    grads.setdefault(x, _REACHED)
+        return [
+            shd.zeros(a.shape, a.dtype, sh) if (g := grads.get(s)) is _REACHED else g
+            for s, a, sh in zip(self.in_slots, self.in_avals, self.in_shardings)
+        ]
+
+    @functools.cached_property
+    def first_user_bwd(self) -> int | None:
+        """The first row (of ``records``) whose step holds a user's bwd, or None."""
+        return next((row for row, i in enumerate(self.tracked_steps) if holds_user_bwd(self.steps[i])), None)
+
+    @functools.cached_property
+    def _call_entries(self) -> dict[int, list[tuple[tuple[int, ...], tuple[int, ...], frozenset]]]:
+        """Per row, the inlined calls (``jax.jit``) whose last recorded step it is,
+        outermost first: (their tracked inputs, their outputs, the slots their steps write)."""
+        row_of = {i: row for row, i in enumerate(self.tracked_steps)}
+        entries: dict[int, list] = {}
+        for start, end, ins, outs in sorted(self.calls, key=lambda c: c[0] - c[1]):
+            rows = [row_of[i] for i in range(start, end) if i in row_of]
+            if rows:
+                written = frozenset(x for st in self.steps[start:end] for x in st.outs)
+                tracked_ins = tuple(x for x in ins if self.tracked[x])
+                entries.setdefault(max(rows), []).append((tracked_ins, outs, written))
+        return entries
+
+    def _leave_unreached_calls(self, row: int, grads: dict[int, Any]) -> None:
+        """At the last row of an inlined call whose outputs got no cotangent but zero
+        ones: skip its body, as jax's transpose of the call does; its inputs are
+        reached (Note [A user's bwd on zero cotangents])."""
+        for ins, outs, written in self._call_entries.get(row, ()):
+            got = [grads.get(x) for x in outs]
+            if any(g is not None and g is not _REACHED for g in got):
+                continue
+            dropped = [x for x, g in zip(outs, got) if g is _REACHED and x in written]
+            for x in dropped:
+                del grads[x]
+            if dropped:
+                for x in ins:
+                    grads.setdefault(x, _REACHED)
+
+
+# Note [A user's bwd on zero cotangents]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A row whose outputs get no cotangent is skipped: its rule is linear in the
+# cotangents, so it would give zeros. A ``jax.custom_vjp``'s ``bwd`` need not be:
+# flax's fp8 layers return the new scale and amax history as the "gradient" of the
+# old ones whatever the cotangent (the overwrite-with-gradient collection). jax.grad
+# transposes every linear equation of a jaxpr that its outputs need, and a
+# custom_vjp's transpose calls the ``bwd`` with zero cotangents where they are zero
+# (a ``bwd`` downstream returned ``None``): there the ``bwd`` runs. It does not where
+# the call's outputs are unused or pass through ``stop_gradient``, ``sign``, ``floor``
+# (the equation is pruned), nor inside a ``jax.jit``, ``cond`` or ``checkpoint``
+# whose outputs' cotangents are all zero (their transpose skips the body); a
+# ``scan`` with a differentiated carry runs its body on zero carry cotangents.
+# rf does the same, at no cost in programs without a ``custom_vjp`` (the marks below
+# are made only at or after the first row that holds one, ``first_user_bwd``):
+# - a ``bwd`` that returns ``None`` (or a symbolic zero) for an input that carries a
+#   gradient marks that input ``_REACHED``; a row whose outputs got only marks passes
+#   the mark on to its tracked inputs without running;
+# - a custom_vjp row, or a scan whose body holds one and whose carry is
+#   differentiated (``runs_on_zero``), runs on marks alone: the custom_vjp rule
+#   gives its ``bwd`` zeros (symbolic zeros where it asks for them), the scan zero
+#   cotangents;
+# - a row whose bodies hold a ``bwd`` (``holds_user_bwd``) that runs anyway gets
+#   zeros for its marked outputs and ``None`` for the others where its rule takes
+#   them (``none_safe``): a body's ``bwd`` runs on a zero cotangent, not on a
+#   missing one. A scan's marked outputs are passed as missing (``zero_as_none``):
+#   jax's scan transpose makes its carries' zero cotangents zeros (as rf's scan rule
+#   does with missing ones) and drops its stacked outputs' zero cotangents;
+# - at the last row of an inlined ``jax.jit`` whose outputs got only marks, the
+#   marks its body would read are dropped and its tracked inputs marked;
+# - a program's input left marked gets zeros: the enclosing program or the tape sees
+#   it reached.
+class _Reached:
+    """A value whose cotangent is zero but which the differentiated computation
+    uses (Note [A user's bwd on zero cotangents])."""
+
+    __slots__ = ()
+
+
+_REACHED = _Reached()
+
+
+def holds_user_bwd(step: Step) -> bool:
+    """Whether ``step`` runs a user's ``bwd``: a ``jax.custom_vjp`` call, or control
+    flow with one in a body (Note [A user's bwd on zero cotangents])."""
+    if step.rule is None or not any(step.needs):
+        return False
+    if getattr(step.rule.vjp, "runs_user_bwd", False):
+        return True
+    return any(p.first_user_bwd is not None for p in _programs(step.sub))
+
+
+def runs_on_zero(step: Step) -> bool:
+    """Whether jax runs ``step``'s transpose when every cotangent of its outputs is
+    zero: a custom_vjp's (it calls the ``bwd``), a scan's with a differentiated carry
+    (Note [A user's bwd on zero cotangents])."""
+    if getattr(step.rule.vjp, "runs_user_bwd", False):
+        return True
+    if step.prim.name != "scan" or not holds_user_bwd(step):
+        return False
+    nk = scan_counts(step.params)[1]
+    return any(step.program.tracked[s] for s in step.outs[:nk])
+
+
+def _programs(sub: Any) -> list[Program]:
+    """The programs a step's ``sub`` holds (a body, the branches, a custom_jvp rule's)."""
+    if isinstance(sub, Program):
+        return [sub]
+    if isinstance(sub, (list, tuple)):
+        return [p for x in sub for p in _programs(x)]
+    inner = getattr(sub, "program", None)
+    return [inner] if isinstance(inner, Program) else []
 
 
 # Note [A step's mesh]
@@ -556,10 +701,15 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
+def _dtype_name(dtype: Any) -> str:
+    """A dtype's name, jax's extended dtypes (a key, a library's tangent dtype) included."""
+    return getattr(dtype, "name", None) or str(dtype)
+
+
 def _describe(rec: PrimitiveRecord) -> str:
     """A primitive record, its primitive and operands, for a sharding error."""
     shown = ", ".join(
-        f"{np.dtype(a.dtype).name}{list(a.shape)}" + (f" sharded {s.spec}" if s is not None else "")
+        f"{_dtype_name(a.dtype)}{list(a.shape)}" + (f" sharded {s.spec}" if s is not None else "")
         for a, s in zip(rec.in_avals, rec.in_shardings)
     )
     return f"{rec.name} (rf.lift's rule for '{rec._step.prim.name}', operands {shown})"

@@ -233,6 +233,11 @@ def _scan_out_tracked(step):
 
 _scan_vjp.prepare = _scan_prepare
 _scan_vjp.out_tracked = _scan_out_tracked
+# a missing cotangent may come as None where a body holds a user's bwd (Note [A user's
+# bwd on zero cotangents] in program.py): the carry's become zeros, a stacked output's
+# stays missing in the body
+_scan_vjp.none_safe = True
+_scan_vjp.zero_as_none = True  # (a zero stacked-output cotangent is dropped, as jax's transpose does)
 defrule(
     "scan",
     _scan_vjp,
@@ -319,6 +324,7 @@ def _cond_out_tracked(step):
 
 _cond_vjp.prepare = _cond_prepare
 _cond_vjp.out_tracked = _cond_out_tracked
+_cond_vjp.none_safe = True  # (as the scan's: the branches' programs take None)
 defrule(
     "cond",
     _cond_vjp,
@@ -429,6 +435,7 @@ def _remat_vjp(r, g):
 
 _remat_vjp.prepare = _remat_prepare
 _remat_vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
+_remat_vjp.none_safe = True  # (as the scan's: the body's program takes None)
 defrule(
     "remat2",
     _remat_vjp,
@@ -584,6 +591,8 @@ def _custom_vjp_vjp(r, g):
 
 
 _custom_vjp_vjp.takes_none = True  # zero cotangents arrive as None (symbolic zeros for the bwd)
+# its bwd runs on zero cotangents too (Note [A user's bwd on zero cotangents] in program.py)
+_custom_vjp_vjp.runs_user_bwd = True
 _custom_vjp_vjp.prepare = _custom_vjp_prepare
 
 

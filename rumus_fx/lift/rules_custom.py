@@ -306,6 +306,7 @@ def _custom_jvp_out_tracked(step) -> list[bool]:
 
 _custom_jvp_vjp.prepare = _custom_jvp_prepare
 _custom_jvp_vjp.out_tracked = _custom_jvp_out_tracked
+_custom_jvp_vjp.none_safe = True  # (as the scan's: the rule's program takes None)
 
 
 def _custom_jvp_forward(step, vals):

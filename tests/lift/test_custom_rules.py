@@ -782,6 +782,27 @@ def test_custom_vjp_bwd_returning_an_extended_tangent_dtype_is_refused(through_a
         rf.grad(rf.lift(f))(x)
 
 
+def test_custom_vjp_on_extended_dtype_operands_is_refused_by_name():
+    """flax's fp8 meta values converted to its max-accumulating dtype (``fp8_meta32``)
+    inside a scan: the bwd's cotangent is of that dtype. Refused by name as above;
+    before, describing the row for the error crashed first (``np.dtype`` of an
+    extended dtype: "TypeError: Cannot interpret 'fp8_meta32' as a data type", found
+    by flax's linen_test.py on tools/jax_suite)."""
+    fp8_ops = pytest.importorskip("flax.linen.fp8_ops")
+    f32 = jnp.dtype("float32")
+
+    def outer(x, ah, sf):
+        ah_m = lax.convert_element_type(ah, fp8_ops.fp32_max_grad)
+        sf_m = lax.convert_element_type(sf, fp8_ops.fp32_max_grad)
+        body = lambda c, _: (fp8_ops.in_qdq(f32, jnp.float8_e4m3fn, c, sf_m, ah_m), None)  # noqa: E731
+        return lax.scan(body, jnp.array([x], f32), None, length=3)[0][0]
+
+    ah, sf = jnp.zeros(3), jnp.ones(1)
+    np.testing.assert_allclose(jax.grad(outer, (0, 1, 2))(2.0, ah, sf)[1], [2.0, 0.0, 0.0])
+    with pytest.raises(rf.AutogradError, match="extended dtype fp8_meta32"):
+        rf.grad(rf.lift(outer), (0, 1, 2))(2.0, ah, sf)
+
+
 def test_custom_vjp_bwd_gets_a_numpy_constant_input_as_a_jax_array():
     """A custom_vjp whose fwd returns an input that is a NumPy constant of the
     traced function (odeint's time grid, built with np.arange inside a jax.jit)
