@@ -24,11 +24,11 @@ MODULES = {d.name: d for d in descriptors.ALL_MODULES}
 def _case(d, x64: bool):
     f = hk.transform_with_state(lambda x: d.create()(x))
     floating = jnp.issubdtype(d.dtype, jnp.floating)
-    dtype = (jnp.float64 if x64 else jnp.float32) if floating else d.dtype
+    dtype = jnp.float64 if x64 else jnp.float32
     if floating:
         x = jax.random.normal(jax.random.PRNGKey(1), d.shape, dtype)
-    else:
-        x = jax.random.randint(jax.random.PRNGKey(1), d.shape, 0, 6).astype(dtype)
+    else:  # token ids (Embed)
+        x = jax.random.randint(jax.random.PRNGKey(1), d.shape, 0, 6).astype(d.dtype)
     params, state = f.init(jax.random.PRNGKey(42), x)
     params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
@@ -42,11 +42,14 @@ def _case(d, x64: bool):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:w_init_scale is deprecated:DeprecationWarning")  # haiku's own, in its descriptors
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("x64", [True, False], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", list(MODULES))
 def test_haiku_module_matches_jax_grad(name, x64, jit):
-    with jax.enable_x64(x64):
+    # haiku's own code mixes dtypes (an int32 count with a float, in batch norm, the
+    # attention and the quantizers): the suite's strict promotion would fail it before rf
+    with jax.enable_x64(x64), jax.numpy_dtype_promotion("standard"):
         loss, args, argsets = _case(MODULES[name], x64)
         assert argsets, name
         for argnums in argsets:
