@@ -1058,13 +1058,24 @@ def _reduced_axes_refused(mesh: Any) -> list[str]:
     def f(a, b):
         return jnp.sum(jnp.sin(a) @ jnp.sin(b))
 
+    def identity(a, b):  # no step to refuse: the input and the output are (pjit_test.py's test_vjp_unreduced_zeros)
+        return b
+
     with jax.set_mesh(mesh):
-        return _raises(
+        fails = _raises(
             "errors/reduced",
             lambda: jax.jit(rf.grad(rf.lift(f), argnums=(0, 1)))(w, v),
             rf.AutogradError,
             ("reduced or unreduced", "rf.lift"),
         )
+        ct = jax.device_put(f32(4, 2), NamedSharding(mesh, P(unreduced={axis})))
+        fails += _raises(
+            "errors/reduced identity",
+            lambda: rf.vjp(rf.lift(jax.jit(identity)), w, w)[1](ct),
+            rf.AutogradError,
+            ("reduced or unreduced", "rf.lift", "input 0"),
+        )
+        return fails
 
 
 def _raises(label: str, call: Callable[[], Any], exc: type[Exception], parts: tuple[str, ...]) -> list[str]:

@@ -203,7 +203,22 @@ class Program:
         self.avals_64 = tuple(a for st in self.steps for a in st.in_avals + st.out_avals if is_64_bit(a))[:1]
         with x64_as_made(self.avals_64):
             self._mark(tracked_in)
+        self._refuse_reduced_ends()
         self._jit_forward: Callable | None = None
+
+    def _refuse_reduced_ends(self) -> None:
+        """A tracked input or output with reduced or unreduced mesh axes is refused
+        as such a step is (``_mark``): an identity function has no step to refuse,
+        and its cotangent crashed inside rf (jax's "Using *pspec is dangerous")."""
+        ends = (("input", self.in_slots, self.in_shardings), ("output", self.out_refs, self.out_shardings))
+        for kind, refs, shardings in ends:
+            for k, (r, sh) in enumerate(zip(refs, shardings)):
+                if isinstance(r, int) and self.tracked[r] and _reduced(sh):
+                    raise AutogradError(
+                        f"rf.lift: {kind} {k} of {self.name} has reduced or unreduced mesh axes (a PartitionSpec "
+                        "with reduced=/unreduced=, jax's explicit-sharding sums), which rf's rules do not follow; "
+                        "differentiate it without them, or with jax.grad."
+                    )
 
     # -- building -------------------------------------------------------------
     def _new(self) -> int:
