@@ -6,8 +6,8 @@ even where their cotangents are all zero, and not where they are unused, cut by
 whose outputs' cotangents are all zero. rf's tape skipped every row without a
 cotangent, so such a ``bwd`` never ran: a silent wrong gradient (0 where jax.grad
 gives the new value). Each program here against jax.grad, eagerly and under jit,
-with respect to the scale alone and with the data too (Note [A user's bwd on zero
-cotangents] in rumus_fx/lift/program.py)."""
+with respect to the data alone, the scale alone and both (Note [A user's bwd on
+zero cotangents] in rumus_fx/lift/program.py)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ PROGRAMS = {
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("argnums", [1, (0, 1)], ids=["scale", "both"])
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["data", "scale", "both"])
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_bwd_on_zero_cotangents_as_jax_grad(name, argnums, jit):
     f = PROGRAMS[name]
