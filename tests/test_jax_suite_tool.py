@@ -133,3 +133,41 @@ def test_probe_compares_gradients_taken_inside_traces(tmp_path):
     assert by_test.pop("test_vjp_under_jit") == [("traced:vjp", "ok")], rows
     assert by_test.pop("test_wrong_rule_under_jit") == [("traced:grad", "MISMATCH")], rows
     assert not by_test, by_test
+
+
+STATEFUL_TEST = textwrap.dedent(
+    """
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+
+    class PopsOnEachCall:
+        # like flax nnx's GradFn: each call takes its state from a queue
+        def __init__(self):
+            self.states = collections.deque([3.0])
+
+        def __call__(self, x):
+            return jnp.sum(x * self.states.popleft())
+
+
+    def test_queue():
+        jax.grad(PopsOnEachCall())(jnp.ones(2))
+
+
+    def test_typed_literal_aux():
+        # jax hands the differentiated Python float back as its typed float literal (float32)
+        jax.grad(lambda x: (x * 2.0, x), has_aux=True)(1.0)
+    """
+)
+
+
+def test_probe_refills_a_callables_queue_and_keeps_typed_literals_dtype(tmp_path):
+    """A callable that consumes a queue on each call (flax nnx's ``GradFn``) gets
+    back what jax's call consumed before rf's call (it crashed: "pop from an empty
+    deque"), and jax's typed float literals compare by their own dtype (a float32 one
+    read as float64 was a MISMATCH: "dtype float32 vs float64")."""
+    _, rows, _ = _probe(tmp_path, "stateful_test.py", STATEFUL_TEST)
+    by_test = {r["test"].rsplit("::", 1)[-1]: r["status"] for r in rows}
+    assert by_test == {"test_queue": "ok", "test_typed_literal_aux": "ok"}, rows
