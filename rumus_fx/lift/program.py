@@ -23,7 +23,7 @@ from ..autograd.runner import apply_rule, conform
 from ..eager import is_64_bit, x64_as_made
 from ..errors import AutogradError
 from .concrete import ConcreteTracer
-from .jax_versions import is_ref, scan_counts
+from .jax_versions import is_ref
 from .rules import COMPLEX_OK, NON_DIFFERENTIABLE, Params, PrimitiveRecord, Rule, is_complex, is_float, rule_for
 
 _Tracer = jax.core.Tracer
@@ -168,6 +168,15 @@ def _reduced(sharding: Any) -> bool:
     return bool(getattr(spec, "reduced", None) or getattr(spec, "unreduced", None))
 
 
+def _reduced_refusal(what: str) -> AutogradError:
+    """rf.lift's refusal of a differentiated value with reduced or unreduced mesh axes."""
+    return AutogradError(
+        f"rf.lift: {what} with reduced or unreduced mesh axes (a PartitionSpec with reduced=/unreduced=, "
+        "jax's explicit-sharding sums), which rf's rules do not follow; differentiate it without them, or "
+        "with jax.grad."
+    )
+
+
 class Program:
     """A jaxpr flattened into steps, with which slots are tracked."""
 
@@ -214,11 +223,7 @@ class Program:
         for kind, refs, shardings in ends:
             for k, (r, sh) in enumerate(zip(refs, shardings)):
                 if isinstance(r, int) and self.tracked[r] and _reduced(sh):
-                    raise AutogradError(
-                        f"rf.lift: {kind} {k} of {self.name} has reduced or unreduced mesh axes (a PartitionSpec "
-                        "with reduced=/unreduced=, jax's explicit-sharding sums), which rf's rules do not follow; "
-                        "differentiate it without them, or with jax.grad."
-                    )
+                    raise _reduced_refusal(f"{kind} {k} of {self.name} is a value")
 
     # -- building -------------------------------------------------------------
     def _new(self) -> int:
@@ -250,12 +255,14 @@ class Program:
                 call = eqn.params.get("name") or getattr(eqn.params.get("call_jaxpr"), "__name__", None) or name
                 start = len(self.steps)
                 self._flatten(inner_jaxpr, sub_env, _where(eqn, f"inside {name} {call!r}") or within)
-                for v, w in zip(eqn.outvars, inner_jaxpr.outvars):
+                refs = [self._read(sub_env, w) for w in inner_jaxpr.outvars]
+                for v, r in zip(eqn.outvars, refs):
                     if not isinstance(v, jcore.DropVar):
-                        env[v] = self._read(sub_env, w)
-                outs = tuple(r for w in inner_jaxpr.outvars if isinstance(r := self._read(sub_env, w), int))
-                ins_ = tuple(x for x in ins if isinstance(x, int))
-                self.calls.append((start, len(self.steps), ins_, outs))  # Note [A user's bwd on zero cotangents]
+                        env[v] = r
+                # the call's steps, input and output slots (Note [A user's bwd on zero cotangents])
+                call_ins = tuple(x for x in ins if isinstance(x, int))
+                call_outs = tuple(r for r in refs if isinstance(r, int))
+                self.calls.append((start, len(self.steps), call_ins, call_outs))
                 continue
             if name in _KEEPS_NO_REFS and any(is_ref(getattr(v, "aval", None)) for v in eqn.invars):
                 raise AutogradError(
@@ -329,11 +336,7 @@ class Program:
                 )
             if any(_reduced(sh) for sh in (*step.in_shardings, *step.out_shardings)):
                 where = f", emitted {step.where}" if step.where else ""
-                raise AutogradError(
-                    f"rf.lift: '{name}' (in {self.name}{where}) reads or makes a value with reduced or unreduced "
-                    "mesh axes (a PartitionSpec with reduced=/unreduced=, jax's explicit-sharding sums), which "
-                    "rf's rules do not follow; differentiate it without them, or with jax.grad."
-                )
+                raise _reduced_refusal(f"'{name}' (in {self.name}{where}) reads or makes a value")
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
                 rule = _refusing_complex(step, rule, self.name)
             step.rule = rule
@@ -605,14 +608,13 @@ def holds_user_bwd(step: Step) -> bool:
 
 def runs_on_zero(step: Step) -> bool:
     """Whether jax runs ``step``'s transpose when every cotangent of its outputs is
-    zero: a custom_vjp's (it calls the ``bwd``), a scan's with a differentiated carry
-    (Note [A user's bwd on zero cotangents])."""
+    zero: a custom_vjp's (it calls the ``bwd``), or control flow holding one whose
+    rule says so (``vjp.runs_on_zero(step)``: a scan with a differentiated carry;
+    Note [A user's bwd on zero cotangents])."""
     if getattr(step.rule.vjp, "runs_user_bwd", False):
         return True
-    if step.prim.name != "scan" or not holds_user_bwd(step):
-        return False
-    nk = scan_counts(step.params)[1]
-    return any(step.program.tracked[s] for s in step.outs[:nk])
+    check = getattr(step.rule.vjp, "runs_on_zero", None)
+    return check is not None and holds_user_bwd(step) and check(step)
 
 
 def _programs(sub: Any) -> list[Program]:

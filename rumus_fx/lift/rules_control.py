@@ -231,8 +231,17 @@ def _scan_out_tracked(step):
     return _carries_tracked(step.sub, nc, nk) + list(step.sub.out_tracked[nk:])
 
 
+def _scan_runs_on_zero(step):
+    """jax's scan transpose runs its body on zero cotangents when a carry is
+    differentiated (it makes the carries' zero cotangents zeros): Note [A user's bwd
+    on zero cotangents] in program.py."""
+    nk = scan_counts(step.params)[1]
+    return any(step.program.tracked[s] for s in step.outs[:nk])
+
+
 _scan_vjp.prepare = _scan_prepare
 _scan_vjp.out_tracked = _scan_out_tracked
+_scan_vjp.runs_on_zero = _scan_runs_on_zero
 # a missing cotangent may come as None where a body holds a user's bwd (Note [A user's
 # bwd on zero cotangents] in program.py): the carry's become zeros, a stacked output's
 # stays missing in the body

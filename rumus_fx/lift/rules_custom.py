@@ -96,8 +96,7 @@ def _body_input(step, k: int) -> int | None:
 
 
 def _computed_from(program, step, ref: int) -> bool:
-    """Whether slot ``ref`` of ``program`` is an output of ``step`` or of a step after
-    it (slots are numbered in the order the program defines them)."""
+    """Whether slot ``ref`` of ``program`` is an output of ``step`` or of a step after it."""
     i = next(k for k, st in enumerate(program.steps) if st is step)
     return any(ref in st.outs for st in program.steps[i:])
 
