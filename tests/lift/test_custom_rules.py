@@ -721,6 +721,45 @@ def test_custom_vjp_fwd_closing_over_a_value_of_the_function(jit):
             rf.grad(rf.lift(_bwd_closure))(a, y)
 
 
+def _nested_fwd_closure(a, y):
+    c = jnp.sum(jnp.sin(y))  # read by both fwds, which return it as their residual
+
+    @jax.custom_vjp
+    def inner(v):
+        return v * c
+
+    inner.defvjp(lambda v: (v * c, c), lambda r, g: (g * r,))
+
+    @jax.custom_vjp
+    def outer(v):
+        return jnp.tanh(inner(v))
+
+    outer.defvjp(lambda v: (jnp.tanh(inner(v)), (c, v)), lambda r, g: (g * r[0] / jnp.cosh(r[0] * r[1]) ** 2,))
+    return jnp.sum(outer(a) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_custom_vjp_fwd_calling_a_custom_vjp_whose_fwd_closes_over_a_value(jit):
+    """jaxopt's solvers built inside the function: a custom_vjp whose fwd calls
+    another custom_vjp, whose own Python fwd reads a value the function computed.
+    rf.grad follows the rules (jax.grad of jax.jit of the function fails on it).
+    Under a JAX transformation around rf (jax.grad of a function that calls
+    rf.value_and_grad) JAX traces the inner fwd again after the function's trace is
+    over: refused by name, not JAX's leaked-tracer error."""
+    with _x64():
+        a, y = jnp.array([0.4, -0.2, 0.1]), jnp.array([0.3, 1.2])
+        check_grads(rf.lift(_nested_fwd_closure), (a, y), 0, oracle=_nested_fwd_closure, jit=jit, atol=1e-10, rtol=1e-10)
+        with pytest.raises(TypeError, match="constant handler"):
+            jax.grad(jax.jit(_nested_fwd_closure))(a, y)  # jax's own limit
+        value = lambda x: rf.value_and_grad(rf.lift(_nested_fwd_closure))(x, y)[0]  # noqa: E731
+        np.testing.assert_allclose(value(a), _nested_fwd_closure(a, y), rtol=1e-12)
+        for around in (jax.grad, lambda f: lambda x: jax.jvp(f, (x,), (x,))):
+            with pytest.raises(rf.AutogradError, match="fwd of jax.custom_vjp 'outer' calls a jax.custom_vjp"):
+                around(value)(a)
+        with pytest.raises(rf.AutogradError, match="closes over a traced value"):
+            rf.grad(value)(a)  # rf around rf: the inner fwd is traced again too
+
+
 @pytest.mark.parametrize("through_a_converter", [False, True])
 def test_custom_vjp_bwd_returning_an_extended_tangent_dtype_is_refused(through_a_converter):
     """A bwd may return a cotangent of a custom tangent dtype (jax's extended dtypes,
