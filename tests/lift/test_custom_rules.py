@@ -754,7 +754,7 @@ def test_custom_vjp_fwd_calling_a_custom_vjp_whose_fwd_closes_over_a_value(jit):
         value = lambda x: rf.value_and_grad(rf.lift(_nested_fwd_closure))(x, y)[0]  # noqa: E731
         np.testing.assert_allclose(value(a), _nested_fwd_closure(a, y), rtol=1e-12)
         for around in (jax.grad, lambda f: lambda x: jax.jvp(f, (x,), (x,))):
-            with pytest.raises(rf.AutogradError, match="fwd of jax.custom_vjp 'outer' calls a jax.custom_vjp"):
+            with pytest.raises(rf.AutogradError, match=r"fwd of jax\.custom_vjp 'outer' calls a jax\.custom_vjp"):
                 around(value)(a)
         with pytest.raises(rf.AutogradError, match="closes over a traced value"):
             rf.grad(value)(a)  # rf around rf: the inner fwd is traced again too
