@@ -748,7 +748,9 @@ def test_custom_vjp_fwd_calling_a_custom_vjp_whose_fwd_closes_over_a_value(jit):
     over: refused by name, not JAX's leaked-tracer error."""
     with _x64():
         a, y = jnp.array([0.4, -0.2, 0.1]), jnp.array([0.3, 1.2])
-        check_grads(rf.lift(_nested_fwd_closure), (a, y), 0, oracle=_nested_fwd_closure, jit=jit, atol=1e-10, rtol=1e-10)
+        check_grads(
+            rf.lift(_nested_fwd_closure), (a, y), 0, oracle=_nested_fwd_closure, jit=jit, atol=1e-10, rtol=1e-10
+        )
         with pytest.raises(TypeError, match="constant handler"):
             jax.grad(jax.jit(_nested_fwd_closure))(a, y)  # jax's own limit
         value = lambda x: rf.value_and_grad(rf.lift(_nested_fwd_closure))(x, y)[0]  # noqa: E731
