@@ -99,6 +99,37 @@ _PROGRAMS: dict[Any, tuple[Program, Any]] = {}
 _MAX_PROGRAMS = 2048
 
 
+class _TreeKey:
+    """The arguments' tree structure in a cache key. A pytree's metadata may hold
+    an array (jax-md's neighbor list keeps its cutoff there); comparing two
+    structures compares those arrays, which under an enclosing ``jax.jit`` traces
+    the comparison and fails. They are compared by value outside that trace; a
+    tracer or a multi-element array there never matches (the call is traced
+    again, as ``jax.grad`` traces every call)."""
+
+    __slots__ = ("_hash", "treedef")
+
+    def __init__(self, treedef: Any):
+        self.treedef = treedef
+        self._hash = hash(treedef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _TreeKey):
+            return NotImplemented
+        try:
+            return self.treedef == other.treedef
+        except (TypeError, ValueError):
+            pass
+        try:
+            with jax.ensure_compile_time_eval():
+                return bool(self.treedef == other.treedef)
+        except (TypeError, ValueError, jax.errors.JAXTypeError):
+            return False
+
+
 def _config_key() -> tuple:
     """The jax settings a trace depends on (``jax.enable_x64``, the promotion
     modes, the default matmul precision), read where a context manager may have
@@ -481,7 +512,7 @@ def _plain_key(fun: Callable, treedef: Any, statics: tuple, is_arr: tuple, avals
     static leaf cannot be hashed)."""
     try:
         signature = tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals)
-        key = (fun, treedef, statics, is_arr, signature, tracked_in, _config_key())
+        key = (fun, _TreeKey(treedef), statics, is_arr, signature, tracked_in, _config_key())
         hash(key)
     except TypeError:
         return None
@@ -575,7 +606,16 @@ def _closure_key(
         return None, None
     try:
         signature = (*((a.shape, a.dtype, a.weak_type, a.sharding) for a in avals), *clo.signature(_type_of))
-        key = ("closure", clo.key, treedef, statics, is_arr, signature, tracked_in + clo.tracked, _config_key())
+        key = (
+            "closure",
+            clo.key,
+            _TreeKey(treedef),
+            statics,
+            is_arr,
+            signature,
+            tracked_in + clo.tracked,
+            _config_key(),
+        )
         hash(key)
     except TypeError:
         return None, None

@@ -709,3 +709,46 @@ def test_a_program_traced_under_one_jax_setting_is_not_reused_under_another():
             jax.grad(_rank_promoting)(w)
         with pytest.raises(rf.ShapeError, match="rank_promotion='raise'"):
             rf.grad(rf.lift(_rank_promoting))(w)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Neighbors:
+    """Indices as a leaf and the cutoff, an array, as metadata: jax-md's neighbor
+    list keeps its cutoff there."""
+
+    def __init__(self, idx, cutoff):
+        self.idx, self.cutoff = idx, cutoff
+
+    def tree_flatten(self):
+        return [self.idx], self.cutoff
+
+    @classmethod
+    def tree_unflatten(cls, cutoff, children):
+        return cls(children[0], cutoff)
+
+
+def _pair_energy(r, nbrs):
+    d = r[nbrs.idx] - r
+    return jnp.sum(jnp.where(jnp.abs(d) < nbrs.cutoff, jnp.sin(d) ** 2, 0.0))
+
+
+@pytest.mark.parametrize("where", ["eager", "jit around rf.grad", "jit around the call"])
+def test_array_metadata_of_an_argument_is_compared_by_value(where):
+    """A second call whose argument's metadata holds another array of the same
+    shape: its structure is compared with the cached one's, by value, also under
+    an enclosing jax.jit (that comparison raised jax's "metadata fields" ValueError
+    there); each cutoff gets its own gradient."""
+    r, idx = jnp.array([0.1, 0.5, 0.9, 1.4]), jnp.array([1, 2, 3, 0])
+    g = rf.grad(rf.lift(_pair_energy))
+    call = {
+        "eager": g,
+        "jit around rf.grad": jax.jit(g),
+        "jit around the call": lambda r, n: jax.jit(lambda v: g(v, n))(r),
+    }[where]
+    grads = []
+    for cutoff in (0.6, 0.45, 0.6):
+        nbrs = _Neighbors(idx, jnp.float32(cutoff))
+        got = call(r, nbrs)
+        np.testing.assert_allclose(got, jax.grad(_pair_energy)(r, nbrs), rtol=1e-6, atol=1e-7)
+        grads.append(got)
+    assert not np.allclose(grads[0], grads[1])  # the cutoff changes the gradient
