@@ -341,7 +341,10 @@ def lift(fun: Callable, name: str | None = None) -> Callable:
     current values passed on each call; Python scalars read there are static (a
     changed one traces again). An untracked Tensor read that way is live between
     calls and snapshotted within one (Note [Closures of a lifted function] in
-    lift/closure.py).
+    lift/closure.py). While ``fun`` is traced such an array is a tracer, as an
+    argument of ``jax.jit`` is: code that asks whether a value is a tracer
+    (numpyro's ``not_jax_tracer``) takes its traced branch, where ``jax.grad``
+    would see the concrete array.
 
     >>> import jax.numpy as jnp, rumus_fx as rf
     >>> rf.grad(rf.lift(lambda x: jnp.sum(jnp.sin(x) ** 2)))(jnp.ones(3)).shape
