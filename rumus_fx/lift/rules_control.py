@@ -529,15 +529,17 @@ def _custom_vjp_forward(step, vals):
     try:
         outs = jcore.jaxpr_as_fun(fwd)(*args)
     except jax.errors.UnexpectedTracerError as e:
-        # a custom_vjp call inside the fwd whose own Python fwd closes over a value of the
-        # lifted function: a transformation around rf (jax.grad, jax.jvp of a function
-        # that calls rf) makes JAX trace that fwd again, and the value's trace is over
+        # a custom_vjp/custom_jvp call inside the fwd whose own Python rule (fwd, JVP rule)
+        # closes over a value of the lifted function: a transformation around rf (jax.grad,
+        # jax.jvp of a function that calls rf) makes JAX trace that rule again, and the
+        # value's trace is over
         raise AutogradError(
-            f"rf.lift: the fwd of jax.custom_vjp '{info['name']}' calls a jax.custom_vjp function whose fwd "
-            "closes over a value the lifted function computed; under a JAX transformation around rf "
-            "(jax.grad or jax.jvp of a function that calls rf.grad) JAX traces that fwd again and finds the "
-            "value gone (jax.grad of jax.jit of the function fails on it too). Pass the value to the "
-            f"function as an argument (jax.closure_convert). JAX's error: {str(e).splitlines()[0]}"
+            f"rf.lift: the fwd of jax.custom_vjp '{info['name']}' calls a jax.custom_vjp/custom_jvp function "
+            "whose rule (its fwd or JVP rule) closes over a value the lifted function computed; under a JAX "
+            "transformation around rf (jax.grad or jax.jvp of a function that calls rf.grad) JAX traces that "
+            "rule again and finds the value gone (jax.grad of jax.jit of the function fails on it too). Pass "
+            "the value to the function as an argument (jax.closure_convert). JAX's error: "
+            f"{str(e).splitlines()[0]}"
         ) from e
     # the fwd jaxpr returns the residuals that are not inputs, then the outputs
     n_res = sum(k is None for k in info["input_fwds"])

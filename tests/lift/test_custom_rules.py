@@ -762,6 +762,34 @@ def test_custom_vjp_fwd_calling_a_custom_vjp_whose_fwd_closes_over_a_value(jit):
             rf.grad(value)(a)  # rf around rf: the inner fwd is traced again too
 
 
+def _nested_jvp_rule_closure(a, y):
+    c = jnp.sum(jnp.sin(y))
+
+    @jax.custom_jvp
+    def inner(v):
+        return v * c
+
+    inner.defjvp(lambda p, t: (p[0] * c, t[0] * c))  # the JVP rule reads c
+
+    @jax.custom_vjp
+    def outer(v):
+        return jnp.tanh(inner(v))
+
+    outer.defvjp(lambda v: (jnp.tanh(inner(v)), (c, v)), lambda r, g: (g * r[0] / jnp.cosh(r[0] * r[1]) ** 2,))
+    return jnp.sum(outer(a) ** 2)
+
+
+def test_custom_vjp_fwd_calling_a_custom_jvp_whose_rule_closes_over_a_value():
+    """As above with a custom_jvp inside the fwd: rf.grad follows the rules; under
+    jax.grad around rf its JVP rule is traced again, refused by name."""
+    with _x64():
+        a, y = jnp.array([0.4, -0.2, 0.1]), jnp.array([0.3, 1.2])
+        f = _nested_jvp_rule_closure
+        check_grads(rf.lift(f), (a, y), 0, oracle=f, atol=1e-10, rtol=1e-10)
+        with pytest.raises(rf.AutogradError, match=r"fwd of jax\.custom_vjp 'outer' calls a .*JVP rule"):
+            jax.grad(lambda x: rf.value_and_grad(rf.lift(f))(x, y)[0])(a)
+
+
 @pytest.mark.parametrize("through_a_converter", [False, True])
 def test_custom_vjp_bwd_returning_an_extended_tangent_dtype_is_refused(through_a_converter):
     """A bwd may return a cotangent of a custom tangent dtype (jax's extended dtypes,
