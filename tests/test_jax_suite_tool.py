@@ -27,6 +27,9 @@ FAKE_TEST = textwrap.dedent(
         jtu.check_grads(lambda x, y: jnp.tanh(x) * y, (jnp.ones(2), jnp.arange(2.0)), order=1)
         out, vjp = jax.vjp(lambda x: x ** 3, jnp.arange(4.0))
         vjp(jnp.ones(4))
+        # every option by name, as jaxlie's manifold gradients pass them
+        jax.value_and_grad(fun=lambda x: jnp.sum(x ** 2), argnums=0, has_aux=False, holomorphic=False,
+                           allow_int=False, reduce_axes=())(jnp.ones(2))
 
 
     def test_refused():
@@ -67,12 +70,12 @@ def test_probe_logs_each_gradient_and_summarizes(tmp_path):
     by_test = {}
     for r in rows:
         by_test.setdefault(r["test"].rsplit("::", 1)[-1], []).append(r["status"])
-    assert by_test.pop("test_agree") == ["ok", "ok", "ok"], rows
+    assert by_test.pop("test_agree") == ["ok", "ok", "ok", "ok"], rows
     assert by_test.pop("test_refused") == ["AutogradError"], rows
     assert by_test.pop("test_jax_fails") == ["jaxfail"], rows
     assert not by_test, by_test  # nothing probed under jax.jit
     # the summary: the counts, then one line per outcome that is not ok
-    assert "'ok': 3" in run.stdout and "AutogradError" in run.stdout and "jaxfail" in run.stdout, run.stdout
+    assert "'ok': 4" in run.stdout and "AutogradError" in run.stdout and "jaxfail" in run.stdout, run.stdout
     summary = subprocess.run([sys.executable, str(TOOL / "summarize.py"), str(log)], capture_output=True, text=True)
     assert summary.returncode == 0 and summary.stdout.count("\n") == 3, summary.stdout
 

@@ -103,6 +103,7 @@ def _where(fun: Any) -> str:
 
 
 _FAILED = object()
+_UNSET = object()
 
 
 def _run_rf(kind: str, where: str, rf_side: Any) -> Any:
@@ -230,9 +231,11 @@ def _refill(queues: list[tuple[collections.deque, list]]) -> None:
 
 
 def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
-    def transform(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, **kw):
+    def transform(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, reduce_axes=_UNSET, **kw):
+        if reduce_axes is not _UNSET:  # passed on as given (jaxlie's manifold gradients pass reduce_axes=())
+            kw["reduce_axes"] = reduce_axes
         g = jax_transform(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int, **kw)
-        if holomorphic or allow_int or kw:
+        if holomorphic or allow_int or set(kw) - {"reduce_axes"} or tuple(kw.get("reduce_axes", ())):
             return g
 
         def probed(*args, **kwargs):
