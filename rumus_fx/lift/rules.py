@@ -148,6 +148,7 @@ LIBRARY_RULES: list[tuple[str, frozenset[str], str]] = [
         "rumus_fx.lift.rules_equinox",
     ),
     ("lineax", frozenset({"linear_solve"}), "rumus_fx.lift.rules_lineax"),
+    ("kfac_jax", frozenset({"layer_tag", "loss_tag"}), "rumus_fx.lift.rules_kfac"),
     (  # jax's own, but importing it imports scipy.sparse: half a second on every import of rf
         "jax.experimental.sparse",
         frozenset({
