@@ -9,7 +9,9 @@ that way: jax raises ``TracerBoolConversionError`` (or another concretization
 error). ``jax.grad`` accepts such a function when it is called eagerly, because its
 tracers carry the primal values; rf does the same, as a fallback:
 
-- When the abstract trace fails with a concretization error and every input of
+- When the abstract trace fails with a concretization error (``needs_values``:
+  also ``np.asarray`` of a traced value, and a shape built from a traced integer,
+  ``jnp.zeros((n,))``, for which jax raises a plain ``TypeError``) and every input of
   the call is a concrete array (no enclosing ``jax.jit``/``vmap``/...), the call is
   traced again inside ``jax.make_jaxpr`` with :class:`ConcreteTrace`. Its tracers
   hold two things: the symbolic value (the ``make_jaxpr`` tracer, the *parent*
@@ -71,7 +73,22 @@ from ..errors import AutogradError
 CONCRETIZATION_ERRORS: tuple[type[BaseException], ...] = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,  # np.asarray of a traced value
 )
+# jax's shape check (``jnp.zeros((n,))`` with a traced ``n``) swallows the
+# TracerIntegerConversionError of the dimension and raises a plain TypeError, whose
+# message shows the shape (a tracer's repr ends in "Tracer(<aval>)")
+_SHAPE_OF_VALUES = "Shapes must be 1D sequences of concrete values of integer type"
+
+
+def needs_values(e: BaseException) -> bool:
+    """Whether ``e``, raised while tracing, is jax asking for a value: a
+    concretization error, or the TypeError of a shape built from a traced integer
+    (not one of a shape that is wrong whatever the values, ``(2.5,)``)."""
+    if isinstance(e, CONCRETIZATION_ERRORS):
+        return True
+    text = str(e)
+    return isinstance(e, TypeError) and text.startswith(_SHAPE_OF_VALUES) and "Tracer(" in text.splitlines()[0]
 
 
 class NotConcrete(Exception):

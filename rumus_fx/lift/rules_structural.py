@@ -52,12 +52,21 @@ defrule(
 
 def _chooser_vjp(r, g):
     """max/min reductions: the gradient is shared equally by every position that
-    attains the extreme value."""
+    attains the extreme value.
+
+    The extreme is taken again here from the saved operand, not read from the
+    saved output: a compiled forward may compute the operand twice, once
+    materialised (what is saved) and once inline in the reduction's fusion, and
+    XLA:CPU rounds the two differently (a float64 ``(a @ b - c) / 0.5`` differed
+    in its last bit), so the saved output could equal no saved element, and the
+    count of winners was 0: a nan gradient (``tests/lift/test_ties.py``). A max
+    or min is exact, so the operand's own extreme is always one of its elements."""
     aval = r.in_avals[0]
     axes = tuple(r.params["axes"])
     x = r.ins[0]
     sh = r.in_sharding(0)
-    y = _expand(r.outs[0], aval, axes, sh)
+    extreme = jnp.max if r.rule.name == "reduce_max" else jnp.min
+    y = _expand(extreme(x, axis=axes), aval, axes, sh)
     hit = (x == y).astype(g.dtype)
     count = _expand(jnp.sum(hit, axis=axes), aval, axes, sh)
     return (_expand(g, aval, axes, sh) * hit / count,)
@@ -66,7 +75,7 @@ def _chooser_vjp(r, g):
 defrule(
     "reduce_max",
     _chooser_vjp,
-    ((0,), (0,)),
+    ((0,), ()),
     table=(
         TableEntry("reduce_max", lambda x: jnp.max(x, axis=1), unary_samples(gen=distinct)),
         TableEntry("reduce_max_ties", lambda x: jnp.max(jnp.round(x), axis=0), unary_samples([(6, 3)])),
@@ -75,7 +84,7 @@ defrule(
 defrule(
     "reduce_min",
     _chooser_vjp,
-    ((0,), (0,)),
+    ((0,), ()),
     table=(TableEntry("reduce_min", lambda x: jnp.min(x, axis=(0, 1)), unary_samples([(3, 4), (2, 3, 5)], distinct)),),
 )
 

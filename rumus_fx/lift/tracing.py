@@ -318,7 +318,7 @@ def _describe_aval(a: Any) -> str:
 def _raise_shape_error(e: Exception, name: str, avals: Sequence[Any]) -> None:
     """JAX's own shape errors, raised while tracing, as rf.ShapeError naming the
     function and the shapes (nothing is recorded then)."""
-    if isinstance(e, (ShapeError, *_concrete.CONCRETIZATION_ERRORS)) or "shape" not in str(e).lower():
+    if isinstance(e, ShapeError) or _concrete.needs_values(e) or "shape" not in str(e).lower():
         return  # (a concretization error, such as an index read from a traced value, is about values)
     shapes = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals)
     cls = ShapeTypeError if isinstance(e, TypeError) else ShapeError
@@ -433,7 +433,9 @@ def _lifted_call(
         if traced is None:
             try:
                 traced = _trace(fun, treedef, statics, is_arr, avals, label)
-            except _concrete.CONCRETIZATION_ERRORS as e:
+            except Exception as e:
+                if not _concrete.needs_values(e):
+                    raise
                 # Python control flow on a value: traced with the values, as jax.grad runs
                 traced = _trace_with_values(fun, treedef, statics, is_arr, avals, label, values, tracked_in, e)
                 key = _plain_key(fun, treedef, statics, is_arr, avals, tracked_in)
@@ -542,15 +544,6 @@ def _trace_with_values(
         if concrete is None:
             raise _concrete.NotConcrete("an input is a tracer of an enclosing transformation")
         return _trace(fun, treedef, statics, is_arr, avals, label, values=concrete, tracked=tracked)
-    except _concrete.CONCRETIZATION_ERRORS as e:
-        raise AutogradError(
-            f"rf.lift({label}): traced with its values (it turns arrays into Python values), the function "
-            "still asks for a value rf does not give: a floating-point value that depends on a tracked "
-            "input, as a constant (x.item(), float(x), jnp.unique(x), ...), which would cut it out of the "
-            "gradient (jax.grad drops such terms silently; apply lax.stop_gradient first if that is meant), "
-            "or a value inside a jax.custom_jvp/custom_vjp or jax.jit function, which are traced without "
-            f"values. JAX's error: {str(e).splitlines()[0]}"
-        ) from e
     except _concrete.NotConcrete as e:
         if error is None:
             error = AutogradError(
@@ -559,6 +552,17 @@ def _trace_with_values(
                 "transformation the value is not known, as for jax.grad; use lax.cond/jnp.where instead"
             )
         raise error from None
+    except Exception as e:
+        if not _concrete.needs_values(e):
+            raise
+        raise AutogradError(
+            f"rf.lift({label}): traced with its values (it turns arrays into Python values), the function "
+            "still asks for a value rf does not give: a floating-point value that depends on a tracked "
+            "input, as a constant (x.item(), float(x), jnp.unique(x), ...), which would cut it out of the "
+            "gradient (jax.grad drops such terms silently; apply lax.stop_gradient first if that is meant), "
+            "or a value inside a jax.custom_jvp/custom_vjp or jax.jit function, which are traced without "
+            f"values. JAX's error: {str(e).splitlines()[0]}"
+        ) from e
 
 
 _NO_SUBSTITUTION: dict[Any, bool] = {}

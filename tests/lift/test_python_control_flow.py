@@ -84,6 +84,38 @@ def test_python_while_on_a_value(x64):
         _check(halving, (jnp.asarray(X * scale),), [0])
 
 
+def numpy_count(x, y):
+    """A count read as a NumPy value (``np.asarray`` of a traced integer, as
+    TensorFlow Probability's JAX substrate reads sizes)."""
+    n = int(np.asarray(jnp.sum(y > 0)))
+    return jnp.sum(jnp.sin(x[:n]) * y[:n]) + jnp.sum(x**2) * n
+
+
+def shaped_by_a_value(x, y):
+    """A shape built from a traced integer (``jnp.zeros((n,))``: jax's shape check
+    raises a plain TypeError there, not a concretization error)."""
+    n = jnp.sum(y > 0)
+    pad = jnp.zeros((n,)) + jnp.sum(y)
+    return jnp.sum(jnp.concatenate([x * y, pad]) ** 2)
+
+
+@pytest.mark.parametrize("f", [numpy_count, shaped_by_a_value])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_numpy_value_and_shape_from_a_value(x64, f, sign):
+    """Both fail under jax.jit (jax's own error there too) and work eagerly, as
+    under jax.grad: traced with the values, every argument alone and together."""
+    x, y = jnp.asarray(X), jnp.asarray(sign * Y)
+    with pytest.raises(TypeError):
+        jax.jit(jax.grad(f))(x, y)
+    _check(f, (x, y), [0, 1, (0, 1)])
+
+
+def test_a_shape_wrong_whatever_the_values_stays_a_shape_error():
+    f = lambda x: jnp.sum(jnp.zeros((2.5,))) + jnp.sum(x)  # noqa: E731
+    with pytest.raises(rf.ShapeError, match=r"Shapes must be .*\(2\.5,\)"):
+        rf.grad(rf.lift(f))(jnp.ones(2))
+
+
 def test_each_call_follows_its_own_branch():
     """The program of one branch is never reused for a call taking the other one
     (the gradient would be silently wrong): alternate, compare every call."""

@@ -148,3 +148,35 @@ def test_pow_at_zero_to_the_zero():
         g = lambda x: jnp.sum(lax.pow(x, 2.5) + lax.pow(2.0, x) + lax.pow(x, 0.0))  # noqa: E731
         np.testing.assert_allclose(rf.grad(rf.lift(g))(x + 1), jax.grad(g)(x + 1), rtol=1e-12)
         np.testing.assert_allclose(rf.grad(rf.lift(pow))(5.0, 1.5), jax.grad(pow)(5.0, 1.5), rtol=1e-12)
+
+
+def _softmax_of_a_fused_operand(x, extreme):
+    """A softmax that subtracts the row's extreme without stopping its gradient
+    (as TensorFlow Probability's JAX substrate writes it), of logits that a compiled
+    forward computes twice: materialised (what the reduction's rule saves) and
+    inline in the reduction's fusion, ``(x c^T - sum_j |x_i - x_j|)^T / 0.5`` with
+    a constant ``c``."""
+    y = x[None, :, None]  # a batch of one: the product is a batched dot_general
+    pd = jnp.abs(y - jnp.swapaxes(y, -1, -2))
+    c = jnp.arange(3, -4, -2).astype(x.dtype)
+    p = jnp.swapaxes(y @ c[None, :] - jnp.sum(pd, axis=-1)[..., None], -1, -2) / 0.5
+    e = jnp.exp(p - extreme(p, axis=-1, keepdims=True))
+    return jnp.sum(e / jnp.sum(e, axis=-1, keepdims=True) * jnp.arange(1.0, 1.0 + p.size).reshape(p.shape))
+
+
+@pytest.mark.parametrize("extreme", [jnp.max, jnp.min], ids=["max", "min"])
+def test_extreme_of_an_operand_computed_twice(extreme):
+    """The max/min reduction's rule found its winners by comparing the saved
+    operand with the saved output; XLA:CPU rounded the two copies of these
+    float64 logits differently, no element equalled the output, and the eager
+    gradient was nan with no error (found in TensorFlow Probability's
+    ``soft_sorting_matrix``). The rule now takes the extreme of the saved operand."""
+    with jax.enable_x64(True):
+        x = jnp.array([-1.3, -0.2, 0.4, 2.1])
+        f = lambda x: _softmax_of_a_fused_operand(x, extreme)  # noqa: E731
+        want = jax.grad(f)(x)  # eagerly: op by op
+        for jit in (False, True):
+            g = rf.grad(rf.lift(f))
+            got = (jax.jit(g) if jit else g)(x)
+            assert np.all(np.isfinite(got)), (jit, got)
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
