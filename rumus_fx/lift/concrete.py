@@ -251,6 +251,12 @@ class _ValueTrace(jax.core.Trace):
     def _value(self, x: Any) -> Any:
         return self.of.pair(x)[1]
 
+    def stage_value(self, val: Any) -> Any:
+        # jnp.array of a constant inside the function: staged as a value
+        ev = eval_trace()
+        with jex.set_current_trace(ev):
+            return ev.stage_value(self._value(val))
+
     def process_primitive(self, primitive: Any, tracers: Sequence[Any], params: dict, /) -> Any:
         vals = [self._value(x) for x in tracers]
         ev = eval_trace()

@@ -189,6 +189,23 @@ def test_custom_rules_are_honoured(sign):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@jax.custom_jvp
+def _log_gauss(x):
+    # jnp.array of a constant inside a rule's primal (TensorFlow Probability's
+    # lbeta writes tf.constant(np.log(2 * np.pi), dtype=x.dtype)): jax stages it
+    # into the current trace, the one that computes the primal's values here
+    return -0.5 * (x**2 + jnp.array(np.log(2 * np.pi)).astype(x.dtype))
+
+
+_log_gauss.defjvp(lambda p, t: (_log_gauss(p[0]), -p[0] * t[0]))
+
+
+def test_a_constant_staged_inside_a_rule_traced_with_values(x64):
+    f = lambda x, y: jnp.sum(_log_gauss(x) * y) if jnp.sum(y) > 0 else jnp.sum(_log_gauss(x * y))  # noqa: E731
+    for sign in (1, -1):
+        _check(f, (jnp.asarray(X), jnp.asarray(sign * np.abs(Y))), [0, 1, (0, 1)])
+
+
 def test_second_order(x64):
     h = lambda x: jnp.sum(x**3) if x[0] > 0 else jnp.sum(jnp.sin(x) ** 2)  # noqa: E731
     for x in (jnp.asarray(X), jnp.asarray(-X)):
