@@ -559,10 +559,11 @@ def _lift_families() -> dict[str, tuple[Callable[..., Any], tuple, tuple, tuple]
             + jnp.sum(jnp.pad(a, ((0, 0), (1, 2), (0, 1))) * 0.5)
         )
 
-    def indexing(a, u):  # gather, scatter-add, take_along_axis, .at[].set
+    def indexing(a, u):  # gather, scatter-add, scatter-max, take_along_axis, .at[].set
         return (
             jnp.sum(a[:, idx] ** 2)
             + jnp.sum(jnp.tanh(a.at[:, idx].add(u[:, :4])))
+            + jnp.sum(a.at[:, idx].max(u[:, :4]) ** 2)
             + jnp.sum(jnp.take_along_axis(a, tidx, axis=1) ** 2)
             + jnp.sum(a[:, 3] ** 2)
             # updates sharded as the rows they land in (jax 0.11 refuses a scalar's replicated broadcast)

@@ -342,9 +342,16 @@ defrule(
 
 def _scatter_extremal_vjp(r, g):
     """jax's tie-sharing scheme: the cotangent of a position is split equally
-    among the updates that attain it and (if it does) the original value."""
+    among the updates that attain it and (if it does) the original value.
+
+    The scatter is run again on the saved operand and updates rather than its
+    output saved: the winners are found by comparing values, and a compiled
+    forward may round a saved value and the copy it scattered differently (as
+    for ``reduce_max``: ``_chooser_vjp`` in rules_structural.py); a max or min
+    of the saved values is always one of them."""
     x, idx, y = r.ins
-    out = r.outs[0]
+    scatter = lax.scatter_max if r.rule.name == "scatter-max" else lax.scatter_min
+    out = scatter(x, idx, y, **_scatter_kw(r))
     dn = r.params["dimension_numbers"]
     initial = _read_back(r, x)
     target = _read_back(r, out)
@@ -378,7 +385,7 @@ def _twice_normal(r, *s):
 defrule(
     "scatter-min",
     _scatter_extremal_vjp,
-    ((0, 1, 2), (0,)),
+    ((0, 1, 2), ()),
     table=(
         TableEntry(
             "scatter_min",
@@ -390,7 +397,7 @@ defrule(
 defrule(
     "scatter-max",
     _scatter_extremal_vjp,
-    ((0, 1, 2), (0,)),
+    ((0, 1, 2), ()),
     table=(
         TableEntry(
             "scatter_max",
