@@ -31,6 +31,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
+from .concrete import needs_values
 from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
 from .program import Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
@@ -597,7 +598,18 @@ def _custom_vjp_vjp(r, g):
             else:  # an integer or boolean output's cotangent, as jax instantiates it
                 gk = np.zeros(a.shape, jax.dtypes.float0)
         cts.append(gk)
-    grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
+    try:
+        grads = bwd_cotangents(r.params["bwd"].call_wrapped(*_custom_vjp_residuals(info, r.extra), *cts))
+    except Exception as e:
+        if not needs_values(e):
+            raise
+        raise AutogradError(
+            f"rf.lift: the custom_vjp bwd of {custom_function_name(r.params)} needs the values of its residuals "
+            "or cotangents (it turns an array into a Python value or a shape), but rf runs a backward pass as a "
+            "compiled program, where they are traced: as under jax.jit(jax.grad(f)), which fails the same way "
+            "(only jax.grad run eagerly runs a bwd on values). Build such shapes and Python values from static "
+            f"data (array shapes, nondiff_argnums). JAX's error: {str(e).splitlines()[0]}"
+        ) from e
     out = [None] * nc
     for gr, a, n in zip(grads, r.in_avals[nc:], r.needs[nc:]):
         if jnp.issubdtype(getattr(gr, "dtype", np.float32), jax.dtypes.extended) and not _is_zero_ct(gr):

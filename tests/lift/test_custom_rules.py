@@ -954,3 +954,35 @@ def test_rule_reading_state_left_as_the_call_found_it(kind):
         chex.assert_trees_all_close(got, jax.grad(f)(x, w), rtol=1e-12)
         chex.assert_trees_all_close(got, np.cos(np.asarray(x)) * np.asarray(w), rtol=1e-12)
         chex.assert_trees_all_close(jax.jit(rf.grad(rf.lift(f)))(x, w), got, rtol=1e-12)
+
+
+@jax.custom_vjp
+def _padded_sum(x, n):
+    return jnp.sum(x)
+
+
+def _padded_sum_fwd(x, n):
+    return jnp.sum(x), (x, n)
+
+
+def _padded_sum_bwd(res, g):
+    x, n = res
+    pad = jnp.zeros((int(n),))  # a shape from a residual's value (TFP's ODE adjoint sizes an array so)
+    return jnp.full_like(x, g) + jnp.sum(pad), None
+
+
+_padded_sum.defvjp(_padded_sum_fwd, _padded_sum_bwd)
+
+
+def test_custom_vjp_bwd_that_needs_values_is_refused_by_name():
+    """rf runs a backward pass compiled, as jax.jit(jax.grad) does: a bwd that builds
+    a shape from a residual's value fails there as under jax.jit, now with an error
+    that names the custom_vjp (it was a bare TypeError from inside rf's runner)."""
+    x, n = jnp.arange(3.0), jnp.asarray(4)
+    f = lambda x, n: _padded_sum(x * x, n)  # noqa: E731
+    np.testing.assert_allclose(jax.grad(f)(x, n), 2 * x)  # eagerly, jax runs the bwd on values
+    with pytest.raises(TypeError):
+        jax.jit(jax.grad(f))(x, n)
+    with pytest.raises(rf.AutogradError, match=r"custom_vjp bwd of _padded_sum needs the values") as info:
+        rf.grad(rf.lift(f))(x, n)
+    assert isinstance(info.value.__cause__, TypeError)
