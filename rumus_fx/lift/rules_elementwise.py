@@ -270,19 +270,34 @@ def _balanced(x, z, y):
     return jnp.where(x == z, jnp.where(y == z, 0.5, 1.0), 0.0).astype(z.dtype)
 
 
+def _chosen(pick, k):
+    """The rule of input ``k`` of ``max``/``min`` (``pick``: ``lax.max``/``lax.min``).
+    The chosen value is picked again from the saved inputs, not read from the saved
+    output: a compiled forward may round an input's saved copy and the copy it
+    compared differently, and then neither input equalled the output and both got a
+    zero gradient (as for ``reduce_max``: ``_chooser_vjp`` in rules_structural.py;
+    ``tests/lift/test_ties.py``)."""
+
+    def rule(r, g):
+        a, b = _bcast(g, _input(r, k)), _bcast(g, _input(r, 1 - k))
+        return g * _balanced(a, pick(a, b), b)
+
+    return rule
+
+
 _binary(
     "max",
-    lambda r, g: g * _balanced(_bcast(g, _input(r, 0)), _output(r), _bcast(g, _input(r, 1))),
-    lambda r, g: g * _balanced(_bcast(g, _input(r, 1)), _output(r), _bcast(g, _input(r, 0))),
-    ((0, 1), (0,)),
+    _chosen(lax.max, 0),
+    _chosen(lax.max, 1),
+    ((0, 1), ()),
     program=jnp.maximum,
     samples=binary_samples(distinct, distinct),
 )
 _binary(
     "min",
-    lambda r, g: g * _balanced(_bcast(g, _input(r, 0)), _output(r), _bcast(g, _input(r, 1))),
-    lambda r, g: g * _balanced(_bcast(g, _input(r, 1)), _output(r), _bcast(g, _input(r, 0))),
-    ((0, 1), (0,)),
+    _chosen(lax.min, 0),
+    _chosen(lax.min, 1),
+    ((0, 1), ()),
     program=jnp.minimum,
     samples=binary_samples(distinct, distinct),
 )
