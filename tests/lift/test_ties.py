@@ -150,16 +150,34 @@ def test_pow_at_zero_to_the_zero():
         np.testing.assert_allclose(rf.grad(rf.lift(pow))(5.0, 1.5), jax.grad(pow)(5.0, 1.5), rtol=1e-12)
 
 
-def _softmax_of_a_fused_operand(x, extreme):
-    """A softmax that subtracts the row's extreme without stopping its gradient
-    (as TensorFlow Probability's JAX substrate writes it), of logits that a compiled
-    forward computes twice: materialised (what the reduction's rule saves) and
-    inline in the reduction's fusion, ``(x c^T - sum_j |x_i - x_j|)^T / 0.5`` with
-    a constant ``c``."""
+def _fused_logits(x):
+    """Logits that a compiled forward computes twice, materialised (what a rule
+    saves) and inline in the fusion of the op that reads them,
+    ``(x c^T - sum_j |x_i - x_j|)^T / 0.5`` with a constant ``c``: XLA:CPU rounds
+    the two copies of these float64 values apart in their last bit."""
     y = x[None, :, None]  # a batch of one: the product is a batched dot_general
     pd = jnp.abs(y - jnp.swapaxes(y, -1, -2))
     c = jnp.arange(3, -4, -2).astype(x.dtype)
-    p = jnp.swapaxes(y @ c[None, :] - jnp.sum(pd, axis=-1)[..., None], -1, -2) / 0.5
+    return jnp.swapaxes(y @ c[None, :] - jnp.sum(pd, axis=-1)[..., None], -1, -2) / 0.5
+
+
+def _matches_eager_jax_grad(f, args, argnums_list):
+    """rf's gradient, eager and under jit, finite and equal to jax.grad's run eagerly
+    (op by op, so each value exists once)."""
+    for argnums in argnums_list:
+        want = jax.grad(f, argnums)(*args)
+        for jit in (False, True):
+            g = rf.grad(rf.lift(f), argnums)
+            got = (jax.jit(g) if jit else g)(*args)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert np.all(np.isfinite(a)), (argnums, jit, a)
+                np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=f"{argnums} jit={jit}")
+
+
+def _softmax_of_a_fused_operand(x, extreme):
+    """A softmax that subtracts the row's extreme without stopping its gradient
+    (as TensorFlow Probability's JAX substrate writes it), of ``_fused_logits``."""
+    p = _fused_logits(x)
     e = jnp.exp(p - extreme(p, axis=-1, keepdims=True))
     return jnp.sum(e / jnp.sum(e, axis=-1, keepdims=True) * jnp.arange(1.0, 1.0 + p.size).reshape(p.shape))
 
@@ -172,21 +190,9 @@ def test_extreme_of_an_operand_computed_twice(extreme):
     gradient was nan with no error (found in TensorFlow Probability's
     ``soft_sorting_matrix``). The rule now takes the extreme of the saved operand."""
     with jax.enable_x64(True):
-        x = jnp.array([-1.3, -0.2, 0.4, 2.1])
-        f = lambda x: _softmax_of_a_fused_operand(x, extreme)  # noqa: E731
-        want = jax.grad(f)(x)  # eagerly: op by op
-        for jit in (False, True):
-            g = rf.grad(rf.lift(f))
-            got = (jax.jit(g) if jit else g)(x)
-            assert np.all(np.isfinite(got)), (jit, got)
-            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-
-
-def _fused_logits(x):
-    y = x[None, :, None]  # a batch of one: the product is a batched dot_general
-    pd = jnp.abs(y - jnp.swapaxes(y, -1, -2))
-    c = jnp.arange(3, -4, -2).astype(x.dtype)
-    return jnp.swapaxes(y @ c[None, :] - jnp.sum(pd, axis=-1)[..., None], -1, -2) / 0.5
+        _matches_eager_jax_grad(
+            lambda x: _softmax_of_a_fused_operand(x, extreme), (jnp.array([-1.3, -0.2, 0.4, 2.1]),), [0]
+        )
 
 
 @pytest.mark.parametrize("pick", [jnp.maximum, jnp.minimum], ids=["maximum", "minimum"])
@@ -205,10 +211,4 @@ def test_elementwise_extreme_of_an_operand_computed_twice(pick):
             p = _fused_logits(x)
             return jnp.sum(pick(p, c[None, None, :]) * w) + jnp.sum(pick(p, jnp.swapaxes(p, -1, -2)) * w)
 
-        for argnums in (0, 1, (0, 1)):
-            want = jax.grad(f, argnums)(x, c)  # eagerly: op by op
-            for jit in (False, True):
-                g = rf.grad(rf.lift(f), argnums)
-                got = (jax.jit(g) if jit else g)(x, c)
-                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=f"{argnums} jit={jit}")
+        _matches_eager_jax_grad(f, (x, c), [0, 1, (0, 1)])
