@@ -199,9 +199,9 @@ def test_extreme_of_an_operand_computed_twice(extreme):
 def test_elementwise_extreme_of_an_operand_computed_twice(pick):
     """The same for the elementwise max/min: the rule compared each saved input
     with the saved output, neither equalled it, and both inputs got a zero
-    gradient (jnp.maximum(logits, c), a relu-like clip of these logits: wrong by
-    8-192 with no error). The rule now picks the chosen value again from the saved
-    inputs. Each argument alone and both."""
+    gradient (jnp.maximum(logits, c), a relu-like clip of these logits: wrong by up
+    to 192 for the maximum and 384 for the minimum, with no error). The rule now
+    picks the chosen value again from the saved inputs. Each argument alone and both."""
     with jax.enable_x64(True):
         x = jnp.array([-1.3, -0.2, 0.4, 2.1])
         c = jnp.array([-9.0, -5.0, -7.0, -3.0])
