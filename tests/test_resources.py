@@ -145,6 +145,110 @@ def test_changing_python_scalars_do_not_recompile():
 
 
 # ---------------------------------------------------------------------------
+# Lifted programs: a bounded cache, released with their compiled calls
+# ---------------------------------------------------------------------------
+
+
+def _mapped_regions() -> int | None:
+    """The process's memory mappings (Linux allows 65,530 by default:
+    ``vm.max_map_count``); None where ``/proc`` does not exist."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def test_lifted_programs_are_bounded_and_released_with_their_compiled_calls(monkeypatch):
+    """Eager calls of a lifted function that need a new program each time (a
+    closed-over Python float that changes on every call, as a schedule gives)
+    keep at most ``_MAX_PROGRAMS`` programs; an evicted one is freed with its
+    compiled forward and backward. Before, jax's cache of the shared backward
+    call held every program (it is static data of the call), so none was ever
+    freed: 2,000 such calls ran the process out of memory mappings (each compiled
+    program maps its code in tens to hundreds of regions) and XLA crashed with a
+    segmentation fault inside a compile."""
+    from rumus_fx.autograd import whole_tape
+    from rumus_fx.lift import tracing
+    from rumus_fx.lift.program import Program
+
+    monkeypatch.setattr(tracing, "_MAX_PROGRAMS", 3)
+    monkeypatch.setattr(whole_tape, "CACHE_SIZE", 2)  # it holds the programs of the tapes it saw
+    made: list[weakref.ref] = []
+    init = Program.__init__
+
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Program, "__init__", tracked_init)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 4)), F32)
+
+    def steps(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            scale = 1.0 / (i + 1.0)
+
+            def loss(x):
+                return jnp.sum(jnp.tanh(x * scale) @ x)  # noqa: B023 - a closure cell, as a schedule gives
+
+            got = rf.grad(rf.lift(loss))(x)
+            np.testing.assert_allclose(got, jax.grad(loss)(x), rtol=1e-5, atol=1e-6)
+
+    steps(0, 8)
+    gc.collect()
+    regions = _mapped_regions()
+    steps(8, 40)
+    gc.collect()
+    live = sum(r() is not None for r in made)
+    assert len(made) >= 48 and live <= 3 + 2, f"{live} of {len(made)} programs still alive"
+    if regions is not None:  # the compiled calls went with them
+        grown = _mapped_regions() - regions
+        assert grown < 200, f"{grown} more memory mappings after 40 new programs"
+
+
+def test_near_the_mapping_limit_the_older_programs_are_dropped(monkeypatch):
+    """Past half the kernel's limit on memory mappings, a new program drops the
+    least recently used half of the lifted programs and the whole-tape cache,
+    with their compiled calls; a dropped function is traced again and its
+    gradient is still jax.grad's."""
+    from rumus_fx.autograd import whole_tape
+    from rumus_fx.lift import tracing
+
+    monkeypatch.setattr(tracing, "_CHECK_MAPPINGS_EVERY", 1)
+    tracing.clear_programs()
+    whole_tape.clear_cache()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5)), F32)
+    losses = []
+    for i in range(6):
+        scale = 0.5 + i
+
+        def loss(x, scale=scale):
+            return jnp.sum(jnp.sin(x * scale) * x)
+
+        losses.append(loss)
+        for _ in range(3):  # the whole-tape cache sees the tape
+            rf.grad(rf.lift(loss))(x)
+    kept = len(tracing._PROGRAMS)
+    assert kept == 6 and len(whole_tape._CACHE) > 0
+    gc.collect()
+    regions = _mapped_regions()
+    # the process now reads as past half the limit
+    monkeypatch.setattr(tracing, "mapped_regions", lambda: 10**6)
+
+    def new_loss(x):
+        return jnp.sum(jnp.cos(x) * x)
+
+    rf.grad(rf.lift(new_loss))(x)
+    assert len(tracing._PROGRAMS) == 3  # of 7 programs, the older half (rounded up) dropped
+    assert len(whole_tape._CACHE) == 1  # emptied; since then it saw the new call's tape
+    monkeypatch.setattr(tracing, "mapped_regions", lambda: 0)
+    if regions is not None:
+        assert _mapped_regions() < regions, "the dropped programs' compiled calls were not freed"
+    for loss in losses:
+        np.testing.assert_allclose(rf.grad(rf.lift(loss))(x), jax.grad(loss)(x), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
 # jit: retracing leaves nothing behind
 # ---------------------------------------------------------------------------
 

@@ -215,6 +215,10 @@ class Record:
     # runs inline, never as a compiled call of its flattened fields
     # (``runner._run``).
     _step: ClassVar[Any] = None
+    # a record whose static data owns the compiled call of its eager backward (a
+    # lifted program: Note [A program's compiled calls] in rumus_fx/lift/program.py)
+    # runs it with ``compiled_backward`` instead of the runner's shared call
+    owns_compiled_backward: ClassVar[bool] = False
     _snapshot_fields: ClassVar[tuple[str, ...] | None] = None
     _array_fields: ClassVar[tuple[str, ...] | None] = None
     _static_fields: ClassVar[tuple[str, ...] | None] = None
@@ -234,6 +238,11 @@ class Record:
 
     def backward(self, grad_out: jax.Array, needs: tuple[bool, ...]) -> tuple[jax.Array | None, ...]:
         raise NotImplementedError(f"{self.name}.backward")
+
+    def compiled_backward(
+        self, grad_out: Any, needs: tuple[bool, ...], options: Mapping[str, str] | None
+    ) -> tuple[jax.Array | None, ...]:
+        raise NotImplementedError(f"{self.name}.compiled_backward")
 
     @classmethod
     def _classify_fields(cls) -> None:

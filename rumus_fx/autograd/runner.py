@@ -158,6 +158,8 @@ def _run(op: Any, grad_out: Any, needs: tuple[bool, ...]) -> tuple:
     if walk is not None:
         walk.state = None  # the compiled call's own (Note [One rule runner])
     try:
+        if op.owns_compiled_backward:
+            return op.compiled_backward(grad_out, needs, opts)
         try:
             hash(treedef)
         except TypeError:  # a static field that does not hash: jit flattens the record itself

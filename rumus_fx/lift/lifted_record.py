@@ -37,8 +37,13 @@ class LiftedBackward(Record):
     extras: tuple[Array, ...]
     versions: tuple[VersionSnapshot, ...]
 
+    owns_compiled_backward = True
+
     def backward(self, g, needs):
         return tuple(self.program.backward((self.residuals, self.extras), g, rows_checked=True))
+
+    def compiled_backward(self, g, needs, options):
+        return self.program.compiled_backward(options)((self.residuals, self.extras), g)
 
     def records(self) -> list[PrimitiveRecord]:
         return self.program.records((self.residuals, self.extras))

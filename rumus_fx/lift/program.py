@@ -10,7 +10,7 @@ import contextvars
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -214,6 +214,7 @@ class Program:
             self._mark(tracked_in)
         self._refuse_reduced_ends()
         self._jit_forward: Callable | None = None
+        self._jit_backward: dict[Any, Callable] = {}
 
     def _refuse_reduced_ends(self) -> None:
         """A tracked input or output with reduced or unreduced mesh axes is refused
@@ -406,6 +407,18 @@ class Program:
             self._jit_forward = jax.jit(self.run)
         return self._jit_forward(list(inputs))
 
+    def compiled_backward(self, options: Mapping[str, str] | None) -> Callable:
+        """``backward`` as one compiled call owned by this program, for an eager
+        backward (Note [A program's compiled calls])."""
+        key = None if options is None else tuple(sorted(options.items()))
+        fn = self._jit_backward.get(key)
+        if fn is None:
+            fn = self._jit_backward[key] = jax.jit(self._backward_call, compiler_options=options)
+        return fn
+
+    def _backward_call(self, residuals: Any, out_grads: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(self.backward(residuals, out_grads, rows_checked=True))
+
     def records(self, residuals: Any) -> list[PrimitiveRecord]:
         """The per-primitive records, in forward order, built from residuals."""
         values, extras = residuals
@@ -552,6 +565,40 @@ class Program:
             if dropped:
                 for x in ins:
                     grads.setdefault(x, _REACHED)
+
+
+# Note [A program's compiled calls]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An eager lifted call runs two compiled calls that the program owns: its forward
+# (``_jit_forward``) and its backward (``compiled_backward``, one per set of XLA
+# options). Owned, they go when the program goes. A program lives while a tape
+# entry holds it, in ``tracing._PROGRAMS`` (a cache of at most ``_MAX_PROGRAMS``,
+# the least recently used dropped first) and in the whole-tape cache (at most
+# ``whole_tape.CACHE_SIZE`` tape signatures).
+#
+# The bound matters because a compiled XLA:CPU program maps its code into memory in
+# many regions: about 30 for a few ops, 176 for a flax transformer block's forward
+# and backward. Linux allows a process 65,530 (``vm.max_map_count``); past that,
+# XLA crashes inside a compile with a segmentation fault. The backward used to run
+# as the runner's shared compiled call with the record's static data, the program
+# included, as its static argument. jax's cache of that call (8,192 entries) then
+# held every program ever run, with both its compiled calls, even after the
+# program left ``_PROGRAMS``, which itself emptied only at 2,048 entries. Take a
+# loop whose lifted function, six tanh layers and a scan over 8 rows, closes over a
+# Python float that changes every call, so each call makes a new program. The
+# process gained about 133 regions a call and crashed after about 480 calls. Now
+# it levels off at 18,000-24,000 regions
+# (``tests/test_resources.py::test_lifted_programs_are_bounded_and_released_with_their_compiled_calls``).
+# jax.jit frees a function's compiled programs when the function goes.
+#
+# A count alone does not bound the regions: 128 programs of a transformer block's
+# size hold about 22,500, and a deeper model's programs hold more. So every
+# ``_CHECK_MAPPINGS_EVERY`` new programs rf reads how many regions the process
+# holds (``/proc/self/maps``: 3-8 ms at 4,000 regions, 50 at 30,000). Past half
+# the limit, ``relieve_mapping_pressure`` drops the least recently used half of
+# ``_PROGRAMS`` and the whole-tape cache, then runs the garbage collector (a program
+# and its compiled calls form a reference cycle). A dropped program is traced
+# again when next called. The regions that jax's own caches hold stay.
 
 
 # Note [A user's bwd on zero cotangents]

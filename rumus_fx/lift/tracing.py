@@ -30,8 +30,11 @@ made an extra input too (traced per call), so its gradient is never silently los
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
 import os
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +46,7 @@ from jax.extend import core as jcore
 
 from .. import sharding as shd
 from .. import tensor as tensor_mod
+from ..autograd import whole_tape
 from ..autograd.record import VersionSnapshot
 from ..autograd.tape import current_tape, suspend_recording
 from ..errors import SHARDING_HINT, AutogradError, ShapeError, ShapeTypeError, ShardingError
@@ -95,8 +99,79 @@ class _Capture:
         return None
 
 
-_PROGRAMS: dict[Any, tuple[Program, Any]] = {}
-_MAX_PROGRAMS = 2048
+class _ProgramCache(collections.OrderedDict):
+    """The lifted programs by cache key, the least recently used dropped first
+    beyond ``_MAX_PROGRAMS`` (Note [A program's compiled calls] in lift/program.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()  # lifted calls may run in several threads
+        self._puts = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        with self._lock:
+            hit = super().get(key, default)
+            if hit is not default:
+                self.move_to_end(key)
+            return hit
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self[key] = value
+            self.move_to_end(key)
+            while len(self) > _MAX_PROGRAMS:
+                self.popitem(last=False)
+            self._puts += 1
+            check = self._puts % _CHECK_MAPPINGS_EVERY == 0
+        if check:
+            relieve_mapping_pressure()
+
+    def drop_oldest(self, n: int) -> None:
+        with self._lock:
+            for _ in range(min(n, len(self))):
+                self.popitem(last=False)
+
+
+_PROGRAMS: _ProgramCache = _ProgramCache()
+_MAX_PROGRAMS = 128
+_MAX_KEYS = 2048  # keys remembered as retraced or not substituted (no program held)
+_CHECK_MAPPINGS_EVERY = 4  # new programs between two looks at the process's memory mappings
+
+
+def mapped_regions() -> int | None:
+    """How many memory mappings the process holds (None where ``/proc`` does
+    not say: not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return None
+
+
+@functools.cache
+def mapping_limit() -> int:
+    """The kernel's limit on a process's memory mappings (``vm.max_map_count``)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+def relieve_mapping_pressure() -> bool:
+    """Past half the kernel's limit on memory mappings, drop the least recently
+    used half of the lifted programs and the whole-tape cache, with their compiled
+    calls (Note [A program's compiled calls] in lift/program.py). Returns whether
+    it did."""
+    if not _PROGRAMS and not whole_tape.holds_any():
+        return False  # the regions are held elsewhere (jax's own caches): nothing to drop
+    n = mapped_regions()
+    if n is None or n < mapping_limit() // 2:
+        return False
+    _PROGRAMS.drop_oldest((len(_PROGRAMS) + 1) // 2)
+    whole_tape.clear_cache()
+    gc.collect()  # a program and its compiled calls form a reference cycle
+    return True
 
 
 class _TreeKey:
@@ -426,7 +501,7 @@ def _lifted_call(
             except Exception:
                 # the function needs a closed-over array's value while tracing: it
                 # is traced per call with the values baked in
-                if len(_NO_SUBSTITUTION) >= _MAX_PROGRAMS:
+                if len(_NO_SUBSTITUTION) >= _MAX_KEYS:
                     _NO_SUBSTITUTION.clear()
                 _NO_SUBSTITUTION[key] = True
                 clo, cavals, key = None, [], None
@@ -440,14 +515,14 @@ def _lifted_call(
                 traced = _trace_with_values(fun, treedef, statics, is_arr, avals, label, values, tracked_in, e)
                 key = _plain_key(fun, treedef, statics, is_arr, avals, tracked_in)
                 if key is not None:
-                    if len(_CONCRETE) >= _MAX_PROGRAMS:
+                    if len(_CONCRETE) >= _MAX_KEYS:
                         _CONCRETE.clear()
                     _CONCRETE[key] = True
         closed, out_info, captured, constants = traced
         fingerprint = None
         if key is not None and (volatile or _retraced(key) or _reads_arrays(closed)):
             # (Note [Closures of a lifted function], "Reads the walk cannot see")
-            if len(_VOLATILE) >= _MAX_PROGRAMS:
+            if len(_VOLATILE) >= _MAX_KEYS:
                 _VOLATILE.clear()
             _VOLATILE[key] = True
             fingerprint = _fingerprint(key, closed)
@@ -463,9 +538,7 @@ def _lifted_call(
                 and (clo is not None or not _closes_over_tensor((fun, *statics)))
                 and (fingerprint is not None or not _retraced(key))
             ):
-                if len(_PROGRAMS) >= _MAX_PROGRAMS:
-                    _PROGRAMS.clear()
-                _PROGRAMS[key if fingerprint is None else fingerprint] = hit
+                _PROGRAMS.put(key if fingerprint is None else fingerprint, hit)
         else:
             hit = (hit[0], out_info)  # (this trace's static outputs)
     else:
