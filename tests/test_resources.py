@@ -165,9 +165,10 @@ def test_lifted_programs_are_bounded_and_released_with_their_compiled_calls(monk
     keep at most ``_MAX_PROGRAMS`` programs; an evicted one is freed with its
     compiled forward and backward. Before, jax's cache of the shared backward
     call held every program (it is static data of the call), so none was ever
-    freed: 2,000 such calls ran the process out of memory mappings (each compiled
-    program maps its code in tens to hundreds of regions) and XLA crashed with a
-    segmentation fault inside a compile."""
+    freed: such a loop ran the process out of memory mappings (each compiled
+    program maps its code in tens to hundreds of regions), and XLA crashed with a
+    segmentation fault inside a compile, after about 480 calls of a six-layer
+    function. On the old code all 48 programs stayed alive."""
     from rumus_fx.autograd import whole_tape
     from rumus_fx.lift import tracing
     from rumus_fx.lift.program import Program
