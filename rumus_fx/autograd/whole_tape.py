@@ -88,10 +88,6 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def holds_any() -> bool:
-    return bool(_CACHE)
-
-
 class _Seen:
     """A signature seen once: which entries were live, which local ids went
     foreign, and how long the rule-by-rule walk took (seconds); ``rules``: the

@@ -163,8 +163,6 @@ def relieve_mapping_pressure() -> bool:
     used half of the lifted programs and the whole-tape cache, with their compiled
     calls (Note [A program's compiled calls] in lift/program.py). Returns whether
     it did."""
-    if not _PROGRAMS and not whole_tape.holds_any():
-        return False  # the regions are held elsewhere (jax's own caches): nothing to drop
     n = mapped_regions()
     if n is None or n < mapping_limit() // 2:
         return False
