@@ -158,17 +158,32 @@ def mapping_limit() -> int:
         return 65530
 
 
+_after_relief: list[int | None] = [None]  # regions the process held just after the last relief
+
+
+def relief_threshold() -> int:
+    """How many memory mappings the process may hold before rf drops programs:
+    half the kernel's limit, or, after a relief, half the way from what was left
+    to the limit, at most seven eighths of it (Note [A program's compiled calls])."""
+    limit = mapping_limit()
+    after = _after_relief[0]
+    if after is None:
+        return limit // 2
+    return min(max(limit // 2, after + (limit - after) // 2), limit - limit // 8)
+
+
 def relieve_mapping_pressure() -> bool:
-    """Past half the kernel's limit on memory mappings, drop the least recently
+    """Past ``relief_threshold()`` memory mappings, drop the least recently
     used half of the lifted programs and the whole-tape cache, with their compiled
     calls (Note [A program's compiled calls] in lift/program.py). Returns whether
     it did."""
     n = mapped_regions()
-    if n is None or n < mapping_limit() // 2:
+    if n is None or n < relief_threshold():
         return False
     _PROGRAMS.drop_oldest((len(_PROGRAMS) + 1) // 2)
     whole_tape.clear_cache()
     gc.collect()  # a program and its compiled calls form a reference cycle
+    _after_relief[0] = mapped_regions()
     return True
 
 
@@ -221,6 +236,7 @@ def clear_programs() -> None:
     """Forget every lifted program (a rule was registered or removed: the next
     call traces again and reads the rules anew)."""
     _PROGRAMS.clear()
+    _after_relief[0] = None
 
 
 def is_array_leaf(x: Any) -> bool:
