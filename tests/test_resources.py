@@ -251,8 +251,8 @@ def test_near_the_mapping_limit_the_older_programs_are_dropped(monkeypatch):
 
 def test_regions_held_outside_rf_do_not_make_it_drop_its_working_set(monkeypatch):
     """jax's own caches may hold more than half the limit on memory mappings. rf
-    then drops its programs once, and again only when the process has grown by
-    half the headroom left (at most to seven eighths of the limit): a working set
+    then drops its programs once, and again only when the process has grown by a
+    third of the headroom left (at most to three quarters of the limit): a working set
     of lifted functions called in rounds is traced once. Before, every fourth new
     program dropped half of them and each round traced them all again (24 small
     functions with 34,000 regions held outside rf: 8 s a round instead of 0.02)."""
@@ -278,22 +278,22 @@ def test_regions_held_outside_rf_do_not_make_it_drop_its_working_set(monkeypatch
         return tracing._PROGRAMS._puts - puts
 
     working = [make(0.5 + i) for i in range(8)]
-    assert new_programs(working) == 8  # the first relieved (600 >= 500), leaving 600: the next at 800
+    assert new_programs(working) == 8  # the first relieved (600 >= 500), leaving 600: the next at 733
     assert new_programs(working) == 1  # the one that relief dropped
     for _ in range(3):
         assert new_programs(working) == 0
-    assert tracing.relief_threshold() == 800
-    # rf's own programs still get dropped when they grow by half the headroom
+    assert tracing.relief_threshold() == 733
+    # rf's own programs still get dropped when they grow by a third of the headroom
     more = [make(10.5 + i) for i in range(16)]
     new_programs(more)
-    assert len(tracing._PROGRAMS) < 20  # 20 programs read 800: half dropped
-    assert tracing.relief_threshold() > 800
-    # at seven eighths of the limit every new program relieves
+    assert len(tracing._PROGRAMS) < 14  # 14 programs read 740: half dropped
+    assert tracing.relief_threshold() > 733
+    # past three quarters of the limit every new program relieves
     outside[0] = 900
     kept = len(tracing._PROGRAMS)
     new_programs([make(30.5)])
     assert len(tracing._PROGRAMS) == (kept + 1) // 2
-    assert tracing.relief_threshold() == 875
+    assert tracing.relief_threshold() == 750
     tracing.clear_programs()
     assert tracing.relief_threshold() == 500
 

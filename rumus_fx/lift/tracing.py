@@ -163,13 +163,14 @@ _after_relief: list[int | None] = [None]  # regions the process held just after 
 
 def relief_threshold() -> int:
     """How many memory mappings the process may hold before rf drops programs:
-    half the kernel's limit, or, after a relief, half the way from what was left
-    to the limit, at most seven eighths of it (Note [A program's compiled calls])."""
+    half the kernel's limit, or, after a relief, a third of the way from what was
+    left to the limit, at most three quarters of it (Note [A program's compiled
+    calls])."""
     limit = mapping_limit()
     after = _after_relief[0]
     if after is None:
         return limit // 2
-    return min(max(limit // 2, after + (limit - after) // 2), limit - limit // 8)
+    return min(max(limit // 2, after + (limit - after) // 3), limit - limit // 4)
 
 
 def relieve_mapping_pressure() -> bool:
