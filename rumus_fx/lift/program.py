@@ -605,7 +605,10 @@ class Program:
 # half, a process whose jax.jit caches held more than half the limit dropped rf's
 # programs every fourth new one, and a working set of 24 small lifted functions
 # was traced again every round: 8 s a round instead of 0.02
-# (``test_regions_held_outside_rf_do_not_make_it_drop_its_working_set``).
+# (``test_regions_held_outside_rf_do_not_make_it_drop_its_working_set``). If a
+# relief leaves the process at seven eighths of the limit, what holds the regions is
+# not rf's, and rf warns once: the warning names the limit and ``jax.clear_caches()``,
+# where the first sign used to be a segmentation fault.
 
 
 # Note [A user's bwd on zero cotangents]

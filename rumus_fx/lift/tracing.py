@@ -35,6 +35,7 @@ import functools
 import gc
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -159,6 +160,7 @@ def mapping_limit() -> int:
 
 
 _after_relief: list[int | None] = [None]  # regions the process held just after the last relief
+_warned_near_limit = [False]  # the warning that others hold nearly all mappings, given once
 
 
 def relief_threshold() -> int:
@@ -176,15 +178,28 @@ def relief_threshold() -> int:
 def relieve_mapping_pressure() -> bool:
     """Past ``relief_threshold()`` memory mappings, drop the least recently
     used half of the lifted programs and the whole-tape cache, with their compiled
-    calls (Note [A program's compiled calls] in lift/program.py). Returns whether
-    it did."""
+    calls (Note [A program's compiled calls] in lift/program.py). If the process
+    still holds seven eighths of the limit, warns once (a ``RuntimeWarning``) that
+    XLA may crash and what frees the rest. Returns whether it did."""
     n = mapped_regions()
     if n is None or n < relief_threshold():
         return False
     _PROGRAMS.drop_oldest((len(_PROGRAMS) + 1) // 2)
     whole_tape.clear_cache()
     gc.collect()  # a program and its compiled calls form a reference cycle
-    _after_relief[0] = mapped_regions()
+    after = _after_relief[0] = mapped_regions()
+    limit = mapping_limit()
+    if after is not None and after >= limit - limit // 8 and not _warned_near_limit[0]:
+        _warned_near_limit[0] = True
+        warnings.warn(
+            f"this process holds {after:,} memory mappings of the {limit:,} that Linux allows it "
+            "(vm.max_map_count) after rf.lift dropped half of its programs; each compiled XLA "
+            "program maps its code in tens to hundreds of them, and past the limit XLA crashes "
+            "inside a compile. jax.clear_caches() frees jax's compiled programs; a higher "
+            "vm.max_map_count raises the limit",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return True
 
 
@@ -238,6 +253,7 @@ def clear_programs() -> None:
     call traces again and reads the rules anew)."""
     _PROGRAMS.clear()
     _after_relief[0] = None
+    _warned_near_limit[0] = False
 
 
 def is_array_leaf(x: Any) -> bool:
