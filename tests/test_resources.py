@@ -207,6 +207,13 @@ def test_lifted_programs_are_bounded_and_released_with_their_compiled_calls(monk
         assert grown < 200, f"{grown} more memory mappings after 40 new programs"
 
 
+def _fresh_relief_state(monkeypatch, tracing) -> None:
+    """The relief's threshold and once-only warning start afresh, and what the
+    test leaves there (a simulated count) does not reach the later tests."""
+    monkeypatch.setattr(tracing, "_after_relief", [None])
+    monkeypatch.setattr(tracing, "_warned_near_limit", [False])
+
+
 def test_near_the_mapping_limit_the_older_programs_are_dropped(monkeypatch):
     """Past half the kernel's limit on memory mappings, a new program drops the
     least recently used half of the lifted programs and the whole-tape cache,
@@ -216,6 +223,7 @@ def test_near_the_mapping_limit_the_older_programs_are_dropped(monkeypatch):
     from rumus_fx.lift import tracing
 
     monkeypatch.setattr(tracing, "_CHECK_MAPPINGS_EVERY", 1)
+    _fresh_relief_state(monkeypatch, tracing)
     tracing.clear_programs()
     whole_tape.clear_cache()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5)), F32)
@@ -261,6 +269,7 @@ def test_regions_held_outside_rf_do_not_make_it_drop_its_working_set(monkeypatch
 
     monkeypatch.setattr(tracing, "_CHECK_MAPPINGS_EVERY", 1)
     monkeypatch.setattr(tracing, "mapping_limit", lambda: 1000)
+    _fresh_relief_state(monkeypatch, tracing)
     outside = [600]  # regions held by others; each program of rf's holds 10
     monkeypatch.setattr(tracing, "mapped_regions", lambda: outside[0] + 10 * len(tracing._PROGRAMS))
     tracing.clear_programs()
