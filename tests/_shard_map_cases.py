@@ -337,12 +337,13 @@ def _fd(loss: Callable, args: tuple, grads: tuple, what: str, positions: tuple[i
 KINDS = (AxisType.Auto, AxisType.Explicit)
 
 
-def run_case(case: Case, kind: AxisType) -> None:
-    """All arguments together in every (axis type, ``check_vma``) setting; each
-    argument alone in one of them, taken in turn from one argument to the next
-    (in all of them with ``SHARD_MAP_EVERY_SUBSET=1``, the ``-m slow`` run)."""
+def run_case(case: Case, kind: AxisType, kinds: tuple[AxisType, ...] = KINDS) -> None:
+    """On ``kind``, all arguments together in every ``check_vma`` setting; each
+    argument alone in one of the (axis type, ``check_vma``) settings of the case's
+    ``kinds``, taken in turn from one argument to the next (in all of them with
+    ``SHARD_MAP_EVERY_SUBSET=1``, the ``-m slow`` run)."""
     mesh = _mesh(kind)
-    settings = [(k, c) for k in KINDS for c in case.checks]
+    settings = [(k, c) for k in kinds for c in case.checks]
     every = bool(os.environ.get("SHARD_MAP_EVERY_SUBSET"))
     for check in case.checks:
         loss = case.make(mesh, check)
@@ -438,12 +439,15 @@ def main(names: list[str]) -> int:
     mine = {n for i, n in enumerate(all_names) if i % parts == part}
     names = [n for n in (names or all_names) if n in mine]
     failures = []
-    for case in cases():
+    every_kind = bool(os.environ.get("SHARD_MAP_EVERY_SUBSET"))
+    for index, case in enumerate(cases()):
         if case.name not in names:
             continue
-        for kind in KINDS:
+        # one axis type per case, in turn from case to case (both with -m slow)
+        kinds = KINDS if every_kind else (KINDS[index % len(KINDS)],)
+        for kind in kinds:
             try:
-                run_case(case, kind)
+                run_case(case, kind, kinds)
             except Exception:
                 failures.append(f"{case.name} {kind.name}:\n{traceback.format_exc()}")
     for check in checks:

@@ -105,7 +105,13 @@ def test_train_llama_smoke():
 
 
 @pytest.mark.parametrize(
-    "dtype, remat", [("float32", True), ("float32", False), ("float64", True)], ids=["f32-ckpt", "f32", "f64-ckpt"]
+    "dtype, remat",
+    [  # with and without rf.checkpoint by default; float32 with it as well with -m slow
+        pytest.param("float32", True, marks=pytest.mark.slow),
+        ("float32", False),
+        ("float64", True),
+    ],
+    ids=["f32-ckpt", "f32", "f64-ckpt"],
 )
 def test_train_llama_loss_and_grads_match_jax(dtype, remat):
     """The example's loss under rf.value_and_grad (rnp, rf.lax.scan, rf.checkpoint)

@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("part", ["0/2", "1/2"])  # two processes: the default run's workers share them
 def test_shard_map_on_eight_devices(part):
-    """Each case with all its arguments in every setting, each argument alone in
-    one setting (``run_case`` in tests/_shard_map_cases.py)."""
+    """Each case on one axis type (Auto and Explicit in turn from case to case) with
+    all its arguments in both ``check_vma`` settings, each argument alone in one
+    setting (``run_case`` in tests/_shard_map_cases.py); both axis types and every
+    argument alone in every setting with -m slow."""
     _run_cases(part)
 
 
