@@ -335,6 +335,8 @@ def _fd(loss: Callable, args: tuple, grads: tuple, what: str, positions: tuple[i
 
 
 KINDS = (AxisType.Auto, AxisType.Explicit)
+# the -m slow run: every case on both axis types, each argument alone in every setting
+EVERY_SETTING = bool(os.environ.get("SHARD_MAP_EVERY_SUBSET"))
 
 
 def run_case(case: Case, kind: AxisType, kinds: tuple[AxisType, ...] = KINDS) -> None:
@@ -344,13 +346,12 @@ def run_case(case: Case, kind: AxisType, kinds: tuple[AxisType, ...] = KINDS) ->
     ``SHARD_MAP_EVERY_SUBSET=1``, the ``-m slow`` run)."""
     mesh = _mesh(kind)
     settings = [(k, c) for k in kinds for c in case.checks]
-    every = bool(os.environ.get("SHARD_MAP_EVERY_SUBSET"))
     for check in case.checks:
         loss = case.make(mesh, check)
         args = tuple(jax.device_put(jnp.asarray(a), NamedSharding(mesh, s)) for a, s in zip(case.args, case.specs))
         n = len(args)
         what = f"{case.name} check_vma={check} {kind.name}"
-        alone = [(i,) for i in range(n) if every or settings[i % len(settings)] == (kind, check)]
+        alone = [(i,) for i in range(n) if EVERY_SETTING or settings[i % len(settings)] == (kind, check)]
         subsets = [tuple(range(n))] + (alone if n > 1 else [])
         for sub in subsets:
             got = rf.grad(rf.lift(loss), argnums=sub)(*args)
@@ -439,12 +440,11 @@ def main(names: list[str]) -> int:
     mine = {n for i, n in enumerate(all_names) if i % parts == part}
     names = [n for n in (names or all_names) if n in mine]
     failures = []
-    every_kind = bool(os.environ.get("SHARD_MAP_EVERY_SUBSET"))
     for index, case in enumerate(cases()):
         if case.name not in names:
             continue
         # one axis type per case, in turn from case to case (both with -m slow)
-        kinds = KINDS if every_kind else (KINDS[index % len(KINDS)],)
+        kinds = KINDS if EVERY_SETTING else (KINDS[index % len(KINDS)],)
         for kind in kinds:
             try:
                 run_case(case, kind, kinds)
