@@ -579,7 +579,7 @@ class _DataAdapter:
         self.draw = draw_fn
 
 
-@fuzz(150)
+@fuzz(80)
 @given(prog=programs())
 def test_alias_programs_match_the_oracle_or_raise(prog):
     check(prog)

@@ -469,7 +469,7 @@ def check_program(prog, jit: bool):
             np.testing.assert_allclose(np.asarray(gg), np.asarray(ww), rtol=1e-8, atol=1e-8)
 
 
-@fuzz(25)
+@fuzz(15)
 @given(prog=programs())
 def test_random_programs(prog):
     check_program(prog, jit=False)

@@ -547,7 +547,9 @@ _SOLVES = {
 }
 
 
-@pytest.mark.parametrize("name", list(_SOLVES))
+# expm (a Padé solve inside a scaling-and-squaring loop, 30 s) with -m slow; the plain
+# solves, the inverse and the log-determinant by default
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "expm" else ()) for n in _SOLVES])
 def test_second_order_through_linear_solves(name, x64):
     """``jnp.linalg.solve`` factors ``stop_gradient(A)`` and differentiates
     through ``custom_linear_solve``'s matvec: its gradient, differentiated again,

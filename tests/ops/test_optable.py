@@ -50,6 +50,13 @@ def _has_view(info: OpInfo, k: int) -> bool:
 # the cases with a differentiable input that a non-contiguous view can show;
 # the others (1-D inputs, (1, 4) @ (4, 1)) have none (test_every_op_has_a_view_case)
 VIEW_CASES = [p for p in CASES if _has_view(*p.values)]
+# each op's first such case by default (the op reads a view through one path whatever
+# the sample's shapes); the others with -m slow
+_FIRST_VIEW = {p.values[0].name: p.id for p in reversed(VIEW_CASES)}
+DEFAULT_VIEW_CASES = [
+    p if _FIRST_VIEW[p.values[0].name] == p.id else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow))
+    for p in VIEW_CASES
+]
 
 
 def _setup(info: OpInfo, k: int, dtype):
@@ -109,19 +116,29 @@ def test_forward_and_record(info: OpInfo, k: int):
     assert len(tape2) == 0
 
 
-# float64 eager and float32 jit for every sample by default (the eager path and the jit
-# path, each dtype once; the argument-subset test runs all four on ops of several
-# arguments); the other two with -m slow
+# float64 eager for every sample and float32 jit for each op's first sample by default
+# (the eager path and the jit path, each dtype once; the argument-subset test runs both
+# on ops of several arguments); the rest with -m slow
 GRAD_MODES = [
-    pytest.param(jnp.float64, False, id="f64-eager"),
-    pytest.param(jnp.float32, True, id="f32-jit"),
-    pytest.param(jnp.float32, False, id="f32-eager", marks=pytest.mark.slow),
-    pytest.param(jnp.float64, True, id="f64-jit", marks=pytest.mark.slow),
+    (jnp.float64, False, "f64-eager", lambda k: False),
+    (jnp.float32, True, "f32-jit", lambda k: k > 0),
+    (jnp.float32, False, "f32-eager", lambda k: True),
+    (jnp.float64, True, "f64-jit", lambda k: True),
+]
+GRAD_CASES = [
+    pytest.param(
+        *p.values,
+        dtype,
+        jit,
+        id=f"{p.id}-{mode}",
+        marks=tuple(p.marks) + ((pytest.mark.slow,) if slow(p.values[1]) else ()),
+    )
+    for p in CASES
+    for dtype, jit, mode, slow in GRAD_MODES
 ]
 
 
-@pytest.mark.parametrize("dtype,jit", GRAD_MODES)
-@pytest.mark.parametrize("info,k", CASES)
+@pytest.mark.parametrize("info,k,dtype,jit", GRAD_CASES)
 def test_grad_matches_jax(info: OpInfo, k: int, dtype, jit: bool):
     with jax.enable_x64(dtype == jnp.float64):
         arrays, fun_rf, fun_ref, diff, _, _ = _setup(info, k, dtype)
@@ -163,8 +180,17 @@ def check_argument_subsets(info: OpInfo, k: int, dtype, jit: bool) -> None:
                 raise AssertionError(f"{info.name} sample {k}, argnums={subset}: {err}") from None
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+# float64 eager and float32 jit by default (as in test_grad_matches_jax); the other two
+# with -m slow
+SUBSET_MODES = [
+    pytest.param(jnp.float32, False, id="f32-eager", marks=pytest.mark.slow),
+    pytest.param(jnp.float32, True, id="f32-jit"),
+    pytest.param(jnp.float64, False, id="f64-eager"),
+    pytest.param(jnp.float64, True, id="f64-jit", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype,jit", SUBSET_MODES)
 @pytest.mark.parametrize("info,k", _subset_cases("first"))
 def test_grad_of_each_argument_subset(info: OpInfo, k: int, dtype, jit: bool):
     check_argument_subsets(info, k, dtype, jit)
@@ -196,7 +222,7 @@ def test_cases_carry_their_ops_marks():
 
 
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "jit"])
-@pytest.mark.parametrize("info,k", VIEW_CASES)
+@pytest.mark.parametrize("info,k", DEFAULT_VIEW_CASES)
 def test_grad_through_noncontiguous_view(info: OpInfo, k: int, jit: bool):
     """Differentiable inputs with two axes longer than 1 arrive transposed and
     are viewed back (a non-contiguous Tensor view) before the op reads them;
