@@ -606,6 +606,7 @@ def test_many_unbackwarded_tapes_do_not_accumulate():
         _record_some(64)  # each saves ~64 KiB: 128 MiB if they were kept
     gc.collect()
     assert (rf.debug.live_storages(), _records()) == base
-    # an xdist worker several GiB large moved by 10 MiB here once with nothing kept
-    # (allocator noise), so the bound is a fraction of what keeping the tapes costs
-    assert (proc.memory_info().rss - rss0) / 2**20 < 24
+    # an xdist worker several GiB large moved by 10 MiB here once, and a 4.3 GiB one by 26
+    # MiB (2026-12-06), with nothing kept and no compile in the loop (allocator noise), so
+    # the bound is a fraction of what keeping the tapes costs
+    assert (proc.memory_info().rss - rss0) / 2**20 < 48

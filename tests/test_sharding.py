@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("ops", "ops_tp", "lift", "lift_tp", "errors"),
         ("kernels",),
-        ("models_dp",),
+        # data parallel (tests/test_examples.py trains on 8 devices by data parallelism
+        # against one device in the default run)
+        pytest.param(("models_dp",), marks=pytest.mark.slow, id="models_dp"),
         ("models_tp",),
         pytest.param(("lift_slow",), marks=pytest.mark.slow, id="lift_slow"),
     ],
