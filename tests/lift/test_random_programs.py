@@ -8,8 +8,8 @@ The default run takes one program for every other catalogue entry (that entry
 as its first step, then two drawn ones), so half the entries run eagerly, every 8th
 under jit and every 64th at second order (the primitive table checks every rule
 they reach on its own); ``-m slow`` runs the other half, every 32nd at second
-order, and 600 more, longer ones
-(ten steps, eager and jit over every argument, a third at second order).
+order, and 600 more, longer ones (ten steps, eager and jit over every argument, a
+third at second order).
 """
 
 from __future__ import annotations
