@@ -57,13 +57,13 @@ def main(argv: list[str] | None = None) -> float:
         h = jnp.tanh(x @ p["0"]["weight"] + p["0"]["bias"][None, :])
         return jnp.mean((h @ p["2"]["weight"] + p["2"]["bias"][None, :] - y) ** 2)
 
-    hessian = jax.hessian(jnp_loss)(flat)
+    hessian = jax.jit(jax.hessian(jnp_loss))(flat)
     err = float(jnp.max(jnp.abs(ravel_pytree(hv)[0] - hessian @ ravel_pytree(v)[0])))
     print(f"{flat.size} parameters; Hessian {hessian.shape}")
     print(f"jax.jvp(rf.grad(loss)) vs jax.hessian(loss) @ v: max abs diff {err:.2e}")
 
     # The whole Hessian, one HVP per basis vector (vmap batches them).
-    cols = jax.vmap(lambda e: ravel_pytree(hvp(params, unravel(e)))[0])(jnp.eye(flat.size, dtype=flat.dtype))
+    cols = jax.jit(jax.vmap(lambda e: ravel_pytree(hvp(params, unravel(e)))[0]))(jnp.eye(flat.size, dtype=flat.dtype))
     full_err = float(jnp.max(jnp.abs(cols.T - hessian)))
     eig = jnp.linalg.eigvalsh(0.5 * (cols + cols.T))
     print(f"Hessian from vmapped HVPs vs jax.hessian: max abs diff {full_err:.2e}")

@@ -381,7 +381,9 @@ def run_case(case: Case, kind: AxisType, kinds: tuple[AxisType, ...] = KINDS) ->
 
 def second_order() -> None:
     """``jax.jvp`` over ``rf.grad`` and ``rf.grad`` over ``rf.grad``: Hessian-vector
-    products through a shard_map with a psum and an all_gather."""
+    products through a shard_map with a psum and an all_gather. The products under
+    ``jax.jit`` (eagerly, jax's jvp runs a shard_map's program op by op: 3 s for one
+    product here); rf.grad over rf.grad eagerly too."""
     mesh = _mesh(AxisType.Auto)
     for check in (True, False):
 
@@ -393,11 +395,12 @@ def second_order() -> None:
             return _smap(mesh, check, (P(M), P((D, M))), P())(body)(w, x)
 
         w, x, v = jnp.asarray(arr(8, 3)), jnp.asarray(arr(16, 8)), jnp.asarray(arr(8, 3))
-        want = jax.jvp(jax.grad(loss), (w, x), (v, jnp.zeros_like(x)))[1]
-        got = jax.jvp(rf.grad(rf.lift(loss)), (w, x), (v, jnp.zeros_like(x)))[1]
+        want = jax.jit(lambda w, x, v: jax.jvp(jax.grad(loss), (w, x), (v, jnp.zeros_like(x)))[1])(w, x, v)
+        got = jax.jit(lambda w, x, v: jax.jvp(rf.grad(rf.lift(loss)), (w, x), (v, jnp.zeros_like(x)))[1])(w, x, v)
         _close(got, want, 1e-10, f"jvp over rf.grad, check_vma={check}")
-        rr = rf.grad(rf.lift(lambda w, x, v=v: jnp.sum(rf.grad(rf.lift(loss))(w, x) * v)))(w, x)
-        _close(rr, want, 1e-10, f"rf.grad over rf.grad, check_vma={check}")
+        rr_loss = rf.lift(lambda w, x, v=v: jnp.sum(rf.grad(rf.lift(loss))(w, x) * v))
+        _close(rf.grad(rr_loss)(w, x), want, 1e-10, f"rf.grad over rf.grad, check_vma={check}")
+        _close(jax.jit(rf.grad(rr_loss))(w, x), want, 1e-10, f"rf.grad over rf.grad under jit, check_vma={check}")
 
 
 def pmap() -> None:
@@ -411,7 +414,7 @@ def pmap() -> None:
 
     w, x = jnp.asarray(arr(3, 2)), jnp.asarray(arr(8, 2, 3))
     got = rf.grad(rf.lift(loss), argnums=(0, 1))(w, x)
-    _close(got, jax.grad(loss, argnums=(0, 1))(w, x), 1e-10, "pmap")
+    _close(got, jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x), 1e-10, "pmap")
     _fd(loss, (w, x), got, "pmap", (0, 1))
 
 
