@@ -231,7 +231,7 @@ _ALL_CASES = (
 )
 
 
-# every other jnp/jax.nn/lax function by default (each one's gradient is also checked
+# every fourth jnp/jax.nn/lax function by default (each one's gradient is also checked
 # against jax.grad above, and every primitive rule against finite differences in the
 # primitive table); the rest with -m slow
 @pytest.mark.parametrize(
@@ -242,7 +242,7 @@ _ALL_CASES = (
             n,
             a,
             id=f"{m.__name__}.{n}",
-            marks=pytest.mark.slow if (m, n, a) in SCIPY_CASES or j % 2 else (),
+            marks=pytest.mark.slow if (m, n, a) in SCIPY_CASES or j % 4 else (),
         )
         for j, (m, n, a) in enumerate(_ALL_CASES)
     ],
