@@ -88,7 +88,9 @@ def test_transformer_block_lifted():
     with jax.enable_x64(True):
         p64 = jax.tree.map(lambda a: a.astype(jnp.float64), p)
         x64 = x.astype(jnp.float64)
-        chex.assert_trees_all_close(rf.grad(rf.lift(loss))(p64, x64), jax.jit(jax.grad(loss))(p64, x64), rtol=1e-10, atol=1e-10)
+        chex.assert_trees_all_close(
+            rf.grad(rf.lift(loss))(p64, x64), jax.jit(jax.grad(loss))(p64, x64), rtol=1e-10, atol=1e-10
+        )
 
 
 def test_rnp_model_records_fused_ops():
