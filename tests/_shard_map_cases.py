@@ -383,7 +383,7 @@ def second_order() -> None:
     """``jax.jvp`` over ``rf.grad`` and ``rf.grad`` over ``rf.grad``: Hessian-vector
     products through a shard_map with a psum and an all_gather. The products under
     ``jax.jit`` (eagerly, jax's jvp runs a shard_map's program op by op: 3 s for one
-    product here); rf.grad over rf.grad eagerly too."""
+    product here); rf.grad over rf.grad eagerly and under ``jax.jit``."""
     mesh = _mesh(AxisType.Auto)
     for check in (True, False):
 
