@@ -273,7 +273,7 @@ def _run(model: Model, dtype: Any, jit: bool, argnums: tuple[int, ...]) -> None:
         if jit:
             g = jax.jit(g)
         got = g(*args)
-        want = jax.jit(jax.grad(loss, argnums=argnums))(*args)  # the oracle compiled: one program
+        want = rf.testing.jax_oracle_grad(loss, args, argnums)
         chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
         chex.assert_trees_all_close(got, want, **_tols(model, dtype))
         # the forward value is the library's own
