@@ -22,8 +22,9 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # One persistent compilation cache for the whole run, shared by the xdist workers: the
 # suite compiles many programs whose HLO another test (or the other worker) has already
 # compiled, and XLA's compile is most of its time (the default run was 15 % faster with
-# it: 43.6 against 37.0 min on one machine, 2026-12-06). Unset: a fresh directory for this run, removed at its end; a path: that
-# directory, kept (a second run then compiles far less); "off": no persistent cache.
+# it: 37.0 against 43.6 min on one machine, 2026-12-06). Unset: a fresh directory for
+# this run, removed at its end; a path: that directory, kept (a second run then
+# compiles far less); "off": no persistent cache.
 # The cache only skips compiling a program identical to one already compiled; it
 # changes no result.
 COMPILE_CACHE = "RUMUS_FX_TEST_COMPILE_CACHE"
