@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import pytest
 
 import rumus_fx as rf
 
+from ._subprocess import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -26,11 +27,8 @@ EXAMPLES = ROOT / "examples"
 def run_example(script: str, *args: str, timeout: float = 600, stderr: bool = False) -> str | tuple[str, str]:
     """Run ``examples/<script> args...`` with this interpreter; its stdout (and
     stderr when asked). Fails the test with the output's tail on a non-zero exit."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # the examples obey the suite's strictness too
-    env["MPLBACKEND"] = "Agg"
-    env.pop("XLA_FLAGS", None)
+    # the examples obey the suite's strictness too
+    env = child_env(JAX_NUMPY_RANK_PROMOTION="raise", MPLBACKEND="Agg")
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,
@@ -214,10 +212,7 @@ def test_tensor_parallel_two_processes():
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(JAX_PLATFORMS="cpu")
     args = ("--devices", "8", "--model", "4", "--steps", "1", "--layers", "1", "--distributed")
     args += ("--coordinator", f"localhost:{port}", "--num-processes", "2")
     procs = [

@@ -6,13 +6,14 @@ kernel path. Each check runs in a subprocess, which sets
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,9 +166,7 @@ print("OK")
 def _run(tmp_path: Path, body: str, timeout: int = 300) -> subprocess.CompletedProcess:
     script = tmp_path / "multidevice.py"
     script.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(body))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     return subprocess.run(
         [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -11,7 +11,6 @@ is fixed when jax starts)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,8 @@ from pathlib import Path
 import pytest
 
 import rumus_fx as rf
+
+from ._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,9 +61,7 @@ def test_sharded_with_jax011_broadcast():
 
 
 def _run(groups: tuple[str, ...], **extra_env: str) -> None:
-    env = dict(os.environ, **extra_env)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("XLA_FLAGS", None)
+    env = child_env(**extra_env)
     proc = subprocess.run(
         [sys.executable, "-m", "tests._sharded_cases", *groups],
         cwd=ROOT,

@@ -4,10 +4,11 @@ device count is fixed when jax starts), kernels in interpret mode, meshes with
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
+
+from .._subprocess import child_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -70,7 +71,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kernels_on_a_sharded_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = child_env(devices=8, JAX_PLATFORMS="cpu")
     env.pop("RUMUS_FX_KERNELS", None)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -5,7 +5,6 @@ on a one-device mesh as well (``rumus_fx/lift/rules_parallel.py``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import rumus_fx as rf
+
+from .._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,9 +39,7 @@ def test_shard_map_every_argument_alone_in_every_setting(part):
 
 
 def _run_cases(part: str, **extra_env: str) -> None:
-    env = dict(os.environ, **extra_env)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("XLA_FLAGS", None)
+    env = child_env(**extra_env)
     proc = subprocess.run(
         [sys.executable, "-m", "tests._shard_map_cases", f"--part={part}"],
         cwd=ROOT,
