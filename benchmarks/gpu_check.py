@@ -618,11 +618,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             write_table(args.out, rows + list(extra), device=device, note=note)
 
+    listed = threading.Event()  # set once ``todo`` holds every row
+
     def at_limit() -> None:
         with lock:
             left = [[*_label(x), "SKIPPED (time limit)"] + ["-"] * (len(HEADER) - 4) for x in todo[len(rows) :]]
+            if not listed.is_set():  # the limit came while the rows were still being listed
+                left.append(["(rows not yet listed)", "-", "-", "SKIPPED (time limit)"] + ["-"] * (len(HEADER) - 4))
             flush(left)
-            print(f"time limit of {args.time_limit:.0f} s reached after {len(rows)} rows", flush=True)
+            when = f"after {len(rows)} rows" if listed.is_set() else "before the rows were listed"
+            print(f"time limit of {args.time_limit:g} s reached {when}", flush=True)
             os._exit(2)
 
     timer = threading.Timer(args.time_limit, at_limit)
@@ -649,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     todo += _select(e2e_cases(scale), only, lambda e: e[0])  # first: they cover every kernel at once
     todo += _select(cases(scale, dtypes), only, lambda c: c.kernel)
+    listed.set()
     print(f"jax {jax.__version__}, backend {backend} ({device}); {len(todo)} rows", flush=True)
     ok_all = True
     for item in todo:

@@ -23,10 +23,12 @@ FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_opti
 
 def _fast_compile_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get(TEST_XLA_FLAGS) in ("off", "tried") or all(f in flags for f in FAST_COMPILE_FLAGS):
+    # an option already in XLA_FLAGS, with whatever value, is left as it is
+    missing = [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] + "=" not in flags]
+    if os.environ.get(TEST_XLA_FLAGS) in ("off", "tried") or not missing:
         return
     os.environ[TEST_XLA_FLAGS] = "tried"  # once per run: the workers inherit the outcome
-    wanted = " ".join([flags, *(f for f in FAST_COMPILE_FLAGS if f not in flags)]).strip()
+    wanted = " ".join([flags, *missing]).strip()
     probe = subprocess.run(
         [sys.executable, "-c", "import jax; jax.devices('cpu')"],
         env=dict(os.environ, XLA_FLAGS=wanted, JAX_PLATFORMS="cpu"),
