@@ -12,8 +12,12 @@ FAST = {"haiku_mlp", "eqx_mlp"}
 
 @pytest.mark.parametrize("key", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in zoo.MODELS])
 def test_zoo_model_agrees_with_jax_grad(key):
-    model = zoo.MODELS[key]()
-    assert zoo.check_same(model) < 1e-3
+    """Each model as ``python -m benchmarks.zoo`` runs it, with jax's standard dtype
+    promotion: the libraries' own code mixes dtypes (haiku's ResNet multiplies a
+    float32 by an int32), which the suite's strict setting refuses."""
+    with jax.numpy_dtype_promotion("standard"):
+        model = zoo.MODELS[key]()
+        assert zoo.check_same(model) < 1e-3
 
 
 def test_check_same_catches_a_wrong_gradient(monkeypatch):
