@@ -32,7 +32,8 @@ def _samples(info: TableEntry) -> list[Sample]:
 FIRST = [pytest.param(info, 0, id=info.name) for info in ENTRIES]
 # per-example gradients: the entries marked ``vmap`` by default, every other entry with -m
 # slow (left out where jax's own vmap raises: ``reshard``, a mesh axis being named, and
-# the ragged dots, whose batching rule needs the group sizes batched too)
+# the ragged dots, whose batching rule needs the group sizes batched too; for the entries
+# of ``JAX_VMAP_RAISES`` the test checks that rf raises jax's error)
 VMAP = [
     pytest.param(info, 0, id=info.name, marks=() if info.vmap else pytest.mark.slow)
     for info in ENTRIES
