@@ -6,7 +6,6 @@ oracles; the others run here, page by page, in order, as a reader would)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
@@ -19,13 +18,12 @@ import yaml
 import rumus_fx as rf
 
 from ._markdown_blocks import DOCS, ROOT, all_blocks, blocks, pages
+from ._subprocess import child_env
 
 
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs tooling (pip install -e '.[docs]') is not installed")
-    env = dict(
-        os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = child_env(NO_MKDOCS_2_WARNING="1")
     out = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
         cwd=ROOT,
