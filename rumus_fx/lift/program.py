@@ -596,7 +596,9 @@ class Program:
 # ``_CHECK_MAPPINGS_EVERY`` new programs rf reads how many regions the process
 # holds (``/proc/self/maps``: 3-8 ms at 4,000 regions, 50 at 30,000). Past half
 # the limit, ``relieve_mapping_pressure`` drops the least recently used half of
-# ``_PROGRAMS`` and the whole-tape cache, then runs the garbage collector (a program
+# ``_PROGRAMS`` (rounded down: the newest, the one the call has just made, always
+# stays; rounded up, a relief with one program held dropped it and the next
+# call traced it again) and the whole-tape cache, then runs the garbage collector (a program
 # and its compiled calls form a reference cycle). A dropped program is traced
 # again when next called. The regions that jax's own caches hold stay, so the next
 # relief waits until the process has grown by a third of the headroom that the last

@@ -177,14 +177,15 @@ def relief_threshold() -> int:
 
 def relieve_mapping_pressure() -> bool:
     """Past ``relief_threshold()`` memory mappings, drop the least recently
-    used half of the lifted programs and the whole-tape cache, with their compiled
+    used half (rounded down) of the lifted programs and the whole-tape cache, with their compiled
     calls (Note [A program's compiled calls] in lift/program.py). If the process
     still holds seven eighths of the limit, warns once (a ``RuntimeWarning``) that
     XLA may crash and what frees the rest. Returns whether it did."""
     n = mapped_regions()
     if n is None or n < relief_threshold():
         return False
-    _PROGRAMS.drop_oldest((len(_PROGRAMS) + 1) // 2)
+    # the older half, rounded down: the newest, which the call just made, stays
+    _PROGRAMS.drop_oldest(len(_PROGRAMS) // 2)
     whole_tape.clear_cache()
     gc.collect()  # a program and its compiled calls form a reference cycle
     after = _after_relief[0] = mapped_regions()
