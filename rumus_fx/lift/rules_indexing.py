@@ -340,8 +340,8 @@ defrule(
 # -- scatter-min / scatter-max ----------------------------------------------------
 
 
-def _scatter_extremal_vjp(r, g):
-    """jax's tie-sharing scheme: the cotangent of a position is split equally
+def _scatter_extremal_vjp(r, g, scatter):
+    """``scatter``: ``lax.scatter_max`` or ``lax.scatter_min``. jax's tie-sharing scheme: the cotangent of a position is split equally
     among the updates that attain it and (if it does) the original value.
 
     The scatter is run again on the saved operand and updates rather than its
@@ -350,7 +350,6 @@ def _scatter_extremal_vjp(r, g):
     for ``reduce_max``: ``_chooser_vjp`` in rules_structural.py); a max or min
     of the saved values is always one of them."""
     x, idx, y = r.ins
-    scatter = lax.scatter_max if r.rule.name == "scatter-max" else lax.scatter_min
     out = scatter(x, idx, y, **_scatter_kw(r))
     dn = r.params["dimension_numbers"]
     initial = _read_back(r, x)
@@ -382,9 +381,17 @@ def _twice_normal(r, *s):
     return 2 * normal(r, *s)
 
 
+def _scatter_min_vjp(r, g):
+    return _scatter_extremal_vjp(r, g, lax.scatter_min)
+
+
+def _scatter_max_vjp(r, g):
+    return _scatter_extremal_vjp(r, g, lax.scatter_max)
+
+
 defrule(
     "scatter-min",
-    _scatter_extremal_vjp,
+    _scatter_min_vjp,
     ((0, 1, 2), ()),
     table=(
         TableEntry(
@@ -396,7 +403,7 @@ defrule(
 )
 defrule(
     "scatter-max",
-    _scatter_extremal_vjp,
+    _scatter_max_vjp,
     ((0, 1, 2), ()),
     table=(
         TableEntry(

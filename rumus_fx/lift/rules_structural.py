@@ -50,8 +50,8 @@ defrule(
 )
 
 
-def _chooser_vjp(r, g):
-    """max/min reductions: the gradient is shared equally by every position that
+def _chooser_vjp(r, g, extreme):
+    """max/min reductions (``extreme``: ``jnp.max`` or ``jnp.min``): the gradient is shared equally by every position that
     attains the extreme value.
 
     The extreme is taken again here from the saved operand, not read from the
@@ -65,16 +65,23 @@ def _chooser_vjp(r, g):
     axes = tuple(r.params["axes"])
     x = r.ins[0]
     sh = r.in_sharding(0)
-    extreme = jnp.max if r.rule.name == "reduce_max" else jnp.min
     y = _expand(extreme(x, axis=axes), aval, axes, sh)
     hit = (x == y).astype(g.dtype)
     count = _expand(jnp.sum(hit, axis=axes), aval, axes, sh)
     return (_expand(g, aval, axes, sh) * hit / count,)
 
 
+def _reduce_max_vjp(r, g):
+    return _chooser_vjp(r, g, jnp.max)
+
+
+def _reduce_min_vjp(r, g):
+    return _chooser_vjp(r, g, jnp.min)
+
+
 defrule(
     "reduce_max",
-    _chooser_vjp,
+    _reduce_max_vjp,
     ((0,), ()),
     table=(
         TableEntry("reduce_max", lambda x: jnp.max(x, axis=1), unary_samples(gen=distinct)),
@@ -83,7 +90,7 @@ defrule(
 )
 defrule(
     "reduce_min",
-    _chooser_vjp,
+    _reduce_min_vjp,
     ((0,), ()),
     table=(TableEntry("reduce_min", lambda x: jnp.min(x, axis=(0, 1)), unary_samples([(3, 4), (2, 3, 5)], distinct)),),
 )
