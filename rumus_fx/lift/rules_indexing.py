@@ -341,8 +341,9 @@ defrule(
 
 
 def _scatter_extremal_vjp(r, g, scatter):
-    """``scatter``: ``lax.scatter_max`` or ``lax.scatter_min``. jax's tie-sharing scheme: the cotangent of a position is split equally
-    among the updates that attain it and (if it does) the original value.
+    """``scatter``: ``lax.scatter_max`` or ``lax.scatter_min``. jax's
+    tie-sharing scheme: the cotangent of a position is split equally among the
+    updates that attain it and (if it does) the original value.
 
     The scatter is run again on the saved operand and updates rather than its
     output saved: the winners are found by comparing values, and a compiled

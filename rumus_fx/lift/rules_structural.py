@@ -51,8 +51,8 @@ defrule(
 
 
 def _chooser_vjp(r, g, extreme):
-    """max/min reductions (``extreme``: ``jnp.max`` or ``jnp.min``): the gradient is shared equally by every position that
-    attains the extreme value.
+    """max/min reductions (``extreme``: ``jnp.max`` or ``jnp.min``): the
+    gradient is shared equally by every position that attains the extreme value.
 
     The extreme is taken again here from the saved operand, not read from the
     saved output: a compiled forward may compute the operand twice, once

@@ -177,10 +177,11 @@ def relief_threshold() -> int:
 
 def relieve_mapping_pressure() -> bool:
     """Past ``relief_threshold()`` memory mappings, drop the least recently
-    used half (rounded down) of the lifted programs and the whole-tape cache, with their compiled
-    calls (Note [A program's compiled calls] in lift/program.py). If the process
-    still holds seven eighths of the limit, warns once (a ``RuntimeWarning``) that
-    XLA may crash and what frees the rest. Returns whether it did."""
+    used half (rounded down) of the lifted programs and the whole-tape cache,
+    with their compiled calls (Note [A program's compiled calls] in
+    lift/program.py). If the process still holds seven eighths of the limit,
+    warns once (a ``RuntimeWarning``) that XLA may crash and what frees the
+    rest. Returns whether it did."""
     n = mapped_regions()
     if n is None or n < relief_threshold():
         return False
