@@ -14,17 +14,22 @@ from penzai.models.transformer.variants import llamalike_common as L
 jax.config.update("jax_enable_x64", True)
 F64 = jnp.float64
 TOKENS = pz.nx.wrap(jnp.array([[1, 4, 2, 7, 3, 9], [0, 0, 5, 5, 10, 2]]), "batch", "seq")
+# what both families' configs share: sizes and float64 throughout
+COMMON = dict(
+    embedding_dim=16,
+    projection_dim=8,
+    mlp_hidden_dim=24,
+    num_decoder_blocks=2,
+    vocab_size=11,
+    parameter_dtype=F64,
+    activation_dtype=F64,
+)
 
 
 def _llamalike(mlp, stack, caps):
     return L.LlamalikeTransformerConfig(
         num_kv_heads=2,
         query_head_multiplier=2,
-        embedding_dim=16,
-        projection_dim=8,
-        mlp_hidden_dim=24,
-        num_decoder_blocks=2,
-        vocab_size=11,
         mlp_variant=mlp,
         tie_embedder_and_logits=not stack,
         attention_type=L.AttentionTypeGlobalCausal()
@@ -37,9 +42,8 @@ def _llamalike(mlp, stack, caps):
         use_post_ffw_norm=caps,
         final_logit_softcap=5.0 if caps else None,
         attn_logits_soft_cap=8.0 if caps else None,
-        parameter_dtype=F64,
-        activation_dtype=F64,
         use_layer_stack=stack,
+        **COMMON,
     )
 
 
@@ -54,18 +58,12 @@ MODELS = {
             lambda act=act, stack=stack: gpt_neox.build_gpt_neox_transformer(
                 gpt_neox.GPTNeoXTransformerConfig(
                     num_attention_heads=2,
-                    embedding_dim=16,
-                    projection_dim=8,
-                    mlp_hidden_dim=24,
-                    num_decoder_blocks=2,
-                    vocab_size=11,
                     activation_fn=act,
                     rope_subset_size=4,
                     rope_wavelength=10000.0,
                     layernorm_epsilon=1e-5,
-                    parameter_dtype=F64,
-                    activation_dtype=F64,
                     use_layer_stack=stack,
+                    **COMMON,
                 ),
                 jax.random.key(3),
             )
