@@ -157,14 +157,17 @@ defrule(
 # -- bcoo_fromdense -----------------------------------------------------------------
 
 
-def _fromdense_vjp(r, g):
-    """The data's cotangent made dense at the output's indices (BCOO's, or BCSR's
-    read as BCOO ones): the padding's values are constant zeros, dropped there."""
+def _fromdense_vjp(r, g, indices):
+    """The data's cotangent made dense at the output's BCOO ``indices`` (a BCSR
+    output's read as BCOO ones): the padding's values are constant zeros, dropped there."""
     gd = g[0]
     if gd is None:
         return (None,)
-    indices = _bcsr_as_bcoo(r.outs[1], r.outs[2]) if r.rule.name == "bcsr_fromdense" else r.outs[1]
     return (_todense(gd, indices, r.in_avals[0].shape).astype(r.in_avals[0].dtype),)
+
+
+def _bcoo_fromdense_vjp(r, g):
+    return _fromdense_vjp(r, g, r.outs[1])
 
 
 def _fromdense_program(m):
@@ -175,7 +178,7 @@ def _fromdense_program(m):
 
 defrule(
     "bcoo_fromdense",
-    _fromdense_vjp,
+    _bcoo_fromdense_vjp,
     lambda needs: ((), (1,) if needs[0] else ()),
     multiple_results=True,
     table=(
@@ -515,9 +518,15 @@ defrule(
         ),
     ),
 )
+
+
+def _bcsr_fromdense_vjp(r, g):
+    return _fromdense_vjp(r, g, _bcsr_as_bcoo(r.outs[1], r.outs[2]))
+
+
 defrule(
     "bcsr_fromdense",
-    _fromdense_vjp,
+    _bcsr_fromdense_vjp,
     lambda needs: ((), (1, 2) if needs[0] else ()),
     multiple_results=True,
     table=(
@@ -570,10 +579,12 @@ def _csr_rows(indices: Any, indptr: Any) -> Any:
     return jnp.cumsum(jnp.zeros_like(indices).at[indptr].add(1)) - 1
 
 
-def _row_col(r) -> tuple[Any, Any]:
-    if r.rule.name.startswith("csr_"):
-        return _csr_rows(r.ins[1], r.ins[2]), r.ins[1]
-    return r.ins[1], r.ins[2]
+def _coo_row_col(row: Any, col: Any) -> tuple[Any, Any]:
+    return row, col
+
+
+def _csr_row_col(indices: Any, indptr: Any) -> tuple[Any, Any]:
+    return _csr_rows(indices, indptr), indices
 
 
 def _clamped(idx: Any, n: int) -> Any:
@@ -581,13 +592,14 @@ def _clamped(idx: Any, n: int) -> Any:
     return jnp.clip(jnp.where(idx < 0, idx + n, idx), 0, n - 1)
 
 
-def _coo_todense_vjp(r, g):
-    row, col = _row_col(r)
+def _todense_vjp(r, g, row_col):
+    """``row_col``: ``_coo_row_col`` or ``_csr_row_col``, the format's element positions."""
+    row, col = row_col(r.ins[1], r.ins[2])
     return g.at[row, col].get(mode="fill", fill_value=0), None, None
 
 
-def _coo_mat_vjp(r, g):
-    row, col = _row_col(r)
+def _mat_vjp(r, g, row_col):
+    row, col = row_col(r.ins[1], r.ins[2])
     out_idx, in_idx = (col, row) if r.params["transpose"] else (row, col)
     data, v = r.ins[0], r.ins[3]
     g_rows = g.at[out_idx].get(mode="fill", fill_value=0)  # [nse] or [nse, k]
@@ -607,14 +619,45 @@ def _coo_mat_saves(needs):
     return tuple(k for k, n in ((1, True), (2, True), (3, needs[0]), (0, needs[3])) if n), ()
 
 
-def _coo_fromdense_vjp(r, g):
+def _fromdense_elements_vjp(r, g, row_col):
     gd = g[0]
     if gd is None:
         return (None,)
     data = r.outs[0]
-    row, col = (_csr_rows(r.outs[1], r.outs[2]), r.outs[1]) if r.rule.name == "csr_fromdense" else r.outs[1:]
+    row, col = row_col(r.outs[1], r.outs[2])
     kept = jnp.where(data != 0, gd, jnp.zeros_like(gd))  # the padding's values are constant zeros
     return (jnp.zeros(r.in_avals[0].shape, gd.dtype).at[row, col].add(kept).astype(r.in_avals[0].dtype),)
+
+
+# one named rule per format: ``row_col`` reads the format's element positions
+def _coo_todense_vjp(r, g):
+    return _todense_vjp(r, g, _coo_row_col)
+
+
+def _csr_todense_vjp(r, g):
+    return _todense_vjp(r, g, _csr_row_col)
+
+
+def _coo_mat_vjp(r, g):
+    return _mat_vjp(r, g, _coo_row_col)
+
+
+def _csr_mat_vjp(r, g):
+    return _mat_vjp(r, g, _csr_row_col)
+
+
+def _coo_fromdense_vjp(r, g):
+    return _fromdense_elements_vjp(r, g, _coo_row_col)
+
+
+def _csr_fromdense_vjp(r, g):
+    return _fromdense_elements_vjp(r, g, _csr_row_col)
+
+
+_VJPS = {
+    "coo": (_coo_todense_vjp, _coo_mat_vjp, _coo_fromdense_vjp),
+    "csr": (_csr_todense_vjp, _csr_mat_vjp, _csr_fromdense_vjp),
+}
 
 
 _ROW = np.array([0, 0, 1, 2, 2], np.int32)
@@ -690,9 +733,10 @@ def _fromdense_entry(fmt: str) -> TableEntry:
 
 for _fmt in ("coo", "csr"):
     _make = _coo if _fmt == "coo" else _csr
+    _todense_rule, _mat_rule, _fromdense_rule = _VJPS[_fmt]
     defrule(
         f"{_fmt}_todense",
-        _coo_todense_vjp,
+        _todense_rule,
         lambda needs: ((1, 2) if needs[0] else (), ()),
         table=(
             TableEntry(
@@ -703,11 +747,11 @@ for _fmt in ("coo", "csr"):
             ),
         ),
     )
-    defrule(f"{_fmt}_matvec", _coo_mat_vjp, _coo_mat_saves, table=_coo_csr_entries(_fmt)[:2])
-    defrule(f"{_fmt}_matmat", _coo_mat_vjp, _coo_mat_saves, table=_coo_csr_entries(_fmt)[2:])
+    defrule(f"{_fmt}_matvec", _mat_rule, _coo_mat_saves, table=_coo_csr_entries(_fmt)[:2])
+    defrule(f"{_fmt}_matmat", _mat_rule, _coo_mat_saves, table=_coo_csr_entries(_fmt)[2:])
     defrule(
         f"{_fmt}_fromdense",
-        _coo_fromdense_vjp,
+        _fromdense_rule,
         lambda needs: ((), (0, 1, 2) if needs[0] else ()),
         multiple_results=True,
         table=(_fromdense_entry(_fmt),),
