@@ -599,8 +599,8 @@ class Program:
 # ``_PROGRAMS`` (rounded down: the newest, the one the call has just made, always
 # stays; rounded up, a relief with one program held dropped it and the next
 # call traced it again) and the whole-tape cache, then runs the garbage
-# collector (a program and its compiled calls form a reference cycle). A dropped program is traced
-# again when next called. The regions that jax's own caches hold stay, so the next
+# collector (a program and its compiled calls form a reference cycle). A
+# dropped program is traced again when next called. The regions that jax's own caches hold stay, so the next
 # relief waits until the process has grown by a third of the headroom that the last
 # one left (``relief_threshold``), at most to three quarters of the limit (the rest
 # is headroom for what jax itself compiles between two looks). With a fixed
