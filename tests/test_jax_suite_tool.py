@@ -23,6 +23,9 @@ FAKE_TEST = textwrap.dedent(
 
 
     def test_agree():
+        # the replacements keep jax's docstrings and names (scico copies them at import)
+        assert "gradient" in jax.grad.__doc__ and "gradient" in jax.value_and_grad.__doc__ and jax.vjp.__doc__
+        assert jax.grad(test_refused).__name__ == "test_refused"
         assert jax.grad(lambda x: jnp.sum(jnp.sin(x) * x))(jnp.arange(3.0)).shape == (3,)
         jtu.check_grads(lambda x, y: jnp.tanh(x) * y, (jnp.ones(2), jnp.arange(2.0)), order=1)
         out, vjp = jax.vjp(lambda x: x ** 3, jnp.arange(4.0))

@@ -25,6 +25,7 @@ some pass a Python float as a cotangent, which jax returns as it came.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import traceback
@@ -231,6 +232,7 @@ def _refill(queues: list[tuple[collections.deque, list]]) -> None:
 
 
 def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
+    @functools.wraps(jax_transform)  # libraries copy jax.grad's docstring at import (scico)
     def transform(fun, argnums=0, has_aux=False, holomorphic=False, allow_int=False, reduce_axes=_UNSET, **kw):
         if reduce_axes is not _UNSET:  # passed on as given (jaxlie's manifold gradients pass reduce_axes=())
             kw["reduce_axes"] = reduce_axes
@@ -238,6 +240,7 @@ def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
         if holomorphic or allow_int or set(kw) - {"reduce_axes"} or tuple(kw.get("reduce_axes", ())):
             return g
 
+        @functools.wraps(g)
         def probed(*args, **kwargs):
             queues = _queues(fun)
             want = g(*args, **kwargs)
@@ -255,6 +258,7 @@ def _transform(jax_transform: Any, rf_transform: Any, kind: str) -> Any:
     return transform
 
 
+@functools.wraps(_vjp)
 def vjp(fun, *primals, has_aux=False, **kw):
     res = _vjp(fun, *primals, has_aux=has_aux, **kw)
     if kw or _busy[0] or not (TRACED or _probing(primals)):
