@@ -600,10 +600,11 @@ class Program:
 # stays; rounded up, a relief with one program held dropped it and the next
 # call traced it again) and the whole-tape cache, then runs the garbage
 # collector (a program and its compiled calls form a reference cycle). A
-# dropped program is traced again when next called. The regions that jax's own caches hold stay, so the next
-# relief waits until the process has grown by a third of the headroom that the last
-# one left (``relief_threshold``), at most to three quarters of the limit (the rest
-# is headroom for what jax itself compiles between two looks). With a fixed
+# dropped program is traced again when next called. The regions that jax's own
+# caches hold stay, so the next relief waits until the process has grown by a
+# third of the headroom that the last one left (``relief_threshold``), at most
+# to three quarters of the limit (the rest is headroom for what jax itself
+# compiles between two looks). With a fixed
 # half, a process whose jax.jit caches held more than half the limit dropped rf's
 # programs every fourth new one, and a working set of 24 small lifted functions
 # was traced again every round: 8 s a round instead of 0.02
