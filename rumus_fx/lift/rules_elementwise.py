@@ -24,6 +24,18 @@ from ..ops._declare import binary_samples, distinct, far_from_zero, normal, posi
 from .rules import add_table, defrule, saves_inputs, saves_outputs
 
 
+def as_dtype(g, dtype):
+    """``g`` cast to an operand's ``dtype``. The cotangent of a real operand that met
+    a complex one (a ``dot_general`` of mixed dtypes, a complex-to-real conversion) is
+    its real part, jax's convention, taken before the cast: jax deprecates casting
+    complex to real."""
+    if g.dtype == dtype:
+        return g
+    if jnp.iscomplexobj(g) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        g = jnp.real(g)
+    return g.astype(dtype)
+
+
 def unbroadcast(g, aval, sharding=None):
     """Sum ``g`` down to ``aval``'s shape (rank-0 or size-1 operands) and cast;
     with an explicit ``sharding`` (the operand's) the result has it, as in JAX's
@@ -39,10 +51,7 @@ def unbroadcast(g, aval, sharding=None):
                 lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1
             )
             g = shd.reshape(jnp.sum(g, axis=axes), shape, out_sharding=sharding)
-    g = shd.conform(g, sharding)
-    if g.dtype != aval.dtype:
-        g = g.astype(aval.dtype)
-    return g
+    return as_dtype(shd.conform(g, sharding), aval.dtype)
 
 
 def _input(r, k=0):
@@ -190,10 +199,7 @@ _unary("integer_pow", _integer_pow, saves_inputs(0), program=lambda x: x**3 + x*
 
 
 def _convert(r, g):
-    dtype = r.in_avals[0].dtype
-    if jnp.iscomplexobj(g) and not jnp.issubdtype(dtype, jnp.complexfloating):
-        g = jnp.real(g)  # complex -> real conversion's transpose keeps the real part (as jax's)
-    return g.astype(dtype)
+    return as_dtype(g, r.in_avals[0].dtype)  # complex -> real keeps the real part, as jax's
 
 
 _unary(

@@ -18,7 +18,7 @@ from ..errors import AutogradError
 from ..ops._declare import distinct, normal, unary_samples
 from ..ops.linalg import computed_in_trace, off_mesh
 from .rules import defrule, saves_inputs
-from .rules_elementwise import unbroadcast
+from .rules_elementwise import as_dtype, unbroadcast
 
 # -- reductions ------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ def _dot_lhs_grad(g, y, x_aval, dims, swap=False, x_sharding=None):
         spec = tuple(x_sharding.spec) + (None,) * (x_nd - len(x_sharding.spec))
         out_sharding = shd.with_spec(x_sharding, [spec[d] for d in order])
     res = lax.dot_general(g, y.astype(g.dtype), ((g_yfree, y_free), (g_batch, list(yb))), out_sharding=out_sharding)
-    return lax.transpose(res, perm).astype(x_aval.dtype)
+    return as_dtype(lax.transpose(res, perm), x_aval.dtype)
 
 
 def _weight_gradient_2d(g, x, ay, dims, y_sharding):
@@ -181,7 +181,7 @@ def _weight_gradient_2d(g, x, ay, dims, y_sharding):
         return None
     k, n = ay.shape
     x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
-    return lax.dot_general(x2.astype(g2.dtype), g2, (((0,), (0,)), ((), ()))).astype(ay.dtype)
+    return as_dtype(lax.dot_general(x2.astype(g2.dtype), g2, (((0,), (0,)), ((), ()))), ay.dtype)
 
 
 def _dot_general_vjp(r, g):
@@ -288,7 +288,7 @@ def _ragged_dot_vjp(r, g):
         out = lax.ragged_dot_general(g, r.ins[1], gs, dn, **kw)
         # out: (batch, x kept, y's remaining axes = its contracting ones in y's order)
         order = [*xb, *xk, *(xc[i] for i in np.argsort(yc))]
-        gx = jnp.transpose(out, np.argsort(order)).astype(r.in_avals[0].dtype)
+        gx = as_dtype(jnp.transpose(out, np.argsort(order)), r.in_avals[0].dtype)
     if r.needs[1]:
         dn = lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=((xk, g_x), (list(xb), g_b)),
@@ -298,7 +298,7 @@ def _ragged_dot_vjp(r, g):
         out = lax.ragged_dot_general(r.ins[0], g, gs, dn, **kw)
         # out: (group, batch, x's remaining axes = its contracting ones in x's order, y kept)
         order = [*yg, *yb, *(yc[i] for i in np.argsort(xc)), *yk]
-        gy = jnp.transpose(out, np.argsort(order)).astype(r.in_avals[1].dtype)
+        gy = as_dtype(jnp.transpose(out, np.argsort(order)), r.in_avals[1].dtype)
     return gx, gy, None
 
 
