@@ -18,10 +18,12 @@ the vector's take one:
   operator's ``mv`` at the solution, taken on the tape (the operator's ``mv`` is
   traced into a program of its arrays and run backward by rf's rules). This is
   the derivative of ``A^{-1} b`` for a square operator the solver assumes full
-  rank (LU, QR, Cholesky, CG, ...); for a least-squares or rank-deficient solve
-  (``SVD``, a non-square operator, ``assume_full_rank() == False``) the
-  pseudo-inverse has more terms, and a gradient for the operator there is refused
-  by name (the vector's is still taken).
+  rank (LU, QR, Cholesky, CG, ...). A full-rank non-square operator (QR's least
+  squares, as in optimistix's Gauss-Newton and Levenberg-Marquardt steps) adds the
+  pseudo-inverse's further term (``_least_squares_terms``); for a rank-deficient
+  solve (``SVD``, ``assume_full_rank() == False``) the pseudo-inverse has more
+  terms still, and a gradient for the operator there is refused by name (the
+  vector's is still taken).
 """
 
 from __future__ import annotations
@@ -98,16 +100,47 @@ def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
     if needs_b:
         _place(out, r.needs, owner, 2, jtu.tree_leaves(ct_b))
     if needs_op:
-        if not (solver.assume_full_rank() and operator.in_size() == operator.out_size()):
+        if not solver.assume_full_rank():
             raise AutogradError(
                 f"rf.lift: lineax.linear_solve with the solver {type(solver).__name__}: the gradient of the "
-                "operator is taken for a square operator the solver assumes full rank (LU, QR, Cholesky, CG, ...); "
-                "for a least-squares or rank-deficient solve the pseudo-inverse's derivative has more terms, "
-                "which rf does not write. Differentiate the vector only, or use such a solver."
+                "operator is taken for an operator the solver assumes full rank (LU, QR, Cholesky, CG, ...); "
+                "for a rank-deficient solve the pseudo-inverse's derivative has more terms, which rf does not "
+                "write. Differentiate the vector only, or use such a solver."
             )
         x = jtu.tree_unflatten(tree, list(r.outs[: len(leaves)]))
-        _place(out, r.needs, owner, 0, _operator_gradient(operator, x, ct_b))
+        grads = _operator_gradient(operator, x, ct_b)
+        if operator.in_size() != operator.out_size():
+            extra = _least_squares_terms(operator, state, state_t, options, options_t, solver, args[2], x, ct_x, ct_b)
+            grads = [a + b for a, b in zip(grads, extra)]
+        _place(out, r.needs, owner, 0, grads)
     return tuple(out)
+
+
+def _least_squares_terms(
+    operator: Any, state: Any, state_t: Any, options: Any, options_t: Any, solver: Any, b: Any, x: Any, g: Any, lam: Any
+) -> list[Any]:
+    """The pseudo-inverse's further terms for a full-rank non-square operator
+    (Golub and Pereyra's derivative of ``A^+``), beside ``-lam x^T`` (``lam = A^{+T} g``):
+    ``r mu^T`` for an overdetermined operator (``r = b - A x``, the residual, and
+    ``mu = A^+ lam = (A^T A)^{-1} g``) and ``y (g - A^+ A g)^T`` for an
+    underdetermined one (``y = A^{+T} x = (A A^T)^{-1} b``; ``A x = b`` there, and
+    ``A^+ A = I`` in the overdetermined case, so each case has one term)."""
+
+    def solve(op: Any, st: Any, v: Any, opts: Any) -> Any:
+        return eqxi.filter_primitive_bind(linear_solve_p, op, st, v, opts, solver, True)[0]
+
+    def sub(u: Any, v: Any) -> Any:
+        return jtu.tree_map(lambda p, q: p - q, u, v)
+
+    def neg(u: Any) -> Any:
+        return jtu.tree_map(lambda p: -p, u)
+
+    if operator.out_size() > operator.in_size():
+        residual = sub(b, operator.mv(x))
+        return _operator_gradient(operator, solve(operator, state, lam, options), neg(residual))
+    y = solve(operator.transpose(), state_t, x, options_t)
+    g_null = sub(g, solve(operator, state, operator.mv(g), options))
+    return _operator_gradient(operator, g_null, neg(y))
 
 
 def _place(out: list[Any], needs: tuple[bool, ...], owner: list[int], arg: int, grads: list[Any]) -> None:
@@ -131,6 +164,10 @@ def _square(rng: np.random.Generator) -> list[Sample]:
     return [Sample((a, normal(rng, 3)), diff=(0, 1))]
 
 
+def _tall(rng: np.random.Generator) -> list[Sample]:
+    return [Sample((normal(rng, 5, 3), normal(rng, 5)), diff=(0, 1))]
+
+
 def _function_operator(a: jax.Array) -> Any:
     """A matrix-free operator: ``v -> a @ v + 0.5 * tanh(a) @ v`` as a function of ``a``."""
     return lx.FunctionLinearOperator(lambda v: a @ v + 0.5 * jnp.tanh(a) @ v, jax.ShapeDtypeStruct((3,), a.dtype))
@@ -143,6 +180,7 @@ defrule(
     table=(
         TableEntry("lineax_lu", _solve(lx.LU(), lx.MatrixLinearOperator), _square, vmap=True),
         TableEntry("lineax_qr", _solve(lx.QR(), lx.MatrixLinearOperator), _square),
+        TableEntry("lineax_qr_least_squares", _solve(lx.QR(), lx.MatrixLinearOperator), _tall),
         TableEntry(
             "lineax_cholesky",
             # symmetric by construction: Cholesky reads one triangle, so a perturbation of a
