@@ -46,7 +46,7 @@ from jax import lax
 from ..autograd.registry import Sample, TableEntry
 from ..ops._declare import far_from_zero, normal, unary_samples
 from .rules import COMPLEX_OK, defrule, saves_inputs
-from .rules_elementwise import unbroadcast
+from .rules_elementwise import as_dtype, unbroadcast
 
 
 def _complex_dtype(dtype):
@@ -63,9 +63,7 @@ def _imag_vjp(r, g):
 
 def _conj_vjp(r, g):
     dtype = r.in_avals[0].dtype
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return (jnp.conj(g).astype(dtype),)
-    return (jnp.real(g).astype(dtype),)
+    return (as_dtype(jnp.conj(g) if jnp.issubdtype(dtype, jnp.complexfloating) else g, dtype),)
 
 
 def _complex_vjp(r, g):

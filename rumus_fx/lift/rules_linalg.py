@@ -27,6 +27,7 @@ from ..errors import AutogradError
 from ..ops._declare import Placeholder, normal, spd, unary_samples, wellcond
 from .program import Program
 from .rules import defrule, saves_outputs
+from .rules_elementwise import as_dtype
 
 _HI = lax.Precision.HIGHEST
 _trsolve = lax.linalg.triangular_solve
@@ -457,9 +458,7 @@ def _eig_vjp(r, g):
         vl = outs[1]
         gl = _eig_vec_vjp(jnp.conj(w), vl, g[1].astype(vl.dtype))
         ga = ga + jnp.conj(_T(_mm(jnp.linalg.solve(_T(vl), gl), _T(vl))))
-    if not jnp.issubdtype(r.in_avals[0].dtype, jnp.complexfloating):
-        ga = jnp.real(ga)
-    return (ga.astype(r.in_avals[0].dtype),)
+    return (as_dtype(ga, r.in_avals[0].dtype),)  # a real matrix's: the real part
 
 
 def _to_general_complex(a):

@@ -20,7 +20,7 @@ the vector's take one:
   the derivative of ``A^{-1} b`` for a square operator the solver assumes full
   rank (LU, QR, Cholesky, CG, ...). A full-rank non-square operator (QR's least
   squares, as in optimistix's Gauss-Newton and Levenberg-Marquardt steps) adds the
-  pseudo-inverse's further term (``_least_squares_terms``); for a rank-deficient
+  pseudo-inverse's further term (``_least_squares_pair``); for a rank-deficient
   solve (``SVD``, ``assume_full_rank() == False``) the pseudo-inverse has more
   terms still, and a gradient for the operator there is refused by name (the
   vector's is still taken).
@@ -66,21 +66,26 @@ def _arguments(r: Any) -> tuple[list[Any], list[int]]:
     return args, owner
 
 
-def _operator_gradient(operator: Any, x: Any, ct_b: Any) -> list[Any]:
-    """``-(d/dA [A x])^T ct_b`` for the operator's arrays, in their order: the
-    operator's ``mv`` at ``x`` traced as a program of those arrays and run
-    backward on the tape."""
+def _operator_gradient(operator: Any, pairs: list[tuple[Any, Any]]) -> list[Any]:
+    """``-sum (d/dA [A v])^T c`` over the ``(v, c)`` pairs, for the operator's arrays,
+    in their order: the operator's ``mv`` at every ``v``, traced once as one program
+    of those arrays, run backward on the tape."""
     dynamic, static = eqx.partition(operator, eqx.is_array)
     leaves, tree = jtu.tree_flatten(dynamic)
 
     def mv(*arrays: Any) -> list[Any]:
         op = eqx.combine(jtu.tree_unflatten(tree, list(arrays)), static)
-        return jtu.tree_leaves(op.mv(x))
+        return [out for v, _ in pairs for out in jtu.tree_leaves(op.mv(v))]
 
     prog = Program(closed(jax.make_jaxpr(mv)(*leaves)), [True] * len(leaves), "the lineax operator's mv")
     _, residuals = prog.run(list(leaves))
-    grads = prog.backward(residuals, [-c for c in jtu.tree_leaves(ct_b)])
+    grads = prog.backward(residuals, [-c for _, ct in pairs for c in jtu.tree_leaves(ct)])
     return [jnp.zeros_like(a) if gr is None else gr for gr, a in zip(grads, leaves)]
+
+
+def _bind_solve(operator: Any, state: Any, vector: Any, options: Any, solver: Any) -> Any:
+    """The solution of one more ``linear_solve`` with the factorisation ``state``."""
+    return eqxi.filter_primitive_bind(linear_solve_p, operator, state, vector, options, solver, True)[0]
 
 
 def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
@@ -94,9 +99,7 @@ def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
     leaves, tree = jtu.tree_flatten(operator.in_structure())
     ct_x = jtu.tree_unflatten(tree, list(g[: len(leaves)]))  # the solution comes first among the outputs
     state_t, options_t = solver.transpose(state, options)
-    ct_b, _, _ = eqxi.filter_primitive_bind(
-        linear_solve_p, operator.transpose(), state_t, ct_x, options_t, solver, True
-    )
+    ct_b = _bind_solve(operator.transpose(), state_t, ct_x, options_t, solver)
     if needs_b:
         _place(out, r.needs, owner, 2, jtu.tree_leaves(ct_b))
     if needs_op:
@@ -108,39 +111,35 @@ def _linear_solve_vjp(r: Any, g: tuple) -> tuple:
                 "write. Differentiate the vector only, or use such a solver."
             )
         x = jtu.tree_unflatten(tree, list(r.outs[: len(leaves)]))
-        grads = _operator_gradient(operator, x, ct_b)
+        pairs = [(x, ct_b)]
         if operator.in_size() != operator.out_size():
-            extra = _least_squares_terms(operator, state, state_t, options, options_t, solver, args[2], x, ct_x, ct_b)
-            grads = [a + b for a, b in zip(grads, extra)]
-        _place(out, r.needs, owner, 0, grads)
+            pairs.append(
+                _least_squares_pair(operator, state, state_t, options, options_t, solver, args[2], x, ct_x, ct_b)
+            )
+        _place(out, r.needs, owner, 0, _operator_gradient(operator, pairs))
     return tuple(out)
 
 
-def _least_squares_terms(
+def _least_squares_pair(
     operator: Any, state: Any, state_t: Any, options: Any, options_t: Any, solver: Any, b: Any, x: Any, g: Any, lam: Any
-) -> list[Any]:
-    """The pseudo-inverse's further terms for a full-rank non-square operator
-    (Golub and Pereyra's derivative of ``A^+``), beside ``-lam x^T`` (``lam = A^{+T} g``):
+) -> tuple[Any, Any]:
+    """The pseudo-inverse's further term for a full-rank non-square operator
+    (Golub and Pereyra's derivative of ``A^+``), beside ``-lam x^T`` (``lam = A^{+T} g``),
+    as a ``(v, c)`` pair of ``_operator_gradient`` (whose term is ``-c v^T``):
     ``r mu^T`` for an overdetermined operator (``r = b - A x``, the residual, and
     ``mu = A^+ lam = (A^T A)^{-1} g``) and ``y (g - A^+ A g)^T`` for an
     underdetermined one (``y = A^{+T} x = (A A^T)^{-1} b``; ``A x = b`` there, and
     ``A^+ A = I`` in the overdetermined case, so each case has one term)."""
 
-    def solve(op: Any, st: Any, v: Any, opts: Any) -> Any:
-        return eqxi.filter_primitive_bind(linear_solve_p, op, st, v, opts, solver, True)[0]
-
     def sub(u: Any, v: Any) -> Any:
         return jtu.tree_map(lambda p, q: p - q, u, v)
 
-    def neg(u: Any) -> Any:
-        return jtu.tree_map(lambda p: -p, u)
-
     if operator.out_size() > operator.in_size():
-        residual = sub(b, operator.mv(x))
-        return _operator_gradient(operator, solve(operator, state, lam, options), neg(residual))
-    y = solve(operator.transpose(), state_t, x, options_t)
-    g_null = sub(g, solve(operator, state, operator.mv(g), options))
-    return _operator_gradient(operator, g_null, neg(y))
+        mu = _bind_solve(operator, state, lam, options, solver)
+        return mu, sub(operator.mv(x), b)
+    y = _bind_solve(operator.transpose(), state_t, x, options_t, solver)
+    g_null = sub(g, _bind_solve(operator, state, operator.mv(g), options, solver))
+    return g_null, jtu.tree_map(lambda p: -p, y)
 
 
 def _place(out: list[Any], needs: tuple[bool, ...], owner: list[int], arg: int, grads: list[Any]) -> None:
