@@ -104,7 +104,7 @@ def test_least_squares_each_argument_alone(shape, operator, argnums):
         check_fd(rf.lift(f), args, argnums=(0, 1))
 
 
-def test_least_squares_operator_gradient_is_refused_the_vector_taken():
+def test_svd_solve_operator_gradient_is_refused_the_vector_taken():
     def f(a, b):
         return jnp.sum(lx.linear_solve(lx.MatrixLinearOperator(a), b, solver=lx.SVD()).value ** 2)
 
