@@ -29,6 +29,14 @@ integer outputs and pass through without a rule.
   ``AutogradError`` with equinox's message; with ``symbolic=False`` a nonzero
   one fails at run time through ``equinox.error_if``, as under ``jax.grad``.
 
+``maybe_set`` and ``select_if_vmap`` are linear maps (a write, a select): their
+rules hold for complex values as written, transposed and not conjugated
+(``COMPLEX_OK``; checked by ``tests/lift/test_complex.py``, group "equinox": a
+complex state written into a bounded or checkpointed loop's buffers, as diffrax
+and dynamiqs do). ``vprim`` runs its inner primitive's rule and
+``nondifferentiable_backward`` refuses any gradient, so neither is listed there:
+a complex value reaching them is refused by name.
+
 equinox's ``nontraceable`` (which must not be differentiated), ``nonbatchable``
 (which ``jax.grad`` refuses too) and ``noinline`` have no rule: a program whose gradient goes through one raises, naming it.
 """
@@ -51,7 +59,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal
 from .library import defrule
-from .rules import Params, rule_for
+from .rules import COMPLEX_OK, Params, rule_for
 
 # -- maybe_set -------------------------------------------------------------------
 
@@ -149,6 +157,8 @@ defrule(
         ),
     ),
 )
+
+COMPLEX_OK.update({"maybe_set", "select_if_vmap"})  # linear maps (the module's docstring)
 
 # -- identities: nondifferentiable_backward, nonbatchable ----------------------------
 

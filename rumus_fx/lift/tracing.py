@@ -336,7 +336,7 @@ def _trace(
         tensor_mod.CAPTURE = prev
     if cap.found:  # pass 2: the captured tensors become inputs
         captured = list(cap.found.values())
-        cap_avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shd.sharding_of(t.value)) for t in captured]
+        cap_avals = [_spec(t.value, weak=False) for t in captured]
 
         def substituted(*xs):
             subst = {id(t): b for t, b in zip(captured, xs[n:])}
@@ -501,10 +501,7 @@ def _lifted_call(
     statics = tuple(getattr(x, "__wrapped_lift__", x) for x, a in zip(leaves, is_arr) if not a)
     values = [_leaf_value(x) for x in arrays]
     tracked_in = tuple(isinstance(x, Tensor) and x.grad_id is not None for x in arrays)
-    # on Explicit mesh axes the sharding is part of the type: trace with it
-    avals = [
-        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in values
-    ]
+    avals = [_spec(v) for v in values]
     # what fun reads through its closure (Note [Closures of a lifted function])
     clo = _closure.scan(fun, statics)
     # the walk could not see all that fun reads: traced on every call
@@ -738,14 +735,12 @@ def _closure_key(
 
 
 def _type_of(v: Any) -> tuple:
-    return (v.shape, v.dtype, _weak(v), shd.sharding_of(v))
+    return (v.shape, v.dtype, _weak(v), shd.sharding_of(v), _manual_type(v))
 
 
 def _closure_avals(clo: _closure.Closure) -> list[Any]:
     """The avals the trace gives the closure's arrays."""
-    return [
-        jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=_weak(v), sharding=shd.sharding_of(v)) for v in clo.values
-    ]
+    return [_spec(v) for v in clo.values]
 
 
 def weak_values(values: Sequence[Any]) -> tuple[Any, ...]:
@@ -807,3 +802,26 @@ def _cell_ok(c: Any) -> bool:
 
 def _weak(v: Any) -> bool:
     return bool(getattr(getattr(v, "aval", None), "weak_type", False))
+
+
+def _spec(v: Any, weak: bool | None = None) -> jax.ShapeDtypeStruct:
+    """The type a lifted call traces the value ``v`` with: its shape, dtype and weak
+    type; over Explicit mesh axes its sharding; and inside a ``shard_map`` body with
+    ``check_vma=True`` the manual axes it varies over (traced without them, a
+    constant of the function would not be made to vary where jax's own trace makes
+    it: ``x - 1.0`` on a varying ``x`` is refused by jax's type check)."""
+    weak = _weak(v) if weak is None else weak
+    mat = _manual_type(v)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(v.shape, v.dtype, weak_type=weak, sharding=v.aval.sharding, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=weak, sharding=shd.sharding_of(v))
+
+
+def _manual_type(v: Any) -> Any:
+    """The manual-axis type of ``v`` (a tracer inside a ``shard_map`` body with
+    ``check_vma=True`` that varies over manual axes, or has reduced or unreduced
+    ones), else None: every concrete array, and values outside shard_map."""
+    if not isinstance(v, jax.core.Tracer):
+        return None
+    mat = getattr(v.aval, "mat", None)
+    return None if mat is None or getattr(mat, "empty", True) else mat

@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 
 import chex
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import jax.scipy as jsp
 import numpy as np
 import pytest
+from equinox.internal._loop import common as _eqx_loop
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import sparse
@@ -196,6 +198,30 @@ PARALLEL = {
 }
 
 
+def _eqx_buffers(z, w, kind):
+    """A complex state carried through equinox's loop, written into its buffer at
+    each step (``maybe_set``, and ``select_if_vmap`` inside the loop's machinery)."""
+
+    def body(c):
+        i, acc, buf = c
+        acc = acc * jnp.exp(0.3j * w[0]) + z[1]
+        return i + 1, acc, buf.at[i].set(acc * z[2])
+
+    init = (0, z[0], jnp.zeros((3, 4), z.dtype))
+    _, acc, buf = eqxi.while_loop(lambda c: c[0] < 3, body, init, max_steps=3, kind=kind, buffers=lambda c: c[2])
+    return buf * acc[None]
+
+
+# equinox's linear primitives, as diffrax and dynamiqs emit them on complex states
+EQUINOX = {
+    "bounded_loop_buffers": lambda z, w: _eqx_buffers(z, w, "bounded"),
+    "checkpointed_loop_buffers": lambda z, w: _eqx_buffers(z, w, "checkpointed"),
+    "select_if_vmap": lambda z, w: _eqx_loop._select_if_vmap(
+        jnp.sum(jnp.real(w)) > 0, z * w, z - w, makes_false_steps=False
+    ),
+}
+
+
 def _eigh_parts(a):
     """Eigenvalues and phase-free functions of the eigenvectors of a complex
     Hermitian matrix (``jnp.linalg.eigh`` takes ``(a + a^H) / 2``)."""
@@ -249,6 +275,7 @@ GROUPS = {
     "binary": lambda z, w: sum(_real_loss(f(z, w)) for f in BINARY.values()),
     "smooth": lambda z, w: sum(_real_loss(f(z, w)) for f in SMOOTH.values()),
     "parallel": lambda z, w: sum(_real_loss(f(z, w)) for f in PARALLEL.values()),
+    "equinox": lambda z, w: sum(_real_loss(f(z, w)) for f in EQUINOX.values()),
 }
 
 
