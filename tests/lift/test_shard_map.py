@@ -156,9 +156,7 @@ def test_a_gradient_taken_inside_a_shard_map_body(case, argnums, jit, x64):
         np.testing.assert_allclose(g, h, rtol=1e-12, atol=1e-12)
 
     # central differences of the body's loss along a random direction per argument
-    value = jax.jit(
-        jax.shard_map(lambda x, w: loss(x, w)[None], mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
-    )
+    value = jax.jit(jax.shard_map(lambda x, w: loss(x, w)[None], mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
     args = [x, w]
     for k, g in zip(argnums, got):
         d = jnp.asarray(rng.normal(size=args[k].shape))
