@@ -92,6 +92,28 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(mat, "varying", ()))
 
 
+def manual_type(aval: Any) -> Any:
+    """The manual-axis type of ``aval`` when it is not empty (see :func:`manual_spec`),
+    else None."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return None if mat is None or getattr(mat, "empty", True) else mat
+
+
+def manual_spec(aval: Any, weak_type: bool) -> Any:
+    """``aval`` as a ``jax.ShapeDtypeStruct`` that keeps its manual-axis type (inside a
+    ``shard_map`` body with ``check_vma=True``: the manual axes it varies over, its
+    reduced or unreduced ones) and the sharding that goes with it; None for a type
+    without one (every value outside a ``shard_map`` body). Traced with the struct, a
+    function's constants are made to vary where they meet the value, as in jax's own
+    trace."""
+    mat = manual_type(aval)
+    if mat is None:
+        return None
+    return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, weak_type=weak_type, sharding=aval.sharding, manual_axis_type=mat
+    )
+
+
 def vary_over(z: Any, axes: Any) -> Any:
     """``z`` (a value rf made, such as zeros) made to vary over the manual axes
     ``axes`` where it does not already: inside a ``shard_map`` body a primitive

@@ -48,7 +48,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
 from .concrete import symbolic
-from .jax_versions import closed, scan_counts, varying_like
+from .jax_versions import closed, manual_spec, scan_counts, varying_like
 from .program import IN_JVP_RULE, Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 
@@ -198,11 +198,12 @@ def _custom_jvp_prepare(step) -> _Linear | Program:
     def spec(a):
         # inside a shard_map body the rule's values keep the manual axes they vary over,
         # and over Explicit mesh axes their shardings (the rule was traced with them)
-        mat = getattr(a, "manual_axis_type", None)
-        kw = {} if mat is None or getattr(mat, "empty", True) else {"sharding": a.sharding, "manual_axis_type": mat}
-        if not kw and shd.explicit(getattr(a, "sharding", None)) is not None:
-            kw = {"sharding": a.sharding}
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False), **kw)
+        weak = getattr(a, "weak_type", False)
+        manual = manual_spec(a, weak)
+        if manual is not None:
+            return manual
+        kw = {"sharding": a.sharding} if shd.explicit(getattr(a, "sharding", None)) is not None else {}
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=weak, **kw)
 
     linear_jaxpr = jax.make_jaxpr(linear)(
         const_avals, [spec(v.aval) for v in invars[:n]], [spec(a) for a in tangent_avals]

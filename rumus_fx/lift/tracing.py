@@ -57,6 +57,7 @@ from ..tensor import Tensor, next_grad_id
 from . import closure as _closure
 from . import concrete as _concrete
 from . import jax_versions as _state
+from .jax_versions import manual_spec, manual_type
 from .lifted_record import LiftedBackward
 from .program import Program
 
@@ -811,17 +812,13 @@ def _spec(v: Any, weak: bool | None = None) -> jax.ShapeDtypeStruct:
     constant of the function would not be made to vary where jax's own trace makes
     it: ``x - 1.0`` on a varying ``x`` is refused by jax's type check)."""
     weak = _weak(v) if weak is None else weak
-    mat = _manual_type(v)
-    if mat is not None:
-        return jax.ShapeDtypeStruct(v.shape, v.dtype, weak_type=weak, sharding=v.aval.sharding, manual_axis_type=mat)
+    if isinstance(v, jax.core.Tracer):  # (only a traced value can have manual axes)
+        manual = manual_spec(v.aval, weak)
+        if manual is not None:
+            return manual
     return jax.ShapeDtypeStruct(np.shape(v), v.dtype, weak_type=weak, sharding=shd.sharding_of(v))
 
 
 def _manual_type(v: Any) -> Any:
-    """The manual-axis type of ``v`` (a tracer inside a ``shard_map`` body with
-    ``check_vma=True`` that varies over manual axes, or has reduced or unreduced
-    ones), else None: every concrete array, and values outside shard_map."""
-    if not isinstance(v, jax.core.Tracer):
-        return None
-    mat = getattr(v.aval, "mat", None)
-    return None if mat is None or getattr(mat, "empty", True) else mat
+    """The manual-axis type of the value ``v`` (only a traced value can have one), else None."""
+    return manual_type(v.aval) if isinstance(v, jax.core.Tracer) else None
