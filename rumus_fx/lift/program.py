@@ -445,7 +445,10 @@ class Program:
 
     def _saved(self, values: Sequence[Any], ref: Any) -> Any:
         if isinstance(ref, _Const):
-            return ref.value
+            v = ref.value
+            # a literal of the jaxpr is a Python scalar (jax's TypedFloat), without the
+            # array attributes (ndim, shape) rules read: a 0-d array of its dtype
+            return v if hasattr(v, "ndim") else np.asarray(v, dtype=getattr(v, "dtype", None))
         return values[self.residual_index[ref]]
 
     def backward(self, residuals: Any, out_grads: Sequence[Any], rows_checked: bool = False) -> list[Any]:

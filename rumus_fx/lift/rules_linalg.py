@@ -32,6 +32,17 @@ from .rules_elementwise import as_dtype
 _HI = lax.Precision.HIGHEST
 _trsolve = lax.linalg.triangular_solve
 
+# Note [No cotangent, no term]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# eigh's and svd's rules take a missing cotangent as None (``takes_none``), not as
+# zeros: an output the program does not use (the eigenvectors of ``eigvalsh``, U and V
+# of ``svd(a)[1]``) adds no term. Its term holds ``F``, the reciprocal gaps of the
+# eigen- or singular values, which is infinite where two are equal, and ``F * 0`` is
+# nan: the used values' gradient, finite there, would come out nan. JAX's transpose
+# skips a symbolic zero's term, and so does rf. Where the program does use the
+# vectors at a repeated value, both give nan (the vectors are not differentiable
+# there). Tested in tests/lift/test_ties.py (repeated spectra).
+
 # -- the primitive table's samples and programs --------------------------------------
 # Matrices are small and well conditioned (``wellcond``; ``spd`` where a symmetric
 # positive definite one is needed); eigen- and singular values are distinct.
@@ -375,9 +386,16 @@ def _eigh_vjp(r, g):
         )
     v, w = r.outs
     gv, gw = g
-    F = _reciprocal_gaps(w.astype(v.dtype))
-    K = F * _mm(_T(v), gv) + _diag(gw.astype(v.dtype))
+    # an output without a cotangent (None: the eigenvectors of ``eigvalsh``) takes no
+    # term, as a symbolic zero takes none in JAX's transpose: at a repeated eigenvalue
+    # ``F`` is infinite, and ``F * 0`` would make the eigenvalues' gradient nan
+    K = _diag(gw.astype(v.dtype)) if gw is not None else jnp.zeros(v.shape, v.dtype)
+    if gv is not None:
+        K = K + _reciprocal_gaps(w.astype(v.dtype)) * _mm(_T(v), gv)
     return (_mm(_mm(jnp.conj(v), K), _T(v)),)
+
+
+_eigh_vjp.takes_none = True  # Note [No cotangent, no term]
 
 
 def _eigh(a):
@@ -561,33 +579,41 @@ def _svd_vjp(r, g):
     cplx = jnp.iscomplexobj(U)
     V = jnp.conj(_T(Vt))
     Uc, Vtc = jnp.conj(U), jnp.conj(Vt)  # conj(U) K V^T is the gradient of dS's K
-    gs = g[0].astype(U.dtype)
+    # an output without a cotangent (None) takes no term (Note [No cotangent, no term]):
+    # at a repeated singular value ``F`` is infinite, and ``F * 0`` would be nan
+    k = s.shape[-1]
+    gs = g[0].astype(U.dtype) if g[0] is not None else jnp.zeros(s.shape, U.dtype)
     K = _diag(gs)
     if not p["compute_uv"]:
         return (_mm(Uc * gs[..., None, :], Vtc),)
-    gU, gV = g[1], jnp.conj(_T(g[2]))
-    k = s.shape[-1]
+    gU, gV = g[1], (jnp.conj(_T(g[2])) if g[2] is not None else None)
     eye = _eye(k, s.dtype, s.ndim + 1)
     srow = s[..., None, :]
     F = (1 / ((srow + _T(srow)) * (srow - _T(srow)) + eye) - eye).astype(U.dtype)
     srow = srow.astype(U.dtype)
-    UgU = _mm(_T(U), gU)
-    A1 = F * UgU
-    A2 = F * _mm(_T(V), gV)
-    K = K + (A1 + jnp.conj(_T(A1))) * srow + _T(srow) * (A2 + jnp.conj(_T(A2)))
-    if cplx:  # D's transpose: i Im(diag(U^T gU)) / s (0 where s is 0, as JAX's)
-        zero = (s == 0).astype(s.dtype)
-        inv = (1 / (s + zero) - zero).astype(U.dtype)
-        d = jnp.diagonal(UgU, axis1=-2, axis2=-1)
-        K = K + _diag(_i_imag(d) * inv)
+    if gU is not None:
+        UgU = _mm(_T(U), gU)
+        A1 = F * UgU
+        K = K + (A1 + jnp.conj(_T(A1))) * srow
+        if cplx:  # D's transpose: i Im(diag(U^T gU)) / s (0 where s is 0, as JAX's)
+            zero = (s == 0).astype(s.dtype)
+            inv = (1 / (s + zero) - zero).astype(U.dtype)
+            d = jnp.diagonal(UgU, axis1=-2, axis2=-1)
+            K = K + _diag(_i_imag(d) * inv)
+    if gV is not None:
+        A2 = F * _mm(_T(V), gV)
+        K = K + _T(srow) * (A2 + jnp.conj(_T(A2)))
     gA = _mm(_mm(Uc, K), Vtc)
-    if m > n:
+    if m > n and gU is not None:
         gUs = gU / srow
         gA = gA + _mm(gUs - _mm(Uc, _mm(_T(U), gUs)), Vtc)
-    if n > m:
+    if n > m and gV is not None:
         gVs = gV / srow
         gA = gA + jnp.conj(_mm(U, _T(gVs - _mm(jnp.conj(V), _mm(_T(V), gVs)))))
     return (gA,)
+
+
+_svd_vjp.takes_none = True  # Note [No cotangent, no term]
 
 
 def _svd(a, full_matrices=False):

@@ -805,3 +805,33 @@ def test_shard_alike_has_a_rule(argnums):
         check_grads(
             rf.lift(f), (x, y), argnums, oracle=lambda x, y: jnp.sum(x * y * jnp.cos(y) + x), atol=1e-12, rtol=1e-12
         )
+
+
+# a Python scalar written into the program is a literal of its jaxpr (jax's TypedFloat,
+# without ndim or shape); rules read it as a 0-d array of its dtype. dot_general's rule
+# read ``.ndim`` and crashed (PennyLane's Hamiltonian expectations contract with one).
+_LITERAL_PROGRAMS = {
+    "dot_general_rhs": lambda y: lax.dot_general(y, 2.0, (((), ()), ((), ()))),
+    "dot_general_lhs": lambda y: lax.dot_general(-1.5, y, (((), ()), ((), ()))),
+    "dot_general_rhs_3d": lambda y: lax.dot_general(
+        jnp.sin(y).reshape(2, 1, 3) * y.reshape(2, 1, 3), 2.0, (((), ()), ((), ()))
+    ),
+    "dot_general_lhs_3d": lambda y: lax.dot_general(
+        0.5, jnp.sin(y).reshape(2, 3, 1) * y[:, None], (((), ()), ((), ()))
+    ),
+    "mul": lambda y: lax.mul(3.0, y) * lax.mul(y, -0.5),
+    "pow": lambda y: lax.pow(jnp.abs(y) + 0.5, 2.5) + lax.pow(1.7, y),
+    "atan2": lambda y: lax.atan2(y, 0.8) + lax.atan2(0.3, y),
+    "clamp": lambda y: lax.clamp(-0.5, y, 0.5) * y,
+    "rem": lambda y: lax.rem(y, 0.7) + lax.rem(2.5, jnp.abs(y) + 1.0),
+    "max_min": lambda y: lax.max(y, 0.1) + lax.min(-0.2, y),
+    "select_n": lambda y: lax.select_n(y > 0.0, y * y, lax.mul(y, 0.0) + 1.5),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(_LITERAL_PROGRAMS))
+def test_a_python_scalar_operand_of_a_primitive(name, jit):
+    f = lambda y: jnp.sum(jnp.tanh(_LITERAL_PROGRAMS[name](y)))  # noqa: E731
+    y = jnp.array([[0.3, -0.65, 1.1], [0.9, -0.3, 0.45]])  # away from the kinks and jumps
+    check_grads(rf.lift(f), (y,), oracle=f, jit=jit, fd=True)

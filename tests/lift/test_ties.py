@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import rumus_fx as rf
+from rumus_fx.testing import check_fd
 
 # rows with ties (1 3 3 0), all equal (2 2 2 2), and a zero/negative mix; every
 # program's value at this point has equal candidates or a kink
@@ -216,3 +217,90 @@ def test_elementwise_extreme_of_an_operand_computed_twice(pick):
             return jnp.sum(pick(p, c[None, None, :]) * w) + jnp.sum(pick(p, jnp.swapaxes(p, -1, -2)) * w)
 
         _matches_eager_jax_grad(f, (x, c), [0, 1, (0, 1)])
+
+
+# -- repeated spectra: eigen- and singular values a program uses without their vectors --
+# At a repeated eigen- or singular value the vectors' factor (1 / the gap) is infinite;
+# a program that uses only the values (or vectors away from the repeated values) has a
+# finite gradient there, which jax.grad gives (a symbolic zero takes no term in its
+# transpose) and central differences confirm: rf's eigh and svd rules must give it too
+# (Note [No cotangent, no term] in rumus_fx/lift/rules_linalg.py); they gave nan.
+
+
+def _diagonal(values, rows=None, batch=()):
+    """``diag(values)`` (``rows`` x ``len(values)``, zero rows below): a spectrum that
+    repeats exactly (a rotated one repeats only to rounding, where ``1 / gap`` is
+    finite)."""
+    n = len(values)
+    a = np.zeros((rows or n, n))
+    a[:n, :n] = np.diag(values)
+    return np.broadcast_to(a, batch + a.shape).copy()
+
+
+_W5 = np.cos(np.arange(25.0)).reshape(5, 5)
+_W4 = np.cos(np.arange(16.0)).reshape(4, 4)
+
+
+def _svd(a):
+    return jnp.linalg.svd(a, full_matrices=False)
+
+
+SPECTRA = {
+    # eigenvalue 0 three times (and 1 once), the eigenvalues alone
+    "eigvalsh": (lambda a: jnp.sum(jnp.linalg.eigvalsh(a) ** 3), _diagonal([1.0, 0.0, 0.0, 0.0])),
+    "eigh_values": (lambda a: jnp.sum(jnp.sin(jnp.linalg.eigh(a)[0])), _diagonal([2.0, 0.5, 0.5, -1.0])),
+    "scipy_eigh_values": (
+        lambda a: jnp.sum(jnp.exp(jax.scipy.linalg.eigh(a, eigvals_only=True))),
+        _diagonal([1.0, -1.0, 1.0, -1.0]),
+    ),
+    "eigvalsh_batched": (
+        lambda a: jnp.sum(jnp.linalg.eigvalsh(a) ** 3),
+        _diagonal([1.0, 0.0, 0.0, 2.0], batch=(2,)) * np.array([1.0, 3.0])[:, None, None],
+    ),
+    # the vectors with one output of the decomposition unused (None in the rule) at
+    # distinct values (where a used vector's value repeats, jax's gradient and rf's are
+    # nan: see below): the eigenvectors alone, through the projector onto the two
+    # largest eigenvalues' space (sign-free)
+    "eigh_top_projector": (
+        lambda a: jnp.sum(jnp.linalg.eigh(a)[1][:, 2:] @ jnp.linalg.eigh(a)[1][:, 2:].T * _W4),
+        _diagonal([0.0, 1.0, 3.0, -2.0]) + 0.1 * np.eye(4, k=1) + 0.1 * np.eye(4, k=-1),
+    ),
+    # singular value 2 twice, the values of a full (square) and a thin (tall)
+    # decomposition alone
+    "svd_values": (lambda a: jnp.sum(jnp.linalg.svd(a)[1] ** 3), _diagonal([2.0, 1.0, 2.0])),
+    "svd_values_tall": (lambda a: jnp.sum(_svd(a)[1] ** 3), _diagonal([2.0, 2.0, 1.0], rows=5)),
+    # the values and the left vectors of a tall matrix, the right vectors alone of a
+    # wide one (projectors onto their spans: sign-free)
+    "svd_left_vectors_and_values": (
+        lambda a: jnp.sum(_svd(a)[1]) + jnp.sum(_svd(a)[0][:, :1] @ _svd(a)[0][:, :1].T * _W5),
+        _diagonal([3.0, 1.0, 2.0], rows=5) + 0.1 * np.eye(5, 3, -3),
+    ),
+    "svd_right_vectors": (
+        lambda a: jnp.sum(_svd(a)[2][:1].T @ _svd(a)[2][:1] * _W5),
+        (_diagonal([3.0, 1.0, 2.0], rows=5) + 0.1 * np.eye(5, 3, -3)).T,
+    ),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(SPECTRA))
+def test_repeated_spectra_values_alone(name, jit):
+    f, a = SPECTRA[name]
+    with jax.enable_x64(True):
+        a = jnp.asarray(a)
+        g = rf.grad(rf.lift(f))
+        got = np.asarray((jax.jit(g) if jit else g)(a))
+        assert np.all(np.isfinite(got)), got
+        _same(got, np.asarray(jax.jit(jax.grad(f))(a)), rtol=1e-9, atol=1e-10)
+    check_fd(rf.lift(f), (a,), eps=1e-6, tol=1e-6, directions=3)
+
+
+def test_repeated_eigenvalue_with_its_vectors_used_is_nan_as_in_jax():
+    """Where the program uses the vectors of a repeated eigenvalue they are not
+    differentiable: rf, as jax, gives nan (it does not make up a value)."""
+    f = lambda a: jnp.sum(jnp.linalg.eigh(a)[1] ** 3)  # noqa: E731
+    with jax.enable_x64(True):
+        a = jnp.asarray(_diagonal([1.0, 0.0, 0.0, 0.0]))
+        got, want = np.asarray(rf.grad(rf.lift(f))(a)), np.asarray(jax.grad(f)(a))
+    assert not np.any(np.isfinite(want))
+    _same(got, want)
