@@ -470,7 +470,23 @@ class Program:
         for row in range(len(recs) - 1, -1, -1):
             rec = recs[row]
             st = rec._step
-            bwd_here = first_bwd is not None and first_bwd <= row  # Note [A user's bwd on zero cotangents]
+            bwd_here = first_bwd is not None and first_bwd <= row  # Note [An unused output adds nothing]
+            # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+            # An output of control flow (``cond``/``switch``, ``checkpoint``, ``scan``'s stacked
+            # outputs and dead carries) or of a ``jax.custom_jvp`` call that the program does not
+            # use adds no term to the gradient: jax.grad removes it from the linear program
+            # (dead-code elimination) before it transposes, so its part of the body never runs.
+            # Zeros in its place are not the same: a term ``0 * inf`` is nan, and a derivative
+            # is infinite at ordinary points (``sqrt`` at 0, the eigenvectors at a repeated
+            # eigenvalue). So ``sqrt(x)``, an unused output of a cond branch at ``x = 0``, made
+            # the gradient of the other output nan where jax.grad's is finite. The rules of these
+            # calls say ``unused_as_none``: the walk passes them ``None`` for an output with no
+            # cotangent, which their bodies' programs skip (``Program.backward`` takes ``None``).
+            # A marked output (``_REACHED``, below) is still passed as zeros where a body holds
+            # a user's bwd. The scan's rule finds the dead carries (``_dead_carries`` in
+            # rules_control.py). Tests: tests/lift/test_unused_outputs.py.
+
+            # Note [A user's bwd on zero cotangents]
             if bwd_here:
                 self._leave_unreached_calls(row, grads)
             gs = [grads.pop(s, None) for s in st.outs]
@@ -494,14 +510,23 @@ class Program:
                     shd.zeros(a.shape, a.dtype, sh) if g is _REACHED else g
                     for g, a, sh in zip(gs, st.out_avals, st.out_shardings or (None,) * len(gs))
                 ]
+            if (zeros_for := getattr(st.rule.vjp, "reached_as_zeros", None)) is not None:
+                # a scan's marked carries: live, with a zero cotangent (Note [An unused output adds nothing])
+                marked = zeros_for(st)
+                gs = [
+                    shd.zeros(a.shape, a.dtype, sh) if g is _REACHED and k in marked else g
+                    for k, (g, a, sh) in enumerate(zip(gs, st.out_avals, st.out_shardings or (None,) * len(gs)))
+                ]
             gs = [None if g is _REACHED else g for g in gs]
             if st.refusal:
                 raise AutogradError(st.refusal)
             if self.meshes:
                 gs = [_onto_type(g, t, self.mesh if st.mesh is None else st.mesh) for g, t in zip(gs, st.out_types)]
             with _in_mesh(st):
-                takes_none = getattr(st.rule.vjp, "takes_none", False) or (
-                    holds and getattr(st.rule.vjp, "none_safe", False)
+                takes_none = (
+                    getattr(st.rule.vjp, "takes_none", False)
+                    or getattr(st.rule.vjp, "unused_as_none", False)  # Note [An unused output adds nothing]
+                    or (holds and getattr(st.rule.vjp, "none_safe", False))
                 )
                 if takes_none:  # the rule tells missing cotangents apart
                     g_out = tuple(gs)

@@ -32,7 +32,7 @@ from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
 from .concrete import needs_values
-from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
+from .jax_versions import bwd_cotangents, closed, scan_counts, used_inputs, vary_over, varying_axes, varying_like
 from .program import Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 from .rules_custom import closure_input
@@ -174,12 +174,29 @@ def _scan_forward(step, vals):
     return [*carry, *ys], (res, kept_consts, kept_xs)
 
 
+def _dead_carries(jaxpr, nc: int, nk: int, ct_carry, ct_ys) -> list[bool]:
+    """The carries no cotangent reaches: neither the final carry's (None) nor, in any
+    iteration, a stacked output's or a live carry's through the body (a fixed point
+    over the body's dependences). jax.grad drops them before it transposes; their
+    cotangents are passed to the body as missing (Note [An unused output adds
+    nothing] in program.py)."""
+    live = [c is not None for c in ct_carry]
+    ys_live = [y is not None for y in ct_ys]
+    while True:
+        reads = used_inputs(jaxpr, live + ys_live)[nc : nc + nk]
+        grown = [a or b for a, b in zip(live, reads)]
+        if grown == live:
+            return [not x for x in live]
+        live = grown
+
+
 def _scan_vjp(r, g):
     p = r.params
     nc, nk = scan_counts(p)
     prog = r._step.sub
     g = list(g)
     ct_carry, ct_ys = g[:nk], g[nk:]
+    dead = _dead_carries(p["jaxpr"], nc, nk, ct_carry, ct_ys) if "jaxpr" in p else [False] * nk
     avals = r.in_avals
     const_avals = avals[:nc]
     carry_avals = avals[nc : nc + nk]
@@ -200,7 +217,7 @@ def _scan_vjp(r, g):
             else (kept_consts[forwarded[j][1]] if forwarded[j][0] == "const" else x_slices[forwarded[j][1]])
             for j, v in enumerate(values)
         )
-        grads = prog.backward((values, extras), [*ct_c, *ct_y])
+        grads = prog.backward((values, extras), [*(None if d else c for c, d in zip(ct_c, dead)), *ct_y])
         g_consts = grads[:nc]
         g_carry = _or_zeros(grads[nc : nc + nk], carry_avals, carry_sh)
         g_xs = _or_zeros(grads[nc + nk :], x_avals_unstacked, x_sh)
@@ -248,6 +265,8 @@ _scan_vjp.runs_on_zero = _scan_runs_on_zero
 # stays missing in the body
 _scan_vjp.none_safe = True
 _scan_vjp.zero_as_none = True  # (a zero stacked-output cotangent is dropped, as jax's transpose does)
+_scan_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
+_scan_vjp.reached_as_zeros = lambda step: range(scan_counts(step.params)[1])  # (its carries)
 defrule(
     "scan",
     _scan_vjp,
@@ -335,6 +354,7 @@ def _cond_out_tracked(step):
 _cond_vjp.prepare = _cond_prepare
 _cond_vjp.out_tracked = _cond_out_tracked
 _cond_vjp.none_safe = True  # (as the scan's: the branches' programs take None)
+_cond_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 defrule(
     "cond",
     _cond_vjp,
@@ -446,6 +466,7 @@ def _remat_vjp(r, g):
 _remat_vjp.prepare = _remat_prepare
 _remat_vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
 _remat_vjp.none_safe = True  # (as the scan's: the body's program takes None)
+_remat_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 defrule(
     "remat2",
     _remat_vjp,

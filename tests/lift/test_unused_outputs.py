@@ -1,0 +1,111 @@
+"""An output of control flow or of a ``jax.custom_jvp`` call that the program does not
+use adds no term to the gradient (Note [An unused output adds nothing] in
+rumus_fx/lift/program.py). Each unused output here has an infinite derivative at the
+point (``sqrt`` at 0, eigenvectors at a repeated eigenvalue), so a zero cotangent in
+its place made the used output's gradient nan where jax.grad's is finite. Each program
+under ``rf.grad(rf.lift(f))`` against ``jax.grad(f)`` and float64 central differences,
+eagerly and under jit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import rumus_fx as rf
+from rumus_fx.testing import check_fd
+
+
+def _two(x):
+    return jnp.sqrt(x), x * 2.0
+
+
+@jax.custom_jvp
+def _two_rule(x):
+    return jnp.sqrt(x), x * 2.0
+
+
+@_two_rule.defjvp
+def _two_rule_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    s = jnp.sqrt(x)
+    return (s, x * 2.0), (0.5 / s * t, 2.0 * t)
+
+
+def _eigh_pair(a):
+    w, v = jnp.linalg.eigh(a)
+    return w, v
+
+
+PROGRAMS = {
+    "cond": lambda x: jnp.sum(lax.cond(x[1] > 0, _two, lambda x: (x, x), x)[1]),
+    "switch": lambda x: jnp.sum(lax.switch(1, [lambda x: (x, x), _two], x)[1]),
+    "checkpoint": lambda x: jnp.sum(jax.checkpoint(_two)(x)[1]),
+    "scan_stacked_output": lambda x: jnp.sum(lax.scan(lambda c, _: (c * 1.5, _two(c)), x, None, length=3)[1][1]),
+    "scan_dead_carry": lambda x: jnp.sum(
+        lax.scan(lambda c, _: ((c[0] * 1.5, jnp.sqrt(c[0])), c[0] * 2.0), (x, x), None, length=3)[1]
+    ),
+    "scan_dead_carry_chain": lambda x: jnp.sum(
+        lax.scan(lambda c, _: ((c[0], jnp.sqrt(c[0]), c[1] * 3.0), c[0] ** 2), (x, x, x), None, length=2)[1]
+    ),
+    "scan_checkpointed_body": lambda x: jnp.sum(
+        lax.scan(jax.checkpoint(lambda c, _: (c, _two(c))), x, None, length=2)[1][1]
+    ),
+    "custom_jvp": lambda x: jnp.sum(_two_rule(x)[1]),
+    "custom_jvp_in_cond": lambda x: jnp.sum(lax.cond(True, _two_rule, lambda x: (x, x), x)[1]),
+    "custom_jvp_in_scan": lambda x: jnp.sum(lax.scan(lambda c, _: (c, _two_rule(c)), x, None, length=2)[1][1]),
+    "jit_inside": lambda x: jnp.sum(jax.jit(_two)(x)[1]),
+}
+X = np.array([0.0, 1.0, 4.0])
+
+# eigenvalues used without their vectors at a repeated eigenvalue, through each call
+A = np.diag([1.0, 0.0, 0.0, 0.0])
+SPECTRA = {
+    "cond": lambda a: jnp.sum(lax.cond(True, _eigh_pair, lambda a: _eigh_pair(a * 2.0), a)[0] ** 3),
+    "checkpoint": lambda a: jnp.sum(jax.checkpoint(_eigh_pair)(a)[0] ** 3),
+    "scan": lambda a: jnp.sum(lax.scan(lambda c, _: (c, _eigh_pair(c)), a, None, length=2)[1][0] ** 3),
+}
+
+
+def _check(f, x, jit):
+    with jax.enable_x64(True):
+        x = jnp.asarray(x)
+        g = rf.grad(rf.lift(f))
+        got = np.asarray((jax.jit(g) if jit else g)(x))
+        want = np.asarray(jax.jit(jax.grad(f))(x))
+    assert np.all(np.isfinite(want))
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_an_unused_output_with_an_infinite_derivative(name, jit):
+    _check(PROGRAMS[name], X, jit)
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_an_unused_output_finite_differences(name):
+    # the central difference needs the function smooth around the point: sqrt's
+    # argument away from 0 (the gradient there is the same expression)
+    check_fd(rf.lift(PROGRAMS[name]), (X + 0.5,), eps=1e-6, tol=1e-6, directions=3)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(SPECTRA))
+def test_eigenvalues_through_control_flow_at_a_repeated_eigenvalue(name, jit):
+    _check(SPECTRA[name], A, jit)
+    check_fd(rf.lift(SPECTRA[name]), (A,), eps=1e-6, tol=1e-6, directions=3)
+
+
+def test_a_used_carry_still_gets_its_zero_cotangent():
+    """A carry the stacked outputs read is live even when the final carry is unused:
+    its zero cotangent is kept (jax's scan makes it zeros too), so where its own
+    derivative is infinite the gradient is nan on both sides."""
+    f = lambda x: jnp.sum(lax.scan(lambda c, _: (jnp.sqrt(c), c * 2.0), x, None, length=2)[1])  # noqa: E731
+    with jax.enable_x64(True):
+        x = jnp.asarray(X)
+        got, want = np.asarray(rf.grad(rf.lift(f))(x)), np.asarray(jax.jit(jax.grad(f))(x))
+    np.testing.assert_allclose(got, want, rtol=1e-10, equal_nan=True)
+    assert np.isnan(want[0])
