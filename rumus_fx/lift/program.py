@@ -470,23 +470,7 @@ class Program:
         for row in range(len(recs) - 1, -1, -1):
             rec = recs[row]
             st = rec._step
-            bwd_here = first_bwd is not None and first_bwd <= row  # Note [An unused output adds nothing]
-            # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-            # An output of control flow (``cond``/``switch``, ``checkpoint``, ``scan``'s stacked
-            # outputs and dead carries) or of a ``jax.custom_jvp`` call that the program does not
-            # use adds no term to the gradient: jax.grad removes it from the linear program
-            # (dead-code elimination) before it transposes, so its part of the body never runs.
-            # Zeros in its place are not the same: a term ``0 * inf`` is nan, and a derivative
-            # is infinite at ordinary points (``sqrt`` at 0, the eigenvectors at a repeated
-            # eigenvalue). So ``sqrt(x)``, an unused output of a cond branch at ``x = 0``, made
-            # the gradient of the other output nan where jax.grad's is finite. The rules of these
-            # calls say ``unused_as_none``: the walk passes them ``None`` for an output with no
-            # cotangent, which their bodies' programs skip (``Program.backward`` takes ``None``).
-            # A marked output (``_REACHED``, below) is still passed as zeros where a body holds
-            # a user's bwd. The scan's rule finds the dead carries (``_dead_carries`` in
-            # rules_control.py). Tests: tests/lift/test_unused_outputs.py.
-
-            # Note [A user's bwd on zero cotangents]
+            bwd_here = first_bwd is not None and first_bwd <= row  # Note [A user's bwd on zero cotangents]
             if bwd_here:
                 self._leave_unreached_calls(row, grads)
             gs = [grads.pop(s, None) for s in st.outs]
@@ -640,6 +624,26 @@ class Program:
 # relief leaves the process at seven eighths of the limit, what holds the regions is
 # not rf's, and rf warns once: the warning names the limit and ``jax.clear_caches()``,
 # where the first sign used to be a segmentation fault.
+
+
+# Note [An unused output adds nothing]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An output of control flow (``cond``/``switch``, ``checkpoint``, ``scan``'s stacked
+# outputs and dead carries) or of a ``jax.custom_jvp`` call that the program does not
+# use adds no term to the gradient: jax.grad removes it from the linear program
+# (dead-code elimination) before it transposes, so its part of the body never runs.
+# Zeros in its place are not the same: a term ``0 * inf`` is nan, and a derivative
+# is infinite at ordinary points (``sqrt`` at 0, the eigenvectors at a repeated
+# eigenvalue). So ``sqrt(x)``, an unused output of a cond branch at ``x = 0``, made
+# the gradient of the other output nan where jax.grad's is finite. The rules of these
+# calls say ``unused_as_none``: the walk passes them ``None`` for an output with no
+# cotangent, which their bodies' programs skip (``Program.backward`` takes ``None``).
+# A marked output (``_REACHED``, below) is still passed as zeros where a body holds
+# a user's bwd, and a scan's marked carries always (``reached_as_zeros``): jax keeps
+# a carry whose final value is used, and makes its zero cotangent zeros. The scan's
+# rule finds the dead carries (``_dead_carries`` in rules_control.py): those whose
+# final value no cotangent reaches and that no live output reads in any iteration.
+# Tests: tests/lift/test_unused_outputs.py.
 
 
 # Note [A user's bwd on zero cotangents]

@@ -100,7 +100,12 @@ def _difference(got: Any, want: Any) -> float | str:
 
 def _where(fun: Any) -> str:
     code = getattr(fun, "__code__", None)
-    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}" if code else repr(fun)[:120]
+    if code:
+        return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
+    try:  # a partial's repr may read its traced arguments (pytreeclass: float() of a tracer)
+        return repr(fun)[:120]
+    except Exception:
+        return type(fun).__name__
 
 
 _FAILED = object()
