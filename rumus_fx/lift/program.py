@@ -629,7 +629,7 @@ class Program:
 # Note [An unused output adds nothing]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An output of control flow (``cond``/``switch``, ``checkpoint``, ``scan``'s stacked
-# outputs and dead carries) or of a ``jax.custom_jvp`` call that the program does not
+# outputs and dead carries), of a ``shard_map`` body or of a ``jax.custom_jvp`` call that the program does not
 # use adds no term to the gradient: jax.grad removes it from the linear program
 # (dead-code elimination) before it transposes, so its part of the body never runs.
 # Zeros in its place are not the same: a term ``0 * inf`` is nan, and a derivative

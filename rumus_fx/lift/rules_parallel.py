@@ -198,12 +198,18 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
     if not check:  # each device holds a copy of an output along the axes its spec omits
         for k, (spec, ct) in enumerate(zip(out_specs, g)):
             n = math.prod(sizes[a] for a in _unmentioned(spec, manual))
-            if n != 1 and is_float(r.out_avals[k]):
+            if n != 1 and ct is not None and is_float(r.out_avals[k]):
                 g[k] = ct / n
+    # an output without a cotangent stays missing in the body (Note [An unused output
+    # adds nothing] in program.py): only the others enter the body's shard_map
+    present = [k for k, ct in enumerate(g) if ct is not None]
 
     def backward(leaves: list, cts: tuple) -> tuple:
         res = jax.tree.unflatten(tree, [x[0] for x in leaves])
-        grads = prog.backward(res, list(cts))
+        full: list = [None] * len(g)
+        for k, ct in zip(present, cts):
+            full[k] = ct
+        grads = prog.backward(res, full)
         out = []
         for k in want:
             gk = grads[k]
@@ -215,7 +221,10 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
             out.append(gk)
         return tuple(out)
 
-    grads = _smap(backward, p, (list(res_specs), out_specs), tuple(in_specs[k] for k in want))(list(r.extra), tuple(g))
+    ct_specs = tuple(out_specs[k] for k in present)
+    grads = _smap(backward, p, (list(res_specs), ct_specs), tuple(in_specs[k] for k in want))(
+        list(r.extra), tuple(g[k] for k in present)
+    )
     out: list = [None] * len(r.in_avals)
     for k, gk in zip(want, grads):
         out[k] = gk
@@ -223,6 +232,7 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
 
 
 _shard_map_vjp.prepare = _shard_map_prepare
+_shard_map_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 
 
 def _mesh() -> Any:

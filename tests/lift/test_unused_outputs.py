@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import rumus_fx as rf
 from rumus_fx.testing import check_fd
@@ -57,6 +58,9 @@ PROGRAMS = {
     "custom_jvp_in_cond": lambda x: jnp.sum(lax.cond(True, _two_rule, lambda x: (x, x), x)[1]),
     "custom_jvp_in_scan": lambda x: jnp.sum(lax.scan(lambda c, _: (c, _two_rule(c)), x, None, length=2)[1][1]),
     "jit_inside": lambda x: jnp.sum(jax.jit(_two)(x)[1]),
+    "shard_map": lambda x: jnp.sum(
+        jax.shard_map(_two, mesh=jax.make_mesh((1,), ("i",)), in_specs=P(), out_specs=(P(), P()))(x)[1]
+    ),
 }
 X = np.array([0.0, 1.0, 4.0])
 
