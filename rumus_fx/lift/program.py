@@ -629,15 +629,16 @@ class Program:
 # Note [An unused output adds nothing]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An output of control flow (``cond``/``switch``, ``checkpoint``, ``scan``'s stacked
-# outputs and dead carries), of a ``shard_map`` body or of a ``jax.custom_jvp`` call that the program does not
-# use adds no term to the gradient: jax.grad removes it from the linear program
-# (dead-code elimination) before it transposes, so its part of the body never runs.
-# Zeros in its place are not the same: a term ``0 * inf`` is nan, and a derivative
-# is infinite at ordinary points (``sqrt`` at 0, the eigenvectors at a repeated
-# eigenvalue). So ``sqrt(x)``, an unused output of a cond branch at ``x = 0``, made
-# the gradient of the other output nan where jax.grad's is finite. The rules of these
-# calls say ``unused_as_none``: the walk passes them ``None`` for an output with no
-# cotangent, which their bodies' programs skip (``Program.backward`` takes ``None``).
+# outputs and dead carries), of a ``shard_map`` body or of a ``jax.custom_jvp`` call
+# that the program does not use adds no term to the gradient: jax.grad removes it
+# from the linear program (dead-code elimination) before it transposes, so its part
+# of the body never runs. Zeros in its place are not the same: a term ``0 * inf`` is
+# nan, and a derivative is infinite at ordinary points (``sqrt`` at 0, the
+# eigenvectors at a repeated eigenvalue). So ``sqrt(x)``, an unused output of a cond
+# branch at ``x = 0``, made the gradient of the other output nan where jax.grad's is
+# finite. The rules of these calls say ``unused_as_none``: the walk passes them
+# ``None`` for an output with no cotangent, which their bodies' programs skip
+# (``Program.backward`` takes ``None``).
 # A marked output (``_REACHED``, below) is still passed as zeros where a body holds
 # a user's bwd, and a scan's marked carries always (``reached_as_zeros``): jax keeps
 # a carry whose final value is used, and makes its zero cotangent zeros. The scan's
