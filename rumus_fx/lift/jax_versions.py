@@ -58,16 +58,6 @@ def closed(jaxpr: Any, consts: Sequence[Any] = ()) -> Any:
     return jcore.ClosedJaxpr(jaxpr, list(consts))
 
 
-def used_inputs(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
-    """Which inputs of ``jaxpr`` (open or closed) the outputs flagged in
-    ``used_outputs`` read: jax's dead-code elimination, a program transformation
-    with no public name."""
-    from jax._src.interpreters import partial_eval as pe
-
-    open_jaxpr = jaxpr if ONE_JAXPR_CLASS else getattr(jaxpr, "jaxpr", jaxpr)
-    return list(pe.dce_jaxpr(open_jaxpr, list(used_outputs))[1])
-
-
 def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
     """``(number of constants, number of carries)`` of a scan equation; the
     scanned-over inputs follow them."""

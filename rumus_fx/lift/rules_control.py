@@ -32,7 +32,7 @@ from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
 from .concrete import needs_values
-from .jax_versions import bwd_cotangents, closed, scan_counts, used_inputs, vary_over, varying_axes, varying_like
+from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
 from .program import Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 from .rules_custom import closure_input
@@ -174,6 +174,19 @@ def _scan_forward(step, vals):
     return [*carry, *ys], (res, kept_consts, kept_xs)
 
 
+def _used_inputs(jaxpr: Any, used_outputs: list[bool]) -> list[bool]:
+    """Which inputs of ``jaxpr`` (open or closed) the flagged outputs read, by a
+    backward walk over its equations. An equation counts as reading all its inputs
+    for any of its outputs (a nested call is not looked into): an over-estimate,
+    which can only keep a carry live (zeros, as before), never drop a live one."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a closed jaxpr's own (jax 0.10)
+    live = {v for v, u in zip(jaxpr.outvars, used_outputs) if u and not isinstance(v, jcore.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return [v in live for v in jaxpr.invars]
+
+
 def _dead_carries(jaxpr, nc: int, nk: int, ct_carry, ct_ys) -> list[bool]:
     """The carries no cotangent reaches: neither the final carry's (None) nor, in any
     iteration, a stacked output's or a live carry's through the body (a fixed point
@@ -183,7 +196,7 @@ def _dead_carries(jaxpr, nc: int, nk: int, ct_carry, ct_ys) -> list[bool]:
     live = [c is not None for c in ct_carry]
     ys_live = [y is not None for y in ct_ys]
     while True:
-        reads = used_inputs(jaxpr, live + ys_live)[nc : nc + nk]
+        reads = _used_inputs(jaxpr, live + ys_live)[nc : nc + nk]
         grown = [a or b for a, b in zip(live, reads)]
         if grown == live:
             return [not x for x in live]
