@@ -484,19 +484,16 @@ class Program:
                             grads.setdefault(x, _REACHED)
                     continue
             holds = bwd_here and holds_user_bwd(st)
-            if (
-                holds
-                and not getattr(st.rule.vjp, "takes_none", False)
-                and not getattr(st.rule.vjp, "zero_as_none", False)
-            ):
-                # a body's bwd runs on a zero cotangent, not on a missing one
-                gs = [
-                    shd.zeros(a.shape, a.dtype, sh) if g is _REACHED else g
-                    for g, a, sh in zip(gs, st.out_avals, st.out_shardings or (None,) * len(gs))
-                ]
+            # the marked outputs passed as zeros: a scan's carries (jax keeps a live carry's
+            # zero cotangent, Note [An unused output adds nothing]); every one where a body's
+            # bwd runs on a zero cotangent, not on a missing one
             if (zeros_for := getattr(st.rule.vjp, "reached_as_zeros", None)) is not None:
-                # a scan's marked carries: live, with a zero cotangent (Note [An unused output adds nothing])
                 marked = zeros_for(st)
+            elif holds and not getattr(st.rule.vjp, "takes_none", False):
+                marked = range(len(gs))
+            else:
+                marked = ()
+            if marked:
                 gs = [
                     shd.zeros(a.shape, a.dtype, sh) if g is _REACHED and k in marked else g
                     for k, (g, a, sh) in enumerate(zip(gs, st.out_avals, st.out_shardings or (None,) * len(gs)))
@@ -507,12 +504,8 @@ class Program:
             if self.meshes:
                 gs = [_onto_type(g, t, self.mesh if st.mesh is None else st.mesh) for g, t in zip(gs, st.out_types)]
             with _in_mesh(st):
-                takes_none = (
-                    getattr(st.rule.vjp, "takes_none", False)
-                    or getattr(st.rule.vjp, "unused_as_none", False)  # Note [An unused output adds nothing]
-                    or (holds and getattr(st.rule.vjp, "none_safe", False))
-                )
-                if takes_none:  # the rule tells missing cotangents apart
+                if getattr(st.rule.vjp, "takes_none", False) or getattr(st.rule.vjp, "unused_as_none", False):
+                    # the rule tells missing cotangents apart (Note [An unused output adds nothing])
                     g_out = tuple(gs)
                 elif st.rule.multiple_results or st.prim.multiple_results:
                     g_out = tuple(
@@ -670,11 +663,11 @@ class Program:
 #   gives its ``bwd`` zeros (symbolic zeros where it asks for them), the scan zero
 #   cotangents;
 # - a row whose bodies hold a ``bwd`` (``holds_user_bwd``) that runs anyway gets
-#   zeros for its marked outputs and ``None`` for the others where its rule takes
-#   them (``none_safe``): a body's ``bwd`` runs on a zero cotangent, not on a
-#   missing one. A scan's marked outputs are passed as missing (``zero_as_none``):
-#   jax's scan transpose makes its carries' zero cotangents zeros (as rf's scan rule
-#   does with missing ones) and drops its stacked outputs' zero cotangents;
+#   zeros for its marked outputs and ``None`` for the others (its rule takes them:
+#   ``unused_as_none``): a body's ``bwd`` runs on a zero cotangent, not on a missing
+#   one. A scan's marked carries get zeros, its marked stacked outputs are passed as
+#   missing (``reached_as_zeros``): jax's scan transpose makes its carries' zero
+#   cotangents zeros and drops its stacked outputs' zero cotangents;
 # - at the last row of an inlined ``jax.jit`` whose outputs got only marks, the
 #   marks its body would read are dropped and its tracked inputs marked;
 # - a program's input left marked gets zeros: the enclosing program or the tape sees

@@ -273,13 +273,11 @@ def _scan_runs_on_zero(step):
 _scan_vjp.prepare = _scan_prepare
 _scan_vjp.out_tracked = _scan_out_tracked
 _scan_vjp.runs_on_zero = _scan_runs_on_zero
-# a missing cotangent may come as None where a body holds a user's bwd (Note [A user's
-# bwd on zero cotangents] in program.py): the carry's become zeros, a stacked output's
-# stays missing in the body
-_scan_vjp.none_safe = True
-_scan_vjp.zero_as_none = True  # (a zero stacked-output cotangent is dropped, as jax's transpose does)
-_scan_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
-_scan_vjp.reached_as_zeros = lambda step: range(scan_counts(step.params)[1])  # (its carries)
+# a missing cotangent comes as None (Note [An unused output adds nothing] in program.py);
+# a marked one (Note [A user's bwd on zero cotangents]) as zeros for a carry, as None
+# for a stacked output, which jax's transpose drops
+_scan_vjp.unused_as_none = True
+_scan_vjp.reached_as_zeros = lambda step: range(scan_counts(step.params)[1])
 defrule(
     "scan",
     _scan_vjp,
@@ -366,7 +364,6 @@ def _cond_out_tracked(step):
 
 _cond_vjp.prepare = _cond_prepare
 _cond_vjp.out_tracked = _cond_out_tracked
-_cond_vjp.none_safe = True  # (as the scan's: the branches' programs take None)
 _cond_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 defrule(
     "cond",
@@ -478,7 +475,6 @@ def _remat_vjp(r, g):
 
 _remat_vjp.prepare = _remat_prepare
 _remat_vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
-_remat_vjp.none_safe = True  # (as the scan's: the body's program takes None)
 _remat_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 defrule(
     "remat2",

@@ -306,7 +306,6 @@ def _custom_jvp_out_tracked(step) -> list[bool]:
 
 _custom_jvp_vjp.prepare = _custom_jvp_prepare
 _custom_jvp_vjp.out_tracked = _custom_jvp_out_tracked
-_custom_jvp_vjp.none_safe = True  # (as the scan's: the rule's program takes None)
 _custom_jvp_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 
 
