@@ -622,21 +622,29 @@ class Program:
 # Note [An unused output adds nothing]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An output of control flow (``cond``/``switch``, ``checkpoint``, ``scan``'s stacked
-# outputs and dead carries), of a ``shard_map`` body or of a ``jax.custom_jvp`` call
-# that the program does not use adds no term to the gradient: jax.grad removes it
-# from the linear program (dead-code elimination) before it transposes, so its part
-# of the body never runs. Zeros in its place are not the same: a term ``0 * inf`` is
-# nan, and a derivative is infinite at ordinary points (``sqrt`` at 0, the
-# eigenvectors at a repeated eigenvalue). So ``sqrt(x)``, an unused output of a cond
-# branch at ``x = 0``, made the gradient of the other output nan where jax.grad's is
-# finite. The rules of these calls say ``unused_as_none``: the walk passes them
-# ``None`` for an output with no cotangent, which their bodies' programs skip
-# (``Program.backward`` takes ``None``).
+# outputs and dead carries), of a ``shard_map`` body, of a ``jax.custom_jvp`` call or
+# of a multi-output primitive (``sort``, ``device_put``, ``shard_alike``, a variadic
+# ``reduce``) that the program does not use adds no term to the gradient: jax.grad
+# removes it from the linear program (dead-code elimination) before it transposes,
+# so its part of the body never runs. Zeros in its place are not the same: a term
+# ``0 * inf`` is nan, and a derivative is infinite at ordinary points (``sqrt`` at 0,
+# the eigenvectors at a repeated eigenvalue). So ``sqrt(x)``, an unused output of a
+# cond branch at ``x = 0``, made the gradient of the other output nan where
+# jax.grad's is finite. The rules of these calls say ``unused_as_none`` (a
+# primitive's ``takes_none``): the walk passes them ``None`` for an output with no
+# cotangent, which their bodies' programs skip (``Program.backward`` takes ``None``).
+# The same holds for an input: one that only unused outputs read (an operand no
+# branch of a switch reaches, a scan's constant or scanned-over input that only a
+# dead carry reads) gets ``None`` from the rule, not the zeros its body returned
+# (``_Reached`` in rules_control.py records which gradients a body's walk gave).
 # A marked output (``_REACHED``, below) is still passed as zeros where a body holds
 # a user's bwd, and a scan's marked carries always (``reached_as_zeros``): jax keeps
 # a carry whose final value is used, and makes its zero cotangent zeros. The scan's
-# rule finds the dead carries (``_dead_carries`` in rules_control.py): those whose
-# final value no cotangent reaches and that no live output reads in any iteration.
+# dead carries are the least fixed point of the body's own walk: a carry starts
+# dead when its final value has no cotangent and becomes live when the body's
+# backward, run abstractly with the live ones, gives its input a gradient; so a
+# carry read only through a comparison, ``stop_gradient`` or a dead part of a
+# nested call stays dead, as under jax's dead-code elimination of the linear program.
 # Tests: tests/lift/test_unused_outputs.py.
 
 

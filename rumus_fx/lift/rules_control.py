@@ -174,33 +174,24 @@ def _scan_forward(step, vals):
     return [*carry, *ys], (res, kept_consts, kept_xs)
 
 
-def _used_inputs(jaxpr: Any, used_outputs: list[bool]) -> list[bool]:
-    """Which inputs of ``jaxpr`` (open or closed) the flagged outputs read, by a
-    backward walk over its equations. An equation counts as reading all its inputs
-    for any of its outputs (a nested call is not looked into): an over-estimate,
-    which can only keep a carry live (zeros, as before), never drop a live one."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a closed jaxpr's own (jax 0.10)
-    live = {v for v, u in zip(jaxpr.outvars, used_outputs) if u and not isinstance(v, jcore.Literal)}
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
-    return [v in live for v in jaxpr.invars]
+class _Reached:
+    """Which of a body's gradients came back as arrays (not None) in any trace of
+    the body's backward: the rest get None from the rule, as jax's dead-code
+    elimination leaves them symbolic zeros (Note [An unused output adds nothing]
+    in program.py). A body is traced with one pattern of missing cotangents, so
+    every trace of it gives the same answer."""
 
+    def __init__(self, n: int) -> None:
+        self.hit = [False] * n
 
-def _dead_carries(jaxpr, nc: int, nk: int, ct_carry, ct_ys) -> list[bool]:
-    """The carries no cotangent reaches: neither the final carry's (None) nor, in any
-    iteration, a stacked output's or a live carry's through the body (a fixed point
-    over the body's dependences). jax.grad drops them before it transposes; their
-    cotangents are passed to the body as missing (Note [An unused output adds
-    nothing] in program.py)."""
-    live = [c is not None for c in ct_carry]
-    ys_live = [y is not None for y in ct_ys]
-    while True:
-        reads = _used_inputs(jaxpr, live + ys_live)[nc : nc + nk]
-        grown = [a or b for a, b in zip(live, reads)]
-        if grown == live:
-            return [not x for x in live]
-        live = grown
+    def note(self, grads) -> None:
+        for k, gr in enumerate(grads):
+            if gr is not None:
+                self.hit[k] = True
+
+    def keep(self, grads, start: int = 0) -> list:
+        """``grads`` (the gradients from position ``start`` on), None where unreached."""
+        return [gr if h else None for gr, h in zip(grads, self.hit[start:])]
 
 
 def _scan_vjp(r, g):
@@ -209,7 +200,6 @@ def _scan_vjp(r, g):
     prog = r._step.sub
     g = list(g)
     ct_carry, ct_ys = g[:nk], g[nk:]
-    dead = _dead_carries(p["jaxpr"], nc, nk, ct_carry, ct_ys) if "jaxpr" in p else [False] * nk
     avals = r.in_avals
     const_avals = avals[:nc]
     carry_avals = avals[nc : nc + nk]
@@ -220,6 +210,11 @@ def _scan_vjp(r, g):
 
     stacked, kept_consts, kept_xs = r.extra
     forwarded = _forwarded(prog, nc, nk)
+    # the dead carries: no cotangent reaches them, neither the final carry's nor, in
+    # any iteration, a live output's through the body (Note [An unused output adds
+    # nothing] in program.py); they enter the body as missing
+    dead = [c is None for c in ct_carry]
+    reached = _Reached(len(avals))
 
     def body(acc, inp):
         ct_c, ct_consts = acc
@@ -231,6 +226,7 @@ def _scan_vjp(r, g):
             for j, v in enumerate(values)
         )
         grads = prog.backward((values, extras), [*(None if d else c for c, d in zip(ct_c, dead)), *ct_y])
+        reached.note(grads)
         g_consts = grads[:nc]
         g_carry = _or_zeros(grads[nc : nc + nk], carry_avals, carry_sh)
         g_xs = _or_zeros(grads[nc + nk :], x_avals_unstacked, x_sh)
@@ -240,8 +236,22 @@ def _scan_vjp(r, g):
     x_avals_unstacked = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in x_avals]
     init = (_or_zeros(ct_carry, carry_avals, carry_sh), [_zeros_like_aval(a, s) for a, s in zip(const_avals, const_sh)])
     xs = (stacked, kept_xs, ct_ys)
+    if p["length"]:
+        # the least fixed point: a dead carry the body's walk reaches becomes live (an
+        # abstract run of one iteration per step, only while some carry is missing)
+        while any(dead):
+            jax.eval_shape(lambda c, xs: body(c, jax.tree.map(lambda a: a[0], xs)), init, xs)
+            grown = [d and reached.hit[nc + k] for k, d in enumerate(dead)]
+            if not any(grown):
+                break
+            dead = [d and not gr for d, gr in zip(dead, grown)]
     init = _typed_carry(body, init, xs, p["length"])
     (g_init, g_consts), g_xs = lax.scan(body, init, xs, length=p["length"], reverse=not p["reverse"])
+    # a constant or scanned-over input the body never reached, and a dead carry's
+    # initial value, get no gradient (None, not zeros); a live carry keeps its zeros
+    g_consts = reached.keep(g_consts)
+    g_xs = reached.keep(g_xs, nc + nk)
+    g_init = [None if d else gi for gi, d in zip(g_init, dead)]
     out = [*g_consts, *g_init, *g_xs]
     return tuple(g if n else None for g, n in zip(_float_or_none(out, avals), r.needs))
 
@@ -337,16 +347,21 @@ def _cond_vjp(r, g):
     op_avals = r.in_avals[1:]
     op_sh = (r.in_shardings or (None,) * len(r.in_avals))[1:]
 
+    reached = _Reached(len(op_avals))
+
     def branch(k):
         def run(res_all, gs):
             grads = progs[k].backward(res_all[k], list(gs))
+            reached.note(grads)
             return _or_zeros(grads, op_avals, op_sh)
 
         return run
 
     branches = _typed_branches([branch(k) for k in range(len(progs))], res, list(g))
     grads = lax.switch(index, branches, res, list(g))
-    grads = _float_or_none(grads, op_avals)
+    # an operand no branch reaches gets None (jax's dead-code elimination of a cond
+    # keeps the operands some branch uses; the others' branches give zeros)
+    grads = _float_or_none(reached.keep(grads), op_avals)
     return (None, *(gr if n else None for gr, n in zip(grads, r.needs[1:])))
 
 

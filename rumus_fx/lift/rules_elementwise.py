@@ -445,7 +445,12 @@ defrule(
 
 
 def _shard_alike_vjp(r, g):
+    if any(ct is None for ct in g):  # an unused output: each operand gets its own
+        return tuple(g)
     return tuple(shard_alike(*g))  # the cotangents placed alike, as jax's transpose does
+
+
+_shard_alike_vjp.takes_none = True
 
 
 defrule(

@@ -569,7 +569,9 @@ def _sort_vjp(r, g):
         np.int32 if shape[dim] < 2**31 - 1 else np.int64, shape, dim, out_sharding=r.in_sharding(0)
     )
     perm = lax.sort((*keys, iota), dimension=dim, is_stable=r.params["is_stable"], num_keys=nk)[-1]
-    want = [k for k, (a, n) in enumerate(zip(r.in_avals, r.needs)) if n and is_float(a)]
+    # an output without a cotangent (None) gives its operand none: jax's transpose
+    # leaves it a symbolic zero (Note [An unused output adds nothing] in program.py)
+    want = [k for k, (a, n) in enumerate(zip(r.in_avals, r.needs)) if n and is_float(a) and g[k] is not None]
     if not want:
         return (None,) * len(r.in_avals)
     # sorting by the permutation puts each cotangent back where it came from
@@ -578,6 +580,9 @@ def _sort_vjp(r, g):
     for k, gk in zip(want, back):
         out[k] = gk
     return tuple(out)
+
+
+_sort_vjp.takes_none = True
 
 
 def _sort_saves(needs, params):

@@ -204,6 +204,8 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
     # adds nothing] in program.py): only the others enter the body's shard_map
     present = [k for k, ct in enumerate(g) if ct is not None]
 
+    reached: set[int] = set()  # the inputs the body's walk gave a gradient
+
     def backward(leaves: list, cts: tuple) -> tuple:
         res = jax.tree.unflatten(tree, [x[0] for x in leaves])
         full: list = [None] * len(g)
@@ -216,8 +218,10 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
             if gk is None:
                 a = prog.in_avals[k]
                 gk = jnp.zeros(a.shape, a.dtype)
-            elif not check and (axes := _unmentioned(in_specs[k], manual)):
-                gk = lax.psum(gk, axes)
+            else:
+                reached.add(k)
+                if not check and (axes := _unmentioned(in_specs[k], manual)):
+                    gk = lax.psum(gk, axes)
             out.append(gk)
         return tuple(out)
 
@@ -227,7 +231,9 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
     )
     out: list = [None] * len(r.in_avals)
     for k, gk in zip(want, grads):
-        out[k] = gk
+        # an input the body never reached gets None, not the zeros the body returned
+        # (Note [An unused output adds nothing] in program.py)
+        out[k] = gk if k in reached else None
     return tuple(out)
 
 

@@ -101,6 +101,7 @@ def _reduce_vjp(r, g):
 
 
 _reduce_vjp.prepare = _reduce_prepare
+_reduce_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
 
 
 def _argmax_pairs(x, y):

@@ -757,6 +757,7 @@ def _device_put_vjp(r, g):
 
 
 _device_put_vjp.prepare = _device_put_prepare
+_device_put_vjp.takes_none = True  # an unused output's operand gets none
 
 
 defrule(

@@ -1,5 +1,8 @@
-"""An output of control flow or of a ``jax.custom_jvp`` call that the program does not
-use adds no term to the gradient (Note [An unused output adds nothing] in
+"""An output of control flow, of a ``jax.custom_jvp`` call or of a multi-output
+primitive (``sort``, ``device_put``, ``shard_alike``, a variadic ``reduce``) that the
+program does not use adds no term to the gradient, nor does an input that only such
+outputs read (a scan's constant, scanned-over input or initial value of a dead carry,
+an operand no branch of a switch uses) (Note [An unused output adds nothing] in
 rumus_fx/lift/program.py). Each unused output here has an infinite derivative at the
 point (``sqrt`` at 0, eigenvectors at a repeated eigenvalue), so a zero cotangent in
 its place made the used output's gradient nan where jax.grad's is finite. Each program
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import PartitionSpec as P
 
 import rumus_fx as rf
@@ -61,7 +65,73 @@ PROGRAMS = {
     "shard_map": lambda x: jnp.sum(
         jax.shard_map(_two, mesh=jax.make_mesh((1,), ("i",)), in_specs=P(), out_specs=(P(), P()))(x)[1]
     ),
+    # multi-output primitives: an unused output's operand gets no cotangent
+    "sort_key_val": lambda x: jnp.sum(lax.sort_key_val(jnp.sqrt(x), x * 2.0)[1]),
+    "sort_three_operands": lambda x: jnp.sum(lax.sort((x, jnp.sqrt(x), x * 3.0), num_keys=1)[2]),
+    "device_put_pytree": lambda x: jnp.sum(jax.device_put(_two(x))[1]),
+    "shard_alike": lambda x: jnp.sum(shard_alike(*_two(x))[1]),
+    "reduce_two_operands": lambda x: lax.reduce(_two(x), (0.0, 0.0), _sum_pairs, (0,))[1],
+    # an operand that only unused outputs read gets no cotangent: not zeros
+    "switch_operand_no_branch_uses": lambda x: jnp.sum(
+        lax.switch(1, [lambda y, z: (y, z), lambda y, z: (y * 2.0, z * 3.0)], *_two(x))[1]
+    ),
+    "shard_map_operand_unused": lambda x: jnp.sum(
+        jax.shard_map(
+            lambda y, z: (y, z * 2.0), mesh=jax.make_mesh((1,), ("i",)), in_specs=(P(), P()), out_specs=(P(), P())
+        )(*_two(x))[1]
+    ),
+    "scan_constant_of_dead_carry": lambda x: _dead_first_carry(x, lambda c, s, xi: c * s),
+    "scan_input_of_dead_carry": lambda x: _dead_first_carry(x, lambda c, s, xi: c * xi),
+    "scan_initial_value_of_dead_carry": lambda x: jnp.sum(
+        lax.scan(lambda c, _: ((c[0], c[1] * 2.0), None), _two(x), None, length=2)[0][1]
+    ),
+    # a live carry reads the dead one only where no gradient flows (a comparison)
+    "scan_carry_read_through_a_comparison": lambda x: jnp.sum(
+        lax.scan(
+            lambda c, _: ((jnp.sqrt(c[0]), c[1] * 2.0 + jnp.where(c[0] > 100.0, 1.0, 0.0)), None),
+            (x, x),
+            None,
+            length=2,
+        )[0][1]
+    ),
+    # the dead carry found through a call in the body
+    "scan_checkpointed_body_dead_carry": lambda x: _dead_first_carry(x, lambda c, s, xi: jnp.sqrt(c), jax.checkpoint),
+    "scan_jit_body_dead_carry": lambda x: _dead_first_carry(x, lambda c, s, xi: jnp.sqrt(c), jax.jit),
+    "scan_cond_in_body_dead_carry": lambda x: jnp.sum(
+        lax.scan(
+            lambda c, _: (lax.cond(c[1][0] > -1.0, lambda c: (jnp.sqrt(c[0]), c[1] * 2.0), lambda c: c, c), None),
+            (x, x),
+            None,
+            length=2,
+        )[0][1]
+    ),
+    "scan_in_scan_dead_carry": lambda x: jnp.sum(
+        lax.scan(
+            lambda c, _: (_dead_first_carry_loop(c), None),
+            (x, x),
+            None,
+            length=2,
+        )[0][1]
+    ),
 }
+
+
+def _sum_pairs(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _dead_first_carry_loop(c, step=lambda c, s, xi: jnp.sqrt(c), wrap=lambda f: f, s=None):
+    """Two scan iterations over ``(c0, c1)``: ``c0`` from ``step`` (dead: only the
+    final ``c1`` is used), ``c1`` doubled."""
+    s = c[0] if s is None else s
+    body = wrap(lambda c, xi: ((step(c[0], s, xi), c[1] * 2.0), None))
+    return lax.scan(body, c, jnp.stack([s, s]))[0]
+
+
+def _dead_first_carry(x, step, wrap=lambda f: f):
+    return jnp.sum(_dead_first_carry_loop((x, x), step, wrap, jnp.sqrt(x))[1])
+
+
 X = np.array([0.0, 1.0, 4.0])
 
 # eigenvalues used without their vectors at a repeated eigenvalue, through each call
