@@ -34,7 +34,7 @@ _trsolve = lax.linalg.triangular_solve
 
 # Note [No cotangent, no term]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# eigh's and svd's rules take a missing cotangent as None (``takes_none``), not as
+# eigh's, eig's and svd's rules take a missing cotangent as None (``takes_none``), not as
 # zeros: an output the program does not use (the eigenvectors of ``eigvalsh``, U and V
 # of ``svd(a)[1]``) adds no term. Its term holds ``F``, the reciprocal gaps of the
 # eigen- or singular values, which is infinite where two are equal, and ``F * 0`` is
@@ -468,15 +468,19 @@ def _eig_vjp(r, g):
         kw = {k: p[k] for k in ("enable_eigvec_derivs", "implementation") if k in p}
         outs = lax.linalg.eig(r.extra[0], compute_left_eigenvectors=left, compute_right_eigenvectors=True, **kw)
     w, vr = outs[0], outs[-1]
-    mid = _diag(g[0].astype(vr.dtype))
-    if right:
+    # an output without a cotangent (None) takes no term (Note [No cotangent, no term])
+    mid = _diag(g[0].astype(vr.dtype)) if g[0] is not None else jnp.zeros(vr.shape, vr.dtype)
+    if right and g[-1] is not None:
         mid = mid + _eig_vec_vjp(w, vr, g[-1].astype(vr.dtype))
     ga = _mm(jnp.linalg.solve(_T(vr), mid), _T(vr))
-    if left:
+    if left and g[1] is not None:
         vl = outs[1]
         gl = _eig_vec_vjp(jnp.conj(w), vl, g[1].astype(vl.dtype))
         ga = ga + jnp.conj(_T(_mm(jnp.linalg.solve(_T(vl), gl), _T(vl))))
     return (as_dtype(ga, r.in_avals[0].dtype),)  # a real matrix's: the real part
+
+
+_eig_vjp.takes_none = True  # Note [No cotangent, no term]
 
 
 def _to_general_complex(a):

@@ -223,7 +223,7 @@ def test_elementwise_extreme_of_an_operand_computed_twice(pick):
 # At a repeated eigen- or singular value the vectors' factor (1 / the gap) is infinite;
 # a program that uses only the values (or vectors away from the repeated values) has a
 # finite gradient there, which jax.grad gives (a symbolic zero takes no term in its
-# transpose) and central differences confirm: rf's eigh and svd rules must give it too
+# transpose) and central differences confirm: rf's eigh, eig and svd rules must give it too
 # (Note [No cotangent, no term] in rumus_fx/lift/rules_linalg.py); they gave nan.
 
 
@@ -245,6 +245,10 @@ def _svd(a):
     return jnp.linalg.svd(a, full_matrices=False)
 
 
+def _eig(a, left):
+    return lax.linalg.eig(a, compute_left_eigenvectors=left, enable_eigvec_derivs=True)
+
+
 SPECTRA = {
     # eigenvalue 0 three times (and 1 once), the eigenvalues alone
     "eigvalsh": (lambda a: jnp.sum(jnp.linalg.eigvalsh(a) ** 3), _diagonal([1.0, 0.0, 0.0, 0.0])),
@@ -264,6 +268,16 @@ SPECTRA = {
     "eigh_top_projector": (
         lambda a: jnp.sum(jnp.linalg.eigh(a)[1][:, 2:] @ jnp.linalg.eigh(a)[1][:, 2:].T * _W4),
         _diagonal([0.0, 1.0, 3.0, -2.0]) + 0.1 * np.eye(4, k=1) + 0.1 * np.eye(4, k=-1),
+    ),
+    # a general matrix, eigenvalue 2 twice (diagonalisable), its vectors computed with
+    # their derivatives enabled and unused: right ones, and left and right
+    "eig_values": (
+        lambda a: jnp.sum(_eig(a, left=False)[0].real ** 3),
+        np.array([[1.0, 1.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0]]),
+    ),
+    "eig_values_left_and_right": (
+        lambda a: jnp.sum(jnp.sin(_eig(a, left=True)[0].real)),
+        np.array([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.5, -1.0]]),
     ),
     # singular value 2 twice, the values of a full (square) and a thin (tall)
     # decomposition alone
