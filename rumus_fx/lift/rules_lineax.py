@@ -68,8 +68,8 @@ def _arguments(r: Any) -> tuple[list[Any], list[int]]:
 
 def _operator_gradient(operator: Any, pairs: list[tuple[Any, Any]]) -> list[Any]:
     """``-sum (d/dA [A v])^T c`` over the ``(v, c)`` pairs, for the operator's arrays,
-    in their order: the operator's ``mv`` at every ``v``, traced once as one program
-    of those arrays, run backward on the tape."""
+    in their order (None for one the ``mv`` does not read): the operator's ``mv`` at
+    every ``v``, traced once as one program of those arrays, run backward on the tape."""
     dynamic, static = eqx.partition(operator, eqx.is_array)
     leaves, tree = jtu.tree_flatten(dynamic)
 
@@ -80,7 +80,7 @@ def _operator_gradient(operator: Any, pairs: list[tuple[Any, Any]]) -> list[Any]
     prog = Program(closed(jax.make_jaxpr(mv)(*leaves)), [True] * len(leaves), "the lineax operator's mv")
     _, residuals = prog.run(list(leaves))
     grads = prog.backward(residuals, [-c for _, ct in pairs for c in jtu.tree_leaves(ct)])
-    return [jnp.zeros_like(a) if gr is None else gr for gr, a in zip(grads, leaves)]
+    return list(grads)  # None for an array the mv does not read: no term (as jax's symbolic zero)
 
 
 def _bind_solve(operator: Any, state: Any, vector: Any, options: Any, solver: Any) -> Any:

@@ -179,3 +179,23 @@ def test_linear_solve_vmapped_inside_the_function(shared, argnums):
         want = jax.grad(f, argnums=argnums)(a, b)
         got = rf.grad(rf.lift(f), argnums=argnums)(a, b)
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12), got, want)
+
+
+def test_an_operator_array_the_mv_reads_without_a_gradient_adds_nothing():
+    """A matrix-free operator closing over an array its ``mv`` reads only through
+    ``stop_gradient`` gives that array no term: jax's transpose leaves it a symbolic
+    zero. With ``sqrt(x)`` as that array at ``x = 0``, the rule's zeros in its place
+    made the gradient nan (``0 * inf``) where jax.grad's is finite."""
+
+    def f(x):
+        a, s = jnp.diag(x + 2.0), jnp.sqrt(x)
+        mv = lambda v: a @ v + 0.0 * jax.lax.stop_gradient(s).sum()  # noqa: E731
+        op = lx.FunctionLinearOperator(mv, jax.ShapeDtypeStruct((3,), x.dtype))
+        return jnp.sum(lx.linear_solve(op, jnp.ones(3), solver=lx.LU()).value)
+
+    with jax.enable_x64(True):
+        x = jnp.array([0.0, 1.0, 4.0])
+        want = np.asarray(jax.grad(f)(x))
+        assert np.all(np.isfinite(want))
+        for g in (rf.grad(rf.lift(f)), jax.jit(rf.grad(rf.lift(f)))):
+            np.testing.assert_allclose(np.asarray(g(x)), want, rtol=1e-12)
