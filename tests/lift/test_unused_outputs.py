@@ -183,3 +183,23 @@ def test_a_used_carry_still_gets_its_zero_cotangent():
         got, want = np.asarray(rf.grad(rf.lift(f))(x)), np.asarray(jax.jit(jax.grad(f))(x))
     np.testing.assert_allclose(got, want, rtol=1e-10, equal_nan=True)
     assert np.isnan(want[0])
+
+
+# a value the program uses only through a function whose derivative is zero everywhere
+# (a power 0, sign, floor, a comparison): no term reaches it, as no tangent does under
+# jax.grad; zeros in its place were ``0 * inf`` through ``sqrt`` at 0 (``x ** 0``)
+CONSTANT_OF = {
+    "power_zero": lambda x: jnp.sum(jnp.sqrt(x) ** 0 + x),
+    "integer_pow_zero": lambda x: jnp.sum(lax.integer_pow(jnp.sqrt(x), 0) * x),
+    "sign": lambda x: jnp.sum(jnp.sign(jnp.sqrt(x)) * x),
+    "floor": lambda x: jnp.sum(jnp.floor(jnp.sqrt(x)) + x),
+    "round": lambda x: jnp.sum(jnp.round(jnp.sqrt(x)) + x),
+    "comparison": lambda x: jnp.sum(jnp.where(jnp.sqrt(x) > 0.5, x, 2.0 * x)),
+    "argsort": lambda x: jnp.sum(x[jnp.argsort(jnp.sqrt(x))] * jnp.arange(3.0)),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(CONSTANT_OF))
+def test_a_value_used_through_a_zero_derivative_adds_nothing(name, jit):
+    _check(CONSTANT_OF[name], X, jit)
