@@ -121,8 +121,10 @@ def _sum_pairs(a, b):
 
 
 def _dead_first_carry_loop(c, step=lambda c, s, xi: jnp.sqrt(c), wrap=lambda f: f, s=None):
-    """Two scan iterations over ``(c0, c1)``: ``c0`` from ``step`` (dead: only the
-    final ``c1`` is used), ``c1`` doubled."""
+    """Two scan iterations over ``(c0, c1)``: ``c0`` from ``step(c0, s, x_i)`` (dead:
+    only the final ``c1`` is used), ``c1`` doubled; ``s`` (``c0`` by default) is the
+    body's constant and, stacked twice, its scanned-over input; ``wrap`` wraps the
+    body (``jax.checkpoint``, ``jax.jit``)."""
     s = c[0] if s is None else s
     body = wrap(lambda c, xi: ((step(c[0], s, xi), c[1] * 2.0), None))
     return lax.scan(body, c, jnp.stack([s, s]))[0]
