@@ -636,7 +636,7 @@ class Program:
 # The same holds for an input: one that only unused outputs read (an operand no
 # branch of a switch reaches, a scan's constant or scanned-over input that only a
 # dead carry reads) gets ``None`` from the rule, not the zeros its body returned
-# (``_Reached`` in rules_control.py records which gradients a body's walk gave).
+# (``ReachedInputs``, below, records which gradients a body's walk gave).
 # A marked output (``_REACHED``, below) is still passed as zeros where a body holds
 # a user's bwd, and a scan's marked carries always (``reached_as_zeros``): jax keeps
 # a carry whose final value is used, and makes its zero cotangent zeros. The scan's
@@ -646,6 +646,27 @@ class Program:
 # carry read only through a comparison, ``stop_gradient`` or a dead part of a
 # nested call stays dead, as under jax's dead-code elimination of the linear program.
 # Tests: tests/lift/test_unused_outputs.py.
+
+
+class ReachedInputs:
+    """Which of a body's input gradients came back as arrays (not None) in any
+    trace of the body's backward: the rule gives None for the rest, as jax's
+    dead-code elimination leaves them symbolic zeros (Note [An unused output adds
+    nothing]). A body is traced with one pattern of missing cotangents, so every
+    trace of it gives the same answer. (Not ``_Reached``, below: that marks a
+    zero cotangent a user's bwd must see.)"""
+
+    def __init__(self, n: int) -> None:
+        self.hit = [False] * n
+
+    def note(self, grads: Sequence[Any]) -> None:
+        for k, gr in enumerate(grads):
+            if gr is not None:
+                self.hit[k] = True
+
+    def keep(self, grads: Sequence[Any], start: int = 0) -> list[Any]:
+        """``grads`` (the gradients from position ``start`` on), None where unreached."""
+        return [gr if h else None for gr, h in zip(grads, self.hit[start:])]
 
 
 # Note [A user's bwd on zero cotangents]

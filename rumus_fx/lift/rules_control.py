@@ -33,7 +33,7 @@ from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
 from .concrete import needs_values
 from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
-from .program import Program, custom_function_name, trace_custom_rule
+from .program import Program, ReachedInputs, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 from .rules_custom import closure_input
 
@@ -174,26 +174,6 @@ def _scan_forward(step, vals):
     return [*carry, *ys], (res, kept_consts, kept_xs)
 
 
-class _Reached:
-    """Which of a body's gradients came back as arrays (not None) in any trace of
-    the body's backward: the rest get None from the rule, as jax's dead-code
-    elimination leaves them symbolic zeros (Note [An unused output adds nothing]
-    in program.py). A body is traced with one pattern of missing cotangents, so
-    every trace of it gives the same answer."""
-
-    def __init__(self, n: int) -> None:
-        self.hit = [False] * n
-
-    def note(self, grads) -> None:
-        for k, gr in enumerate(grads):
-            if gr is not None:
-                self.hit[k] = True
-
-    def keep(self, grads, start: int = 0) -> list:
-        """``grads`` (the gradients from position ``start`` on), None where unreached."""
-        return [gr if h else None for gr, h in zip(grads, self.hit[start:])]
-
-
 def _scan_vjp(r, g):
     p = r.params
     nc, nk = scan_counts(p)
@@ -214,7 +194,7 @@ def _scan_vjp(r, g):
     # any iteration, a live output's through the body (Note [An unused output adds
     # nothing] in program.py); they enter the body as missing
     dead = [c is None for c in ct_carry]
-    reached = _Reached(len(avals))
+    reached = ReachedInputs(len(avals))
 
     def body(acc, inp):
         ct_c, ct_consts = acc
@@ -347,7 +327,7 @@ def _cond_vjp(r, g):
     op_avals = r.in_avals[1:]
     op_sh = (r.in_shardings or (None,) * len(r.in_avals))[1:]
 
-    reached = _Reached(len(op_avals))
+    reached = ReachedInputs(len(op_avals))
 
     def branch(k):
         def run(res_all, gs):

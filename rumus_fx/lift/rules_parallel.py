@@ -54,7 +54,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal
 from .jax_versions import closed, vary_over, varying_axes
-from .program import ENCLOSING, Program
+from .program import ENCLOSING, Program, ReachedInputs
 from .rules import COMPLEX_OK, defrule, is_float
 
 # -- what the equation says ---------------------------------------------------------
@@ -204,7 +204,7 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
     # adds nothing] in program.py): only the others enter the body's shard_map
     present = [k for k, ct in enumerate(g) if ct is not None]
 
-    reached: set[int] = set()  # the inputs the body's walk gave a gradient
+    reached = ReachedInputs(len(r.in_avals))
 
     def backward(leaves: list, cts: tuple) -> tuple:
         res = jax.tree.unflatten(tree, [x[0] for x in leaves])
@@ -212,16 +212,15 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
         for k, ct in zip(present, cts):
             full[k] = ct
         grads = prog.backward(res, full)
+        reached.note(grads)
         out = []
         for k in want:
             gk = grads[k]
             if gk is None:
                 a = prog.in_avals[k]
                 gk = jnp.zeros(a.shape, a.dtype)
-            else:
-                reached.add(k)
-                if not check and (axes := _unmentioned(in_specs[k], manual)):
-                    gk = lax.psum(gk, axes)
+            elif not check and (axes := _unmentioned(in_specs[k], manual)):
+                gk = lax.psum(gk, axes)
             out.append(gk)
         return tuple(out)
 
@@ -233,7 +232,7 @@ def _shard_map_vjp(r: Any, g: tuple) -> tuple:
     for k, gk in zip(want, grads):
         # an input the body never reached gets None, not the zeros the body returned
         # (Note [An unused output adds nothing] in program.py)
-        out[k] = gk if k in reached else None
+        out[k] = gk if reached.hit[k] else None
     return tuple(out)
 
 

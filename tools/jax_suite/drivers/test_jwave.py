@@ -85,6 +85,8 @@ def _td_case(case, field, c, rho, amp):
 
 # (case, field, medium, jit); eager runs take tens of seconds each here, so only some
 # cases run eagerly as well as under jit.
+FIELDS = {"FourierSeries": FourierSeries, "FiniteDifferences": FiniteDifferences}
+
 TD_PARAMS = [
     ("default", "FourierSeries", "heterogeneous", False),
     ("default", "FourierSeries", "heterogeneous", True),
@@ -105,7 +107,7 @@ TD_PARAMS = [
 
 @pytest.mark.parametrize("case,field,medium,jit", TD_PARAMS)
 def test_time_domain(case, field, medium, jit):
-    fld = {"FourierSeries": FourierSeries, "FiniteDifferences": FiniteDifferences}[field]
+    fld = FIELDS[field]
     c, rho = MEDIA[medium]
 
     def loss(c, rho, amp):
@@ -165,7 +167,7 @@ HELMHOLTZ_PARAMS = [
 
 @pytest.mark.parametrize("method,field,medium,jit", HELMHOLTZ_PARAMS)
 def test_helmholtz_solver(method, field, medium, jit):
-    fld = {"FourierSeries": FourierSeries, "FiniteDifferences": FiniteDifferences}[field]
+    fld = FIELDS[field]
     c, rho = MEDIA[medium]
 
     def loss(c, rho, att, amp):
@@ -179,7 +181,7 @@ def test_helmholtz_solver(method, field, medium, jit):
 @pytest.mark.parametrize("jit", JITS)
 @pytest.mark.parametrize("field", ["FourierSeries", "FiniteDifferences"])
 def test_helmholtz_operator(field, jit):
-    fld = {"FourierSeries": FourierSeries, "FiniteDifferences": FiniteDifferences}[field]
+    fld = FIELDS[field]
     c, rho = MEDIA["heterogeneous"]
     u0 = (jnp.sin(X / 3.0) + 1j * jnp.cos(X / 5.0))[:, None]
 
