@@ -64,6 +64,67 @@ def _output(r, k=0):
     return r.outs[k]
 
 
+def _plus_zero(v):
+    """``v`` with ``-0.0`` made ``+0.0`` (a select: XLA folds ``v + 0`` away)."""
+    return jnp.where(v == 0, jnp.zeros_like(v), v)
+
+
+def _inverse_derivative(name, z, w=None):
+    """The derivative of ``asin``, ``asinh`` or ``acosh`` at ``z`` (for ``acos``, that
+    of ``asin``: the rule negates it): the real formulas for a real ``z``; for a
+    complex one, Note [Derivatives on a branch cut], on the side of a cut that the
+    function's value ``w`` at ``z`` lies on (computed here unless given)."""
+    if not jnp.issubdtype(z.dtype, jnp.complexfloating):
+        if name in ("asin", "acos"):
+            return lax.rsqrt(1 - z * z)
+        if name == "asinh":
+            return lax.rsqrt(z * z + 1)
+        return lax.rsqrt(z - 1) * lax.rsqrt(z + 1)
+    x, y = lax.real(z), lax.imag(z)
+    if name == "asinh":  # asin'(iz): 1/(sqrt(1-iz) sqrt(1+iz)); cuts on the imaginary axis beyond +-i
+        x = _plus_zero(x)
+        d = lax.rsqrt(lax.complex(1 + y, -x)) * lax.rsqrt(lax.complex(1 - y, x))
+        w = lax.asinh(z) if w is None else w
+        return jnp.where((x == 0) & (lax.real(w) < 0), jnp.conj(d), d)
+    y = _plus_zero(y)
+    if name == "acosh":  # 1/(sqrt(z-1) sqrt(z+1)); cut (-inf, 1]
+        d = lax.rsqrt(lax.complex(x - 1, y)) * lax.rsqrt(lax.complex(x + 1, y))
+        w = lax.acosh(z) if w is None else w
+    else:  # asin: 1/(sqrt(1-z) sqrt(1+z)); cuts (-inf, -1] and [1, inf); acos = pi/2 - asin
+        d = lax.rsqrt(lax.complex(1 - x, -y)) * lax.rsqrt(lax.complex(1 + x, y))
+        if name == "acos":
+            w = -(lax.acos(z) if w is None else w)
+        else:
+            w = lax.asin(z) if w is None else w
+    return jnp.where((y == 0) & (lax.imag(w) < 0), jnp.conj(d), d)
+
+
+# Note [Derivatives on a branch cut]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# asin, acos, asinh and acosh of complex values have branch cuts: on a cut the function
+# takes the values of one side, and its derivative must be that side's limit, or a
+# gradient (even its real-direction part, a plain finite difference along the cut) has
+# the wrong sign. Written as ``1/sqrt(1 - z*z)``, as jax writes asin's, the side is
+# decided by the sign of a zero imaginary part that the arithmetic makes up:
+# ``1 - (1.5+0j)**2`` is ``-1.25+0j``, the other side's square root. Measured (jax
+# 0.10.2): the gradient of ``asin`` and ``acos`` at a complex ``1.5+0j`` (a real array
+# cast to complex), of ``asinh`` at ``1.5j``, and of ``acosh`` at ``-3-0j`` or ``0.5-0j``
+# had the wrong sign, jax.grad's as well.
+#
+# So each derivative is written as a product of square roots, ``1/(sqrt(1-z) sqrt(1+z))``
+# for asin, whose operands are built part by part (``1 - z`` as ``complex(1 - x, -y)``,
+# ``rsqrt`` honours the sign of a zero imaginary part) from ``z`` with its zero part made
+# ``+0``: that is the limit from above the real axis (from the right of the imaginary
+# axis for asinh). XLA's functions take that side for either sign of zero today, but
+# the rule does not rely on it: on a cut it reads the side from the function's own
+# value (the sign of its imaginary part; its real part for asinh) and, where the value
+# is the other side's, takes that side's derivative, the conjugate (the four functions
+# commute with conjugation, asinh with ``z -> -conj(z)``). Real operands keep the
+# real formulas. Tested at every cut against the analytic derivative of the side the
+# forward takes, and against finite differences along the cut
+# (``tests/lift/test_complex.py``).
+
+
 def _unary(name, formula, saves, doc=None, program=None, gen=normal, **options):
     """A unary rule; ``program`` (a jnp function emitting the primitive) adds its
     primitive-table entry (Note [Declaring an op] in autograd/registry.py), on
@@ -109,17 +170,15 @@ _unary("logistic", lambda r, g: formulas.sigmoid(g, _output(r)), saves_outputs(0
 _unary("sin", lambda r, g: g * lax.cos(_input(r)), saves_inputs(0), program=jnp.sin, vmap=True)
 _unary("cos", lambda r, g: -g * lax.sin(_input(r)), saves_inputs(0), program=jnp.cos)
 _unary("tan", lambda r, g: g * (1 + _output(r) * _output(r)), saves_outputs(0), program=jnp.tan, gen=unit)
-_unary("asin", lambda r, g: g * lax.rsqrt(1 - _input(r) * _input(r)), saves_inputs(0), program=jnp.arcsin, gen=unit)
-_unary("acos", lambda r, g: -g * lax.rsqrt(1 - _input(r) * _input(r)), saves_inputs(0), program=jnp.arccos, gen=unit)
+_unary("asin", lambda r, g: g * _inverse_derivative("asin", _input(r)), saves_inputs(0), program=jnp.arcsin, gen=unit)
+_unary("acos", lambda r, g: -g * _inverse_derivative("acos", _input(r)), saves_inputs(0), program=jnp.arccos, gen=unit)
 _unary("atan", lambda r, g: g / (1 + _input(r) * _input(r)), saves_inputs(0), program=jnp.arctan)
 _unary("sinh", lambda r, g: g * lax.cosh(_input(r)), saves_inputs(0), program=jnp.sinh)
 _unary("cosh", lambda r, g: g * lax.sinh(_input(r)), saves_inputs(0), program=jnp.cosh)
-_unary("asinh", lambda r, g: g * lax.rsqrt(_input(r) * _input(r) + 1), saves_inputs(0), program=jnp.arcsinh)
+_unary("asinh", lambda r, g: g * _inverse_derivative("asinh", _input(r)), saves_inputs(0), program=jnp.arcsinh)
 _unary(
     "acosh",
-    # 1/(sqrt(z-1) sqrt(z+1)), not 1/sqrt(z^2-1): the two differ in sign for complex z
-    # off the real axis (the principal branch of acosh is log(z + sqrt(z-1) sqrt(z+1)))
-    lambda r, g: g * lax.rsqrt(_input(r) - 1) * lax.rsqrt(_input(r) + 1),
+    lambda r, g: g * _inverse_derivative("acosh", _input(r)),
     saves_inputs(0),
     program=jnp.arccosh,
     gen=_plus_one_and_a_half,

@@ -496,3 +496,94 @@ def test_triangular_solve_every_option_and_argument(dtype):
             fd = jnp.real(jnp.sum(ct * step)) / (2 * h)
             lin = sum(jnp.real(jnp.sum(g * d)) for g, d in zip(got, v))
             np.testing.assert_allclose(lin, fd, rtol=1e-6, atol=1e-8, err_msg=str(opts))
+
+
+# -- asin, acos, asinh and acosh on their branch cuts ----------------------------------
+
+# the derivative of each function, written to be evaluated off the cuts (numpy complex)
+_INVERSE = {
+    "asin": (jnp.arcsin, np.arcsin, lambda z: 1 / np.sqrt(1 - z * z)),
+    "acos": (jnp.arccos, np.arccos, lambda z: -1 / np.sqrt(1 - z * z)),
+    "asinh": (jnp.arcsinh, np.arcsinh, lambda z: 1 / np.sqrt(1 + z * z)),
+    "acosh": (jnp.arccosh, np.arccosh, lambda z: 1 / (np.sqrt(z - 1) * np.sqrt(z + 1))),
+}
+_TINY = 1e-200
+
+
+def _cut_points(name):
+    """Points on the function's cuts (and on the axis beside them), with either sign
+    of zero: the real axis, the imaginary axis for asinh."""
+    along = [-3.0, -1.5, -0.5, 0.5, 1.5, 3.0]
+    if name == "asinh":
+        return [complex(s, t) for t in along for s in (0.0, -0.0)]
+    return [complex(t, s) for t in along for s in (0.0, -0.0)]
+
+
+def _off_the_cut(z, sign, name):
+    """``z`` moved off its axis by a tiny step to the side ``sign``."""
+    return complex(sign * _TINY, z.imag) if name == "asinh" else complex(z.real, sign * _TINY)
+
+
+def _side_of(f, z, name):
+    """+1 or -1: the side of the cut whose values ``f`` takes at ``z``."""
+    at = complex(f(z))
+    for sign in (1, -1):
+        if np.isclose(at, complex(f(_off_the_cut(z, sign, name))), rtol=1e-12, atol=0):
+            return sign
+    raise AssertionError(f"{name}({z}) = {at} is on neither side")
+
+
+def _cut_loss(f):
+    # a real loss weighing both parts: jax.grad's convention gives (1 - 0.5i) f'(z)
+    return lambda z: jnp.sum(jnp.real(f(z)) + 0.5 * jnp.imag(f(z)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(_INVERSE))
+def test_inverse_functions_on_their_branch_cuts(name, jit):
+    """On a branch cut the function takes one side's values, and its gradient must be
+    that side's limit (Note [Derivatives on a branch cut]). Checked at points on each
+    cut, with either sign of zero, against the analytic derivative just off the cut
+    on that side, and its component along the cut against central differences along
+    the cut. ``1/sqrt(1 - z*z)`` (jax 0.10.2's asin rule, rf's before) gave the
+    other side's value at ``asin(1.5+0j)``, a complex made from a real value."""
+    f, _, deriv = _INVERSE[name]
+    with jax.enable_x64(True):
+        pts = _cut_points(name)
+        grad = rf.grad(rf.lift(_cut_loss(f)))
+        got = np.asarray((jax.jit(grad) if jit else grad)(jnp.asarray(pts)))
+        h = 1e-6
+        for z, g in zip(pts, got, strict=True):
+            side = _side_of(lambda v: f(jnp.asarray(v)), z, name)
+            want = (1 - 0.5j) * deriv(_off_the_cut(z, side, name))
+            np.testing.assert_allclose(g, want, rtol=1e-10, err_msg=f"{name} at {z}")
+            # along the cut, the zero part kept exactly (complex(x + h, -0.0), not z + h)
+            if name == "asinh":
+                step = [complex(z.real, z.imag + h), complex(z.real, z.imag - h)]
+                along = -g.imag  # dL/dy
+            else:
+                step = [complex(z.real + h, z.imag), complex(z.real - h, z.imag)]
+                along = g.real  # dL/dx
+            up, down = (float(_cut_loss(f)(jnp.asarray(v))) for v in step)
+            np.testing.assert_allclose(along, (up - down) / (2 * h), rtol=1e-6, err_msg=f"{name} at {z}")
+
+
+@pytest.mark.parametrize("name", list(_INVERSE))
+def test_inverse_derivative_follows_the_side_the_value_is_on(name):
+    """XLA's functions take the same side for either sign of zero, so the rule's
+    reading of the side from the function's value is checked with values that take
+    the side of the zero's sign, as C99 and NumPy do: the derivative is that side's."""
+    from rumus_fx.lift.rules_elementwise import _inverse_derivative
+
+    _, fn_np, deriv = _INVERSE[name]
+    sign_of_asin = -1 if name == "acos" else 1  # acos's rule negates asin's derivative
+    with jax.enable_x64(True):
+        pts = _cut_points(name)
+        for z in pts:
+            value = fn_np(z)
+            side = _side_of(fn_np, z, name)
+            want = deriv(_off_the_cut(z, side, name)) * sign_of_asin
+            got = complex(_inverse_derivative(name, jnp.asarray(z), jnp.asarray(value)))
+            np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=f"{name} at {z}")
+        # the sides these points cover: both, so the conjugating branch is exercised
+        assert {_side_of(fn_np, z, name) for z in pts} == {1, -1}
