@@ -1,0 +1,62 @@
+"""``tools/special_values.py``: rf's gradient against jax.grad at zeros, infinities,
+nan, huge and tiny values. It must report a difference where one exists (``0 ** 0``,
+where rf gives the partial derivative 0 and jax.grad nan: docs/testing.md, "What
+still differs"), stay quiet where rf agrees, and run from the command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "special_values.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("special_values", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_reports_a_difference_and_only_there():
+    tool = _tool()
+    with jax.enable_x64(True):
+        power = tool.compare(jnp.power, 2)
+        assert len(power) == 1 and power[0].startswith("DIFF arg0: 6 differ"), power  # x ** 0 at x = +-0, nan
+        assert "rf=0.0 jax=nan" in power[0]
+        assert tool.compare(jnp.tanh, 1) == []
+        assert tool.compare(jnp.sin, 1, mode="complex") == []
+        assert tool.compare(jax.nn.softplus, 1, np.float32, mode="jit") == []
+        assert tool.compare(jnp.arctan2, 2, mode="second") == []
+
+
+def test_operands_hold_every_special_value_and_every_pair():
+    tool = _tool()
+    (one,) = tool.operands(1, np.float64, "eager")
+    a, b = tool.operands(2, np.float64, "eager")
+    n = len(tool.SPECIAL)
+    assert one.shape == (4, 4) and a.shape == b.shape == (n, n)
+    pairs = {(repr(x), repr(y)) for x, y in zip(a.ravel(), b.ravel(), strict=True)}
+    assert len(pairs) == n * n  # -0.0 and 0.0 apart
+    (z,) = tool.operands(1, np.float32, "complex")
+    assert z.dtype == np.complex64 and np.signbit(z.imag).any() and np.isnan(z).any()
+
+
+def test_command_line():
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--only", "jax.numpy.sinh", "--mode", "complex"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "0 lines", run.stdout
+    # complex asin: rf takes the side of the branch cut the value is on, jax.grad the other
+    # (Note [Derivatives on a branch cut]), and rf is finite where jax.grad is nan
+    assert _tool().compare(jnp.arcsin, 1, mode="complex")[0].startswith("DIFF arg0")

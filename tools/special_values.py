@@ -1,0 +1,156 @@
+"""rf's gradient against jax.grad at special values: every function of jax.numpy,
+jax.nn, jax.lax, jax.scipy.special and jax.scipy.stats that takes one or two float
+arrays (the sweep of ``tests/lift/test_namespaces.py``), at 0, -0, +-1, +-0.5, 2,
++-inf, nan, +-1e-300, +-1e300, 710 and -745 (every pair of them for two arguments),
+the nan pattern included.
+
+    python tools/special_values.py [--dtype float64|float32] [--mode eager|jit|complex|second]
+                                   [--only SUBSTRING] [--skip NAME,PREFIX*,...]
+
+``complex`` takes complex operands (real and imaginary parts from the same values)
+and a loss weighing both parts of the output; ``second`` differentiates
+``sum(jax.grad(f))`` (rf's rules run on jax's own backward program). A line
+``DIFF name argK: ...`` is printed where rf's gradient differs from both jax.grad run
+eagerly and jax.grad under ``jax.jit`` (XLA's fusions alone change results at such
+values, so one of the two can differ from the other); ``ERR`` where rf raised and
+jax did not. Known differences are listed in docs/testing.md ("What still differs").
+Some of jax's own functions never return at such values (``igamma`` at infinite
+arguments, ``exp1`` at 1e-300 beside another value): skip them with ``--skip``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, np.inf, -np.inf, np.nan, 1e-300, -1e-300, 1e300, -1e300, 710.0, -745.0]
+COMPLEX_PARTS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, np.inf, -np.inf, np.nan, 1e300, 1e-300, -3.0]
+# jax's own functions that do not return at these values (checked with jax 0.10.2)
+NEVER_RETURN = (
+    "jax.lax.igamma,jax.lax.igammac,jax.lax.random_gamma_grad,jax.scipy.special.gammainc,"
+    "jax.scipy.special.gammaincc,jax.scipy.special.exp1,jax.scipy.special.expn,jax.scipy.special.expi,"
+    "jax.scipy.special.logit,jax.scipy.stats.chi2*,jax.scipy.stats.gamma*,jax.scipy.stats.poisson*,"
+    "jax.scipy.stats.logistic*,jax.scipy.stats.wrapcauchy*"
+)
+
+
+def operands(arity: int, dtype, mode: str) -> tuple[np.ndarray, ...]:
+    """The special values as one [4, 4] operand, or every pair of them as two."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():  # 1e300 is inf in float32
+        warnings.simplefilter("ignore")
+        return _operands(arity, dtype, mode)
+
+
+def _operands(arity, dtype, mode):
+    if mode == "complex":
+        parts = np.array(COMPLEX_PARTS, dtype)
+        z = (parts[:, None] + 1j * parts[None, :]).astype(np.result_type(dtype, np.complex64))
+        if arity == 1:
+            return (z,)
+        flat = z.ravel()[::5]
+        return np.repeat(flat, len(flat)).reshape(len(flat), -1), np.tile(flat, len(flat)).reshape(len(flat), -1)
+    values = np.array(SPECIAL, dtype)
+    if arity == 1:
+        return (values.reshape(4, 4),)
+    n = len(values)
+    return np.repeat(values, n).reshape(n, n), np.tile(values, n).reshape(n, n)
+
+
+def differences(got, want, dtype) -> str | None:
+    """Where two gradients differ: nan against a number, or numbers not close."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {got.shape} {got.dtype} against {want.shape} {want.dtype}"
+    got_nan, want_nan = np.isnan(got), np.isnan(want)
+    tol = 1e-5 if np.finfo(dtype).bits == 32 else 1e-9
+    with np.errstate(all="ignore"):
+        close = np.isclose(got, want, rtol=tol, atol=tol) | (got == want)
+    bad = (got_nan != want_nan) | (~got_nan & ~want_nan & ~close)
+    if not bad.any():
+        return None
+    at = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)[:4]]
+    return f"{int(bad.sum())} differ, e.g. " + "; ".join(f"{ix} rf={got[ix]} jax={want[ix]}" for ix in at)
+
+
+def compare(fn, arity: int, dtype=np.float64, mode: str = "eager") -> list[str]:
+    """The lines this sweep prints for one function (none where rf agrees)."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():  # the values warn by design
+        warnings.simplefilter("ignore")
+        return _compare(fn, arity, dtype, mode)
+
+
+def _compare(fn, arity, dtype, mode):
+    import rumus_fx as rf
+
+    def loss(*a):
+        with jax.numpy_rank_promotion("allow"):
+            out = jax.tree.leaves(fn(*a))[0]
+        if mode == "complex":
+            return jnp.sum(jnp.real(out)) + 0.5 * jnp.sum(jnp.imag(out))
+        return jnp.sum(out)
+
+    nums = tuple(range(arity))
+    if mode == "second":
+        first = loss
+
+        def loss(*a):
+            return sum(jnp.sum(g) for g in jax.grad(first, argnums=nums)(*a))
+
+    args = tuple(jnp.asarray(a) for a in operands(arity, dtype, mode))
+    wants = []
+    for how in (lambda: jax.jit(jax.grad(loss, argnums=nums))(*args), lambda: jax.grad(loss, argnums=nums)(*args)):
+        try:
+            wants.append(how())
+        except Exception:  # jax cannot differentiate it this way
+            wants.append(None)
+    if mode == "jit" and wants[0] is None:
+        return []  # jax.jit(jax.grad(f)) fails too (a value-dependent shape): rf must trace it as well
+    wants = [w for w in wants if w is not None]
+    if not wants:
+        return []
+    try:
+        grad = rf.grad(rf.lift(loss), argnums=nums)
+        got = jax.jit(grad)(*args) if mode == "jit" else grad(*args)
+    except Exception as e:  # reported, the sweep goes on
+        return [f"ERR {type(e).__name__}: {str(e)[:200]}"]
+    lines = []
+    for k in nums:
+        found = [differences(got[k], want[k], dtype) for want in wants]
+        if all(found):
+            lines.append(f"DIFF arg{k}: {found[0]}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--mode", default="eager", choices=["eager", "jit", "complex", "second"])
+    p.add_argument("--only", default="", help="only the functions whose full name holds this")
+    p.add_argument("--skip", default=NEVER_RETURN, help="full names, or prefixes ending in *, to leave out")
+    a = p.parse_args(argv)
+    jax.config.update("jax_enable_x64", True)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from tests.lift.test_namespaces import _ALL_CASES
+
+    skip = [s for s in a.skip.split(",") if s]
+    dtype = np.dtype(a.dtype).type
+    found = 0
+    for mod, name, arity in _ALL_CASES:
+        full = f"{mod.__name__}.{name}"
+        if a.only not in full or any(full == s or (s.endswith("*") and full.startswith(s[:-1])) for s in skip):
+            continue
+        for line in compare(getattr(mod, name), arity, dtype, a.mode):
+            print(f"{line.split(' ', 1)[0]} {full} {line.split(' ', 1)[1]}", flush=True)
+            found += 1
+    print(f"{found} lines", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
