@@ -112,7 +112,9 @@ def _inverse_derivative(name, z, w=None):
 # had the wrong sign, jax.grad's as well.
 #
 # So each derivative is written as a product of square roots, ``1/(sqrt(1-z) sqrt(1+z))``
-# for asin, whose operands are built part by part (``1 - z`` as ``complex(1 - x, -y)``,
+# for asin (for acosh ``1/(sqrt(z-1) sqrt(z+1))``, which off the axis is also the
+# principal branch's: ``1/sqrt(z*z - 1)`` has the wrong sign where the real part is
+# negative), whose operands are built part by part (``1 - z`` as ``complex(1 - x, -y)``,
 # ``rsqrt`` honours the sign of a zero imaginary part) from ``z`` with its zero part made
 # ``+0``: that is the limit from above the real axis (from the right of the imaginary
 # axis for asinh). XLA's functions take that side for either sign of zero today, but
