@@ -318,3 +318,83 @@ def test_repeated_eigenvalue_with_its_vectors_used_is_nan_as_in_jax():
         got, want = np.asarray(rf.grad(rf.lift(f))(a)), np.asarray(jax.grad(f)(a))
     assert not np.any(np.isfinite(want))
     _same(got, want)
+
+
+# -- eigenvectors and singular vectors at close values: nan, never a finite wrong value --
+
+_W = np.arange(9.0).reshape(3, 3)
+_Q = np.linalg.qr(np.random.default_rng(0).standard_normal((3, 3)))[0]
+
+
+def _svd_rebuilt(a):
+    u, s, vt = jnp.linalg.svd(a, full_matrices=False)
+    return jnp.sum((u * s[None, :]) @ vt * _W)
+
+
+def _svd_polar(a):
+    u, _, vt = jnp.linalg.svd(a, full_matrices=False)
+    return jnp.sum((u @ vt) * _W)
+
+
+def _eigh_exp(a):
+    w, v = jnp.linalg.eigh(a)
+    return jnp.sum((v * jnp.exp(w)[None, :]) @ v.T * (_W + _W.T))
+
+
+def _eigh_projector(a):
+    _, v = jnp.linalg.eigh(a)
+    return jnp.sum((v[:, 1:] @ v[:, 1:].T) * (_W + _W.T))
+
+
+_CLOSE_LOSSES = {
+    "lstsq": lambda a: jnp.sum(jnp.linalg.lstsq(a, jnp.arange(1.0, 4.0))[0]),
+    "svd_rebuilt": _svd_rebuilt,
+    "svd_polar": _svd_polar,
+    "eigh_exp": _eigh_exp,
+    "eigh_projector": _eigh_projector,
+}
+# values a rounding error apart: an orthogonal matrix (singular values 1), Q diag(2, 2, 1)
+# Q^T (eigenvalues 2 and 2), [[2, 1, 0], [1, 2, 0], [0, 0, 3]] (3 and 3 - 4e-16)
+_CLOSE_MATRICES = {
+    "orthogonal": _Q,
+    "q_diag_2_2_1": _Q @ np.diag([2.0, 2.0, 1.0]) @ _Q.T,
+    "three_three_one": np.array([[2.0, 1, 0], [1, 2, 0], [0, 0, 3]]),
+}
+_APART = (lambda m: m + m.T)(np.random.default_rng(1).standard_normal((3, 3)))
+
+
+def _central_differences(loss, a, symmetric, h=1e-6):
+    out = np.zeros((3, 3))
+    for i in range(3):
+        for j in range(3):
+            e = np.zeros((3, 3))
+            if symmetric:
+                e[i, j] += h / 2
+                e[j, i] += h / 2
+            else:
+                e[i, j] = h
+            out[i, j] = (loss(a + e) - loss(a - e)) / (2 * h)
+    return out
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("loss", list(_CLOSE_LOSSES))
+def test_vectors_at_close_values_give_nan_not_a_wrong_gradient(loss, jit):
+    """Note [Close eigenvalues] (rumus_fx/lift/rules_linalg.py): through eigenvectors or
+    singular vectors, two values a rounding error apart made ``1/(w[j] - w[i])`` huge and
+    the gradient finite and wrong (by 0.2 to 15 here, jax.grad's as well). rf's is now
+    nan there; with the values apart it equals central differences."""
+    f = _CLOSE_LOSSES[loss]
+    symmetric = loss.startswith("eigh")
+    with jax.enable_x64(True):
+        grad = rf.grad(rf.lift(f))
+        grad = jax.jit(grad) if jit else grad
+        got = np.asarray(grad(jnp.asarray(_APART)))
+        if symmetric:  # eigh reads one triangle: compare the symmetric parts
+            got = (got + got.T) / 2
+        np.testing.assert_allclose(got, _central_differences(f, jnp.asarray(_APART), symmetric), atol=1e-6)
+        for name, m in _CLOSE_MATRICES.items():
+            if symmetric and not np.allclose(m, m.T):
+                continue
+            got = np.asarray(grad(jnp.asarray(m)))
+            assert not np.isfinite(got).all(), (name, got)
