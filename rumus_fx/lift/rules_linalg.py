@@ -568,24 +568,27 @@ def _svd_forward(step, vals):
 # ~~~~~~~~~~~~~~~~~~~~~~~~
 # The gradient through the eigenvectors of eigh or eig carries ``F[i, j] = 1 / (w[j] -
 # w[i])``, and through ``U`` or ``V`` of an SVD ``F[i, j] = 1 / (s[j]^2 - s[i]^2)``.
-# Below for the SVD; eigh and eig are alike (``V diag(exp(w)) V^T`` and the projector
-# onto two of three eigenvectors of ``Q diag(2, 2, 1) Q^T`` were wrong by 5 and 0.75). Where two singular values are equal, a loss that does not depend on the
-# basis chosen inside their block (``U S V^T``, ``U V^T``, ``jnp.linalg.lstsq``, which
-# jax computes through the SVD) still has a gradient, but it is a limit ``0/0`` that
-# the cotangents of ``U``, ``S`` and ``V`` do not determine: at ``A = I`` the numerators
-# are exactly 0 for ``lstsq`` and the limit is not. Equal values give ``F = inf`` and a
-# non-finite gradient (PyTorch's behaviour; jax.grad masks ``F`` to 0 at an exact tie
-# and is then wrong or non-finite). Values a rounding error apart are worse: ``F`` is
-# finite and huge, and the gradient silently wrong. Measured (jax 0.10.2, float64,
-# against central differences): ``lstsq``, ``U S V^T`` and ``U V^T`` at a random
-# orthogonal matrix (singular values 1 within ulps) and at ``[[2, 1, 0], [1, 2, 0], [0,
-# 0, 3]]`` (3 and 3 - 4e-16) were wrong by 0.2 to 10 with no error, jax.grad's as well.
+#
+# Where two singular values are equal, a loss that does not depend on the basis chosen
+# inside their block (``U S V^T``, ``U V^T``, ``jnp.linalg.lstsq``, which jax computes
+# through the SVD) still has a gradient, but it is a limit ``0/0`` that the cotangents
+# of ``U``, ``S`` and ``V`` do not determine: at ``A = I`` the numerators are exactly 0
+# for ``lstsq`` and the limit is not. Equal values give ``F = inf`` and a non-finite
+# gradient (PyTorch's behaviour; jax.grad masks ``F`` to 0 at an exact tie and is then
+# wrong or non-finite). Values a rounding error apart are worse: ``F`` is finite and
+# huge, and the gradient silently wrong. Measured (jax 0.10.2, float64, against central
+# differences): ``lstsq``, ``U S V^T`` and ``U V^T`` at a random orthogonal matrix
+# (singular values 1 within ulps) and at ``[[2, 1, 0], [1, 2, 0], [0, 0, 3]]`` (3 and
+# 3 - 4e-16) were wrong by 0.2 to 10 with no error, jax.grad's as well; eigh alike
+# (``V diag(exp(w)) V^T`` and the projector onto two of three eigenvectors of
+# ``Q diag(2, 2, 1) Q^T``, wrong by 5 and 0.75).
+#
 # So ``F`` is nan wherever two values are within ``sqrt(eps) * max|w|`` (``_too_close``):
 # the values carry an error of about ``eps * max|w|``, so outside that band the error of
 # ``1/(w[j] - w[i])`` stays below ``sqrt(eps)`` relative; inside it the gradient is nan.
 # The values' own gradient (no vectors, no ``U`` or ``V``) takes no ``F`` and stays
-# exact at ties (Note [No cotangent, no term]).
-# ``jnp.linalg.pinv`` and the norms have their own rules in jax and take no ``F``.
+# exact at ties (Note [No cotangent, no term]); ``jnp.linalg.pinv`` has its own rule in
+# jax, and the matrix norms read the singular values only.
 
 
 def _svd_vjp(r, g):
