@@ -101,10 +101,9 @@ def _reciprocal_gaps(w):
 def _too_close(w):
     """The pairs ``i != j`` with ``|w[j] - w[i]| <= sqrt(eps) max|w|`` (batched over
     ``w``'s leading axes): Note [Close eigenvalues]."""
-    n = w.shape[-1]
     gap = jnp.abs(w[..., None, :] - w[..., :, None])
     scale = jnp.max(jnp.abs(w), axis=-1, keepdims=True)[..., None]
-    return (gap <= jnp.sqrt(jnp.finfo(w.dtype).eps) * scale) & ~jnp.broadcast_to(jnp.eye(n, dtype=bool), gap.shape)
+    return (gap <= jnp.sqrt(jnp.finfo(w.dtype).eps) * scale) & (_eye(w.shape[-1], w.dtype, w.ndim + 1) == 0)
 
 
 def _i_imag(x):
