@@ -30,14 +30,18 @@ NHWC input, ``(2, 3, 2, 3)`` HWIO kernel, strides 2, padding ``((1, 2), (0, 1))`
 
 Note [Windowed max gradients]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``jax.grad`` sends each window's gradient to exactly one element: the first one,
-in row-major window order, that attains the window's maximum (XLA's
-select-and-scatter with ``>=``). Padding and the holes of ``base_dilation`` are
+``jax.grad`` sends each window's gradient to exactly one element, the one XLA's
+select-and-scatter selects: a scan over the window in row-major order that keeps
+its current choice while it is ``>=`` the next candidate (``<=`` for a min), so
+the first element that attains the maximum. A nan breaks the comparison both
+ways: a nan candidate replaces the choice, and the candidate after a chosen nan
+replaces it, so a window whose maximum is nan hands its gradient to its last
+element if that is nan, else to the first maximum after its last nan (a window
+``[nan, 1]`` to the 1). Padding and the holes of ``base_dilation`` are
 candidates holding the reduction's identity, so a window whose maximum is
 ``-inf`` may hand its gradient to padding, where it is dropped. The rule
-rebuilds the padded operand from the saved input, looks at the window offsets in
-order and gives each window's gradient to the first offset that hits the
-maximum.
+rebuilds the padded operand from the saved input and runs the same scan over the
+window offsets.
 
 Note [Generic reduce_window]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -364,20 +368,24 @@ def _window_chooser_grad(g, x, window, is_max, init=None):
         limits = [s + (m - 1) * st + 1 for s, m, st in zip(starts, out_shape, strides)]
         views.append(lax.slice(padded, starts, limits, strides))
         places.append([(s, n - lim, st - 1) for s, lim, n, st in zip(starts, limits, padded.shape, strides)])
-    pick = lax.max if is_max else lax.min
-    best = functools.reduce(pick, views)
+    # the element each window selects, as XLA's select-and-scatter finds it: a scan
+    # over the window that keeps the current choice while it is >= (<= for a min)
+    # the next candidate, so the first maximum wins, and a nan wins where the
+    # window holds one (nan >= v is false, v >= nan too: the last nan is kept)
+    keeps = lax.ge if is_max else lax.le
     g_sh = shd.sharding_of(g)
     if init is None:
-        taken = shd.zeros(out_shape, bool, g_sh)
+        chosen, choice, rest = views[0], shd.zeros(out_shape, np.int32, g_sh), enumerate(views[1:], 1)
     else:
-        best = pick(best, shd.broadcast_to(fill, out_shape, g_sh))
-        taken = shd.broadcast_to(fill == best, out_shape, g_sh)
+        chosen, choice = shd.broadcast_to(fill, out_shape, g_sh), shd.broadcast_to(np.int32(-1), out_shape, g_sh)
+        rest = enumerate(views)
+    for k, v in rest:
+        keep = keeps(chosen, v)
+        chosen, choice = jnp.where(keep, chosen, v), jnp.where(keep, choice, np.int32(k))
     zeros = jnp.zeros_like(g)
     gp = jnp.zeros_like(padded, dtype=g.dtype)
-    for v, place in zip(views, places):
-        hit = (v == best) & ~taken
-        taken = taken | hit
-        gp = gp + lax.pad(jnp.where(hit, g, zeros), jnp.zeros((), g.dtype), place)
+    for k, place in enumerate(places):
+        gp = gp + lax.pad(jnp.where(choice == k, g, zeros), jnp.zeros((), g.dtype), place)
     return _pad_transpose(gp, cfg, shape)
 
 

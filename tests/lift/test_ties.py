@@ -398,3 +398,38 @@ def test_vectors_at_close_values_give_nan_not_a_wrong_gradient(loss, jit):
                 continue
             got = np.asarray(grad(jnp.asarray(m)))
             assert not np.isfinite(got).all(), (name, got)
+
+
+# windows holding nan (and -inf beside padding): (window, strides, padding, base_dilation)
+_NAN_WINDOWS = {
+    "valid": ((2, 2), (1, 1), "VALID", None),
+    "same_strided": ((3, 2), (2, 1), "SAME", None),
+    "padded_base_dilation": ((3, 2), (1, 2), ((1, 2), (0, 1)), (2, 1)),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("extreme", ["max", "min"])
+@pytest.mark.parametrize("window", list(_NAN_WINDOWS))
+def test_pooling_windows_holding_nan_send_the_gradient_where_jax_does(window, extreme, jit):
+    """Note [Windowed max gradients] (rumus_fx/lift/rules_conv.py): a window whose
+    maximum is nan used to drop its gradient (no element equals nan), where jax.grad
+    gives it to the element XLA's select-and-scatter selects (``[nan, 1]``: the 1)."""
+    dims, strides, padding, base = _NAN_WINDOWS[window]
+    init, pick = (-jnp.inf, lax.max) if extreme == "max" else (jnp.inf, lax.min)
+
+    def f(a):
+        out = lax.reduce_window(a, init, pick, dims, strides, padding, base_dilation=base)
+        return jnp.sum(out * jnp.arange(1.0, out.size + 1.0).reshape(out.shape))
+
+    rng = np.random.default_rng(3)
+    for trial in range(4):
+        a = np.round(rng.standard_normal((5, 6)) * 2)  # ties
+        a[rng.random(a.shape) < 0.25] = np.nan
+        a[rng.random(a.shape) < 0.15] = -np.inf if extreme == "max" else np.inf
+        with jax.enable_x64(True):
+            x = jnp.asarray(a)
+            g = rf.grad(rf.lift(f))
+            got = (jax.jit(g) if jit else g)(x)
+            np.testing.assert_array_equal(got, jax.grad(f)(x), err_msg=f"trial {trial}")
+            np.testing.assert_array_equal(got, jax.jit(jax.grad(f))(x), err_msg=f"trial {trial}")
