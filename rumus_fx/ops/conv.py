@@ -574,7 +574,10 @@ def ref_max_pool2d(x: Any, k: int, stride: int | None = None, padding: int = 0) 
 def max_pool2d(x: Any, kernel_size: int, stride: int | None = None, padding: int = 0) -> Tensor:
     """Max over ``kernel_size`` windows of ``x:[..., C, H, W]``; stride defaults
     to the kernel size; overlapping windows allowed; implicit ``-inf`` padding
-    of at most ``kernel_size // 2`` (as PyTorch) (records MaxPool2dBackward)."""
+    of at most ``kernel_size // 2`` (as PyTorch) (records MaxPool2dBackward).
+    A window holding NaN gives NaN and hands its gradient to its first NaN
+    (``jax.grad`` of ``lax.reduce_window`` picks otherwise there: Note [Windowed
+    max gradients] in ``rumus_fx/lift/rules_conv.py``)."""
     op = "max_pool2d"
     xv = array_of(x, op)
     require_float(op, xv)
