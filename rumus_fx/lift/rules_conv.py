@@ -43,6 +43,16 @@ candidates holding the reduction's identity, so a window whose maximum is
 rebuilds the padded operand from the saved input and runs the same scan over the
 window offsets.
 
+jax's own derivatives of a pool, inside a lifted function, emit two primitives
+linear in their first argument: ``select_and_scatter_add`` (``jax.grad``: the
+select-and-scatter above) and ``select_and_gather_add`` (``jax.jvp``: each
+window's tangent at its choice, as XLA:CPU's ``reduce_window`` finds it, a scan
+that starts from the identity and skips padding and holes, so a window of
+``-inf`` alone gathers 0). rf's rule for each is the exact adjoint of the
+selection the primitive made. jax transposes each into the other, so in a window
+of ``-inf`` alone, or one holding nan, jax.grad's gradient in the linear
+argument is not the program's derivative (``tests/lift/test_conv_rules.py``).
+
 Note [Generic reduce_window]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``lax.reduce_window`` emits the generic ``reduce_window`` primitive (a jaxpr
@@ -348,45 +358,75 @@ def _window_sum_grad(g, shape, window):
     return lax.reduce_window(gp, zero, lax.add, dims, base, [(0, 0)] * len(shape), window_dilation=wdil)
 
 
-def _window_chooser_grad(g, x, window, is_max, init=None):
-    """Each window's gradient to the first element (row-major window order) that
-    attains its extreme value; see Note [Windowed max gradients]. With ``init`` (a
-    generic ``reduce_window``) the init value comes first: where it attains the
-    extreme the gradient goes to it, not to ``x``."""
+def _window_choice(x, window, out_shape, is_max, init, sharding, inside_only=False):
+    """Where each window of ``x`` (padded with ``init``, or the extreme's identity)
+    selects (Note [Windowed max gradients]): a scan over the window offsets in
+    row-major order that keeps the current choice while it is ``>=`` (``<=`` for a
+    min) the next candidate. By default it starts from the first offset, padding
+    and holes included (XLA's select-and-scatter); with ``init`` or ``inside_only``
+    it starts from the init value (the identity) as an offset -1 before every
+    other, and ``inside_only`` skips padding and holes (XLA:CPU's reduce_window,
+    which ``select_and_gather_add`` runs). Returns the padding config, the padded
+    operand, each offset's (starts, limits) in the padded operand (strided by the
+    window strides) and the chosen offset per window."""
     dims, strides, padding, base, wdil = window
-    shape = x.shape
     if init is None:
         fill = jnp.asarray(-np.inf if is_max else np.inf, x.dtype)
     else:
         fill = jnp.asarray(init, x.dtype)
     cfg = [(lo, hi, b - 1) for (lo, hi), b in zip(padding, base)]
     padded = lax.pad(x, fill, cfg)
-    out_shape = g.shape
-    views, places = [], []
+    offsets = []
     for k in itertools.product(*(range(w) for w in dims)):
         starts = [kk * wd for kk, wd in zip(k, wdil)]
-        limits = [s + (m - 1) * st + 1 for s, m, st in zip(starts, out_shape, strides)]
-        views.append(lax.slice(padded, starts, limits, strides))
-        places.append([(s, n - lim, st - 1) for s, lim, n, st in zip(starts, limits, padded.shape, strides)])
-    # the element each window selects, as XLA's select-and-scatter finds it: a scan
-    # over the window that keeps the current choice while it is >= (<= for a min)
-    # the next candidate, so the first maximum wins, and a nan wins where the
-    # window holds one (nan >= v is false, v >= nan too: the last nan is kept)
+        offsets.append((starts, [s + (m - 1) * st + 1 for s, m, st in zip(starts, out_shape, strides)]))
+    views = [lax.slice(padded, starts, limits, strides) for starts, limits in offsets]
+    skips = [None] * len(views)
+    if inside_only:
+        outside = lax.pad(jnp.zeros(x.shape, bool), np.True_, cfg)
+        skips = [lax.slice(outside, starts, limits, strides) for starts, limits in offsets]
     keeps = lax.ge if is_max else lax.le
-    g_sh = shd.sharding_of(g)
-    if init is None:
-        chosen, choice, rest = views[0], shd.zeros(out_shape, np.int32, g_sh), enumerate(views[1:], 1)
+    if init is None and not inside_only:
+        chosen, choice, rest = views[0], shd.zeros(out_shape, np.int32, sharding), list(enumerate(views))[1:]
     else:
-        chosen, choice = shd.broadcast_to(fill, out_shape, g_sh), shd.broadcast_to(np.int32(-1), out_shape, g_sh)
-        rest = enumerate(views)
+        chosen, choice = (
+            shd.broadcast_to(fill, out_shape, sharding),
+            shd.broadcast_to(np.int32(-1), out_shape, sharding),
+        )
+        rest = list(enumerate(views))
     for k, v in rest:
-        keep = keeps(chosen, v)
+        keep = keeps(chosen, v) if skips[k] is None else keeps(chosen, v) | skips[k]
         chosen, choice = jnp.where(keep, chosen, v), jnp.where(keep, choice, np.int32(k))
+    return cfg, padded, offsets, choice
+
+
+def _window_chooser_grad(g, x, window, is_max, init=None, inside_only=False):
+    """Each window's gradient to the element it selects (the first that attains
+    its extreme value; see Note [Windowed max gradients] and ``_window_choice``),
+    dropped where that is padding or ``init``: the transpose of a windowed
+    selection (``select_and_gather_add``'s with ``inside_only``)."""
+    strides = window[1]
+    cfg, padded, offsets, choice = _window_choice(x, window, g.shape, is_max, init, shd.sharding_of(g), inside_only)
     zeros = jnp.zeros_like(g)
     gp = jnp.zeros_like(padded, dtype=g.dtype)
-    for k, place in enumerate(places):
+    for k, (starts, limits) in enumerate(offsets):
+        place = [(s, n - lim, st - 1) for s, lim, n, st in zip(starts, limits, padded.shape, strides)]
         gp = gp + lax.pad(jnp.where(choice == k, g, zeros), jnp.zeros((), g.dtype), place)
-    return _pad_transpose(gp, cfg, shape)
+    return _pad_transpose(gp, cfg, x.shape)
+
+
+def _window_chooser_gather(g, x, window, out_shape, is_max):
+    """Each window's entry of ``g`` (shaped like ``x``) at the element
+    select-and-scatter selects, 0 where that is padding: the transpose of
+    ``select_and_scatter_add``."""
+    strides = window[1]
+    cfg, _, offsets, choice = _window_choice(x, window, out_shape, is_max, None, shd.sharding_of(g))
+    gp = lax.pad(g, jnp.zeros((), g.dtype), cfg)
+    out = None
+    for k, (starts, limits) in enumerate(offsets):
+        v = lax.slice(gp, starts, limits, strides)
+        out = jnp.where(choice == k, v, jnp.zeros_like(v) if out is None else out)
+    return out
 
 
 def _reduce_window_sum_vjp(r, g):
@@ -495,6 +535,56 @@ defrule(
         ),
     ),
 )
+
+
+def _selects_max(p) -> bool:
+    return p["select_prim"].name == "ge"  # lax.ge_p (a max) or lax.le_p (a min)
+
+
+def _select_and_scatter_add_vjp(r, g):
+    """``select_and_scatter_add(source, operand)`` (``jax.grad`` of a max/min
+    pool) is linear in ``source``: its gradient gathers ``g`` at the element
+    each window's select-and-scatter chose (Note [Windowed max gradients]). The
+    selection is piecewise constant in ``operand``, whose gradient is 0 (jax's
+    JVP drops its tangent)."""
+    a_src, a_op = r.in_avals
+    window = _window(dict(r.params, base_dilation=(1,) * g.ndim, window_dilation=(1,) * g.ndim))
+    gs = go = None
+    if r.needs[0]:
+        if g.size == 0 or 0 in a_src.shape:
+            gs = _zeros(a_src, r.in_sharding(0))
+        else:
+            gs = _window_chooser_gather(g, r.ins[1], window, tuple(a_src.shape), _selects_max(r.params))
+    if r.needs[1]:
+        go = _zeros(a_op, r.in_sharding(1))
+    return gs, go
+
+
+def _select_and_gather_add_vjp(r, g):
+    """``select_and_gather_add(tangents, operand)`` (``jax.jvp`` of a max/min
+    pool: each window's tangent at the element it selects) is linear in
+    ``tangents``: its gradient scatters ``g`` to those elements, chosen as the
+    primitive chose them (from the identity, padding skipped: Note [Windowed max
+    gradients]). ``operand``'s gradient is 0."""
+    a_t, a_op = r.in_avals
+    gt = go = None
+    if r.needs[0]:
+        if g.size == 0 or 0 in a_t.shape:
+            gt = _zeros(a_t, r.in_sharding(0))
+        else:
+            window, is_max = _window(r.params), _selects_max(r.params)
+            gt = _window_chooser_grad(g, r.ins[1], window, is_max, inside_only=True).astype(a_t.dtype)
+    if r.needs[1]:
+        go = _zeros(a_op, r.in_sharding(1))
+    return gt, go
+
+
+# emitted only by jax's own differentiation of a max/min pool (jax.grad, jax.jvp inside a
+# lifted function: a gradient penalty, a Hessian through jax.grad); no public jax
+# function emits them in a forward program, so they have no primitive-table entry and
+# are tested in tests/lift/test_conv_rules.py
+defrule("select_and_scatter_add", _select_and_scatter_add_vjp, saves_inputs(1))
+defrule("select_and_gather_add", _select_and_gather_add_vjp, saves_inputs(1))
 
 
 _MONOIDS = {"add": "sum", "max": "max", "min": "min"}

@@ -119,3 +119,138 @@ def test_strided_conv_where_jax_grad_aborts():
         ct = jnp.asarray(rng.standard_normal((1, 4, 2, 3)))
         check_fd(lambda x, w: rf.sum(rf.lift(f)(x, w) * ct), [x, w], (0, 1), tol=1e-6, directions=3)
         check_fd(lambda x, w: rf.sum(rf.lift(f)(x, w) * ct), [x, w], (0, 1), tol=1e-6, directions=1, jit=True)
+
+
+# jax's own derivatives of a pool inside the lifted function: jax.grad emits
+# select_and_scatter_add(cotangent, operand), jax.jvp select_and_gather_add(tangent,
+# operand); both linear in their first argument, piecewise constant in the operand
+# (dims, strides, padding, base_dilation; the vjp has no base dilation in jax)
+_DERIV_CONFIGS = {
+    "max_padded": ((2, 2), (2, 1), ((1, 0), (0, 1)), (1, 1), True),
+    "min_same": ((3, 2), (1, 2), ((1, 1), (0, 1)), (1, 1), False),
+    "max_base_dilation": ((3, 2), (2, 1), ((1, 1), (0, 1)), (2, 1), True),
+}
+
+
+def _derivative_program(kind, cfg):
+    dims, strides, padding, base, is_max = cfg
+    pool = functools.partial(
+        _pool, dims=dims, strides=strides, padding=padding, base=base, wdil=(1,) * len(dims), is_max=is_max
+    )
+    if kind == "vjp":
+        return lambda x, s: jax.vjp(pool, x)[1](s)[0]
+    return lambda x, t: jax.jvp(pool, (x,), (t,))[1]
+
+
+def _derivative_inputs(kind, cfg, values, rng):
+    dims, strides, padding, base, is_max = cfg
+    x = rng.standard_normal((5, 6))
+    if values != "distinct":
+        x = np.round(x * 1.5)  # ties
+    if values == "nan":
+        x[rng.random(x.shape) < 0.3] = np.nan
+        x[rng.random(x.shape) < 0.2] = -np.inf if is_max else np.inf
+    pool = functools.partial(_pool, dims=dims, strides=strides, padding=padding, base=base, wdil=(1, 1), is_max=is_max)
+    other = x.shape if kind == "jvp" else jax.eval_shape(pool, jnp.asarray(x)).shape
+    return jnp.asarray(x), jnp.asarray(rng.standard_normal(other))
+
+
+def _adjoint(prog, x, v, w):
+    """The gradient of ``sum(prog(x, v) * w)`` in ``v``, in which it is linear, from the
+    program's own values at the unit vectors: the exact adjoint of the selection XLA
+    ran, whatever jax's transpose rule selects."""
+    basis = jnp.eye(v.size, dtype=v.dtype).reshape(v.size, *v.shape)
+    return jnp.stack([jnp.sum(prog(x, e) * w) for e in basis]).reshape(v.shape)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1)], ids=["operand", "linear", "both"])
+@pytest.mark.parametrize("cfg", list(_DERIV_CONFIGS))
+@pytest.mark.parametrize("kind", ["vjp", "jvp"])
+def test_jax_derivatives_of_a_pool_differentiate_on_the_tape(kind, cfg, argnums, jit):
+    """``rf.grad`` of a function that takes jax's own vjp or jvp of a max/min pool (a
+    gradient penalty, a Hessian through jax.grad): its ``select_and_scatter_add`` /
+    ``select_and_gather_add`` were refused (no rule). Each argument alone and both, at
+    distinct values, ties and windows holding nan and infinities: the exact adjoint of
+    the selection the program ran, and jax.grad's values where jax's transpose selects
+    the same element (every window without nan or infinity), eager and jit; central
+    differences at distinct values."""
+    if kind == "vjp" and cfg == "max_base_dilation":
+        cfg = "max_padded"  # jax's vjp of a base-dilated pool emits a pad and a slice around it
+    c = _DERIV_CONFIGS[cfg]
+    prog = _derivative_program(kind, c)
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        for values in ("distinct", "ties", "nan"):
+            x, v = _derivative_inputs(kind, c, values, rng)
+            w = jnp.asarray(rng.standard_normal(jax.eval_shape(prog, x, v).shape))
+
+            def loss(x, v, w=w):
+                return jnp.sum(prog(x, v) * w)
+
+            prim = "select_and_scatter_add" if kind == "vjp" else "select_and_gather_add"
+            assert prim in str(jax.make_jaxpr(loss)(x, v))
+            g = rf.grad(rf.lift(loss), argnums=argnums)
+            got = dict(zip(argnums, (jax.jit(g) if jit else g)(x, v)))
+            if 0 in got:  # the selection is piecewise constant in the operand
+                np.testing.assert_array_equal(got[0], np.zeros(x.shape))
+            if 1 in got:
+                np.testing.assert_allclose(got[1], _adjoint(prog, x, v, w), rtol=1e-12, atol=1e-12, err_msg=values)
+            if values != "nan":
+                for want in (jax.grad(loss, argnums)(x, v), jax.jit(jax.grad(loss, argnums))(x, v)):
+                    for k, b in zip(argnums, want):
+                        np.testing.assert_allclose(got[k], b, rtol=1e-12, atol=1e-12, err_msg=values)
+            if values == "distinct":
+                check_fd(rf.lift(loss), (x, v), argnums=argnums, jit=jit, grads=tuple(got[k] for k in argnums))
+
+
+@pytest.mark.parametrize("kind", ["vjp", "jvp"])
+def test_jax_transposes_a_pool_derivative_with_the_other_selection(kind):
+    """In a window of -inf alone jax.grad's transpose of these primitives selects
+    otherwise than the primitive did: ``select_and_scatter_add`` hands the cotangent to
+    the window's first element (XLA's select-and-scatter) while its transpose gathers
+    from the identity (reduce_window), and the other way round. jax.grad's gradient in
+    the linear argument is then not the program's derivative; rf's is."""
+    prog = _derivative_program(kind, ((2,), (1,), ((0, 0),), (1,), True))
+    with jax.enable_x64(True):
+        x = jnp.array([-jnp.inf, -jnp.inf, 1.0])
+        v = jnp.array([0.5, -2.0] if kind == "vjp" else [0.5, -2.0, 3.0])
+        w = jnp.array([1.0, 2.0, 4.0] if kind == "vjp" else [1.0, 2.0])
+
+        def loss(x, v):
+            return jnp.sum(prog(x, v) * w)
+
+        want = _adjoint(prog, x, v, w)
+        # the vjp puts v[0] on x[0] (weight 1), the jvp's first window gives 0
+        np.testing.assert_array_equal(want, [1.0, 4.0] if kind == "vjp" else [0.0, 0.0, 2.0])
+        np.testing.assert_array_equal(rf.grad(rf.lift(loss), argnums=1)(x, v), want)
+        h = 1e-3  # linear in v: the central difference is exact up to rounding
+        fd = [(loss(x, v + h * e) - loss(x, v - h * e)) / (2 * h) for e in jnp.eye(v.size)]
+        np.testing.assert_allclose(fd, want, atol=1e-9)
+        assert not np.array_equal(jax.grad(loss, argnums=1)(x, v), want)
+
+
+@pytest.mark.parametrize("kind", ["vjp", "jvp"])
+def test_jax_derivatives_of_a_pool_per_example_and_second_order(kind):
+    """The same programs per example under ``jax.vmap`` and as a Hessian-vector
+    product (``jax.jvp`` of rf's gradient) against jax's."""
+    c = _DERIV_CONFIGS["min_same"]
+    prog = _derivative_program(kind, c)
+    rng = np.random.default_rng(8)
+    with jax.enable_x64(True):
+        x, v = _derivative_inputs(kind, c, "ties", rng)
+        w = jnp.asarray(rng.standard_normal(jax.eval_shape(prog, x, v).shape))
+
+        def loss(x, v):
+            return jnp.sum(prog(x, v) * w) + jnp.sum(jnp.sin(v) * v)
+
+        xs, vs = jnp.stack([x, x[::-1], -x]), jnp.stack([v, 2 * v, v[::-1]])
+        got = jax.vmap(rf.grad(rf.lift(loss), argnums=(0, 1)))(xs, vs)
+        want = jax.vmap(jax.grad(loss, argnums=(0, 1)))(xs, vs)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+        tx, tv = jnp.asarray(rng.standard_normal(x.shape)), jnp.asarray(rng.standard_normal(v.shape))
+        got = jax.jvp(rf.grad(rf.lift(loss), argnums=(0, 1)), (x, v), (tx, tv))[1]
+        want = jax.jvp(jax.grad(loss, argnums=(0, 1)), (x, v), (tx, tv))[1]
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
