@@ -32,7 +32,16 @@ _Tracer = jax.core.Tracer
 ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
 
 # call primitives inlined into the program (their body is run with rf's rules)
-INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call", "custom_lin"}
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call"}
+
+# primitives with no rule whose refusal says more than "no backward rule"
+NO_RULE_BECAUSE = {
+    "custom_lin": (
+        "it is what jax.jvp or jax.linearize of a jax.custom_vjp function emits, which jax cannot "
+        'run either ("can\'t apply forward-mode autodiff (jvp) to a custom_vjp function"). Give the '
+        "function a jax.custom_jvp rule, or take its derivative with jax.vjp or rf.grad instead."
+    ),
+}
 
 # True while the program of a custom JVP rule is built (and the bodies nested in it):
 # a custom_jvp function the rule calls on the tangents is differentiated by its primal
@@ -331,9 +340,12 @@ class Program:
                 where = f", emitted {step.where}" if step.where else ""
                 raise AutogradError(
                     f"rf.lift: no backward rule for the primitive '{name}' (in {self.name}{where}); "
-                    "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
-                    "Write the computation with primitives rf.lift supports, wrap it in "
-                    "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule."
+                    + NO_RULE_BECAUSE.get(
+                        name,
+                        "its inputs depend on a tracked Tensor, so its gradient cannot be taken. "
+                        "Write the computation with primitives rf.lift supports, wrap it in "
+                        "jax.custom_vjp with a hand-written backward, or register a rule with rf.defrule.",
+                    )
                 )
             if any(_reduced(sh) for sh in (*step.in_shardings, *step.out_shardings)):
                 where = f", emitted {step.where}" if step.where else ""

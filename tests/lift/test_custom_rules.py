@@ -986,3 +986,33 @@ def test_custom_vjp_bwd_that_needs_values_is_refused_by_name():
     with pytest.raises(rf.AutogradError, match=r"custom_vjp bwd of _padded_sum needs the values") as info:
         rf.grad(rf.lift(f))(x, n)
     assert isinstance(info.value.__cause__, TypeError)
+
+
+@jax.custom_vjp
+def _doubled_sin(x):
+    return 2 * jnp.sin(x)
+
+
+_doubled_sin.defvjp(lambda x: (_doubled_sin(x), jnp.cos(x)), lambda c, g: (2 * c * g,))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("transform", ["jvp", "linearize"])
+def test_forward_mode_of_a_custom_vjp_inside_the_function_is_refused_by_name(transform, jit):
+    """jax.jvp or jax.linearize of a jax.custom_vjp function emits ``custom_lin``, which
+    jax cannot run ("can't apply forward-mode autodiff") nor differentiate. rf.lift
+    treated it as a call with a body and crashed with an AttributeError; it now
+    refuses it by name and says what to do."""
+    x, t = jnp.array([0.3, 0.5, 0.9]), jnp.array([1.0, -1.0, 2.0])
+    if transform == "jvp":
+        loss = lambda x, t: jnp.sum(jax.jvp(_doubled_sin, (x,), (t,))[1])  # noqa: E731
+    else:
+        loss = lambda x, t: jnp.sum(jax.linearize(_doubled_sin, x)[1](t))  # noqa: E731
+    assert "custom_lin" in str(jax.make_jaxpr(loss)(x, t))
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        loss(x, t)
+    with pytest.raises(NotImplementedError, match="custom_lin"):
+        jax.grad(loss, argnums=(0, 1))(x, t)
+    g = rf.grad(rf.lift(loss), argnums=(0, 1))
+    with pytest.raises(rf.AutogradError, match=r"'custom_lin'.*jax\.custom_vjp function.*jax\.custom_jvp"):
+        (jax.jit(g) if jit else g)(x, t)
