@@ -75,3 +75,18 @@ def test_a_difference_is_where_rf_differs_from_every_oracle_at_one_element():
     assert tool.differences(got, [np.array([1.0, 5.0, np.nan]), np.array([7.0, 2.0, np.nan])], np.float64) is None
     found = tool.differences(got, [np.array([1.0, 5.0, 0.0]), np.array([7.0, 2.0, 1.0])], np.float64)
     assert found.startswith("1 differ, e.g. (2,) rf=nan jax=0.0"), found
+
+
+def test_tie_values():
+    """``--values ties``: equal values in rows and columns, and every pair (equal ones
+    included) for two arguments; rf's choices among them are jax.grad's, ``0 ** 0``
+    still the one difference."""
+    tool = _tool()
+    (one,) = tool.operands(1, np.float64, "eager", "ties")
+    a, b = tool.operands(2, np.float64, "eager", "ties")
+    assert np.isfinite(one).all() and len(np.unique(one)) < one.size
+    assert (a == b).sum() >= len(tool.TIE_PAIRS)
+    with jax.enable_x64(True):
+        for f, arity in [(jnp.max, 1), (jnp.median, 1), (jnp.sort, 1), (jnp.maximum, 2), (jnp.fmin, 2)]:
+            assert tool.compare(f, arity, values="ties") == [], f
+        assert tool.compare(jnp.power, 2, values="ties")[0].startswith("DIFF arg0")

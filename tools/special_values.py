@@ -2,9 +2,10 @@
 jax.nn, jax.lax, jax.scipy.special and jax.scipy.stats that takes one or two float
 arrays (the sweep of ``tests/lift/test_namespaces.py``), at 0, -0, +-1, +-0.5, 2,
 +-inf, nan, +-1e-300, +-1e300, 710 and -745 (every pair of them for two arguments),
-the nan pattern included.
+the nan pattern included; with ``--values ties``, at equal values instead (``TIES``
+and every pair of ``TIE_PAIRS``: where a max, sort, median or clip must choose).
 
-    python tools/special_values.py [--dtype float64|float32]
+    python tools/special_values.py [--dtype float64|float32] [--values special|ties]
                                    [--mode eager|jit|complex|second|complex-second]
                                    [--only SUBSTRING] [--skip NAME,PREFIX*,...]
 
@@ -34,6 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, np.inf, -np.inf, np.nan, 1e-300, -1e-300, 1e300, -1e300, 710.0, -745.0]
+# --values ties: equal values (reductions, sorts and extremes choosing among them),
+# zeros of both signs and kinks, no infinity or nan to hide them
+TIES = [[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, -0.0, -1.0, 5.0], [-1.0, -1.0, 0.5, 0.5]]
+TIE_PAIRS = [-1.0, -0.0, 0.0, 0.5, 1.0, 2.0]  # every pair, equal ones included
 COMPLEX_PARTS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, np.inf, -np.inf, np.nan, 1e300, 1e-300, -3.0]
 # jax's own functions that do not return at these values (checked with jax 0.10.2)
 NEVER_RETURN = (
@@ -44,14 +49,24 @@ NEVER_RETURN = (
 )
 
 
-def operands(arity: int, dtype, mode: str) -> tuple[np.ndarray, ...]:
-    """The special values as one [4, 4] operand, or every pair of them as two."""
+def operands(arity: int, dtype, mode: str, values: str = "special") -> tuple[np.ndarray, ...]:
+    """The special values as one [4, 4] operand, or every pair of them as two
+    (``values="ties"``: ``TIES`` as one, every pair of ``TIE_PAIRS`` as two)."""
     with np.errstate(all="ignore"), warnings.catch_warnings():  # 1e300 is inf in float32
         warnings.simplefilter("ignore")
-        return _operands(arity, dtype, mode)
+        return _operands(arity, dtype, mode, values)
 
 
-def _operands(arity, dtype, mode):
+def _operands(arity, dtype, mode, values_set="special"):
+    if values_set == "ties":
+        if arity == 1:
+            z = np.array(TIES, dtype)
+            return (z.astype(np.result_type(dtype, np.complex64)) * (1 + 0.5j) if mode.startswith("complex") else z,)
+        v = np.array(TIE_PAIRS, dtype)
+        if mode.startswith("complex"):
+            v = v.astype(np.result_type(dtype, np.complex64)) * (1 + 0.5j)
+        n = len(v)
+        return np.repeat(v, n).reshape(n, n), np.tile(v, n).reshape(n, n)
     if mode.startswith("complex"):
         parts = np.array(COMPLEX_PARTS, dtype)
         z = (parts[:, None] + 1j * parts[None, :]).astype(np.result_type(dtype, np.complex64))
@@ -95,14 +110,14 @@ def _real(out):
     return jnp.sum(out)
 
 
-def compare(fn, arity: int, dtype=np.float64, mode: str = "eager") -> list[str]:
+def compare(fn, arity: int, dtype=np.float64, mode: str = "eager", values: str = "special") -> list[str]:
     """The lines this sweep prints for one function (none where rf agrees)."""
     with np.errstate(all="ignore"), warnings.catch_warnings():  # the values warn by design
         warnings.simplefilter("ignore")
-        return _compare(fn, arity, dtype, mode)
+        return _compare(fn, arity, dtype, mode, values)
 
 
-def _compare(fn, arity, dtype, mode):
+def _compare(fn, arity, dtype, mode, values):
     import rumus_fx as rf
 
     def loss(*a):
@@ -117,7 +132,7 @@ def _compare(fn, arity, dtype, mode):
         def loss(*a):
             return sum(_real(g) for g in jax.grad(first, argnums=nums)(*a))
 
-    args = tuple(jnp.asarray(a) for a in operands(arity, dtype, mode))
+    args = tuple(jnp.asarray(a) for a in operands(arity, dtype, mode, values))
     wants = []
     for how in (lambda: jax.jit(jax.grad(loss, argnums=nums))(*args), lambda: jax.grad(loss, argnums=nums)(*args)):
         try:
@@ -146,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     p.add_argument("--mode", default="eager", choices=["eager", "jit", "complex", "second", "complex-second"])
+    p.add_argument("--values", default="special", choices=["special", "ties"])
     p.add_argument("--only", default="", help="only the functions whose full name holds this")
     p.add_argument("--skip", default=NEVER_RETURN, help="full names, or prefixes ending in *, to leave out")
     a = p.parse_args(argv)
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         full = f"{mod.__name__}.{name}"
         if a.only not in full or any(full == s or (s.endswith("*") and full.startswith(s[:-1])) for s in skip):
             continue
-        for line in compare(getattr(mod, name), arity, dtype, a.mode):
+        for line in compare(getattr(mod, name), arity, dtype, a.mode, a.values):
             print(f"{line.split(' ', 1)[0]} {full} {line.split(' ', 1)[1]}", flush=True)
             found += 1
     print(f"{found} lines", flush=True)
