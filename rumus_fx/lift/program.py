@@ -131,6 +131,7 @@ class Step:
     mesh: Any = None  # the abstract mesh it was traced under, where not the program's (Note [A step's mesh])
     in_types: tuple[Any, ...] = ()  # its inputs' and outputs' traced shardings
     out_types: tuple[Any, ...] = ()
+    effects: bool = False  # it has effects (a write to a reference, a callback): never dead code
 
     def bind(self, vals: Sequence[Any]) -> tuple[Any, ...]:
         """The primitive applied to ``vals``: its outputs, as a tuple (a call
@@ -304,6 +305,7 @@ class Program:
                     mesh=None if mesh is None or mesh == self.mesh or getattr(mesh, "manual_axes", ()) else mesh,
                     in_types=_types(eqn.invars),
                     out_types=_types(eqn.outvars),
+                    effects=bool(eqn.effects),
                 )
             )
         self.var_refs.update(env)
@@ -328,6 +330,7 @@ class Program:
         tracked = self.tracked = [False] * self.nslots
         for s, t in zip(self.in_slots, tracked_in, strict=True):
             tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
+        live = self._live_slots()
         for step in self.steps:
             needs = tuple(isinstance(x, int) and tracked[x] for x in step.ins)
             if not any(needs):
@@ -335,9 +338,12 @@ class Program:
             name = step.prim.name
             if name in NON_DIFFERENTIABLE or not any(is_float(a) for a in step.out_avals):
                 continue
+            # a step no gradient can reach from the program's outputs refuses only if
+            # one does (Note [A refusal no gradient reaches])
+            dead = not any(s in live for s in step.outs)
             rule = rule_for(step.prim)
-            if rule is None:
-                where = f", emitted {step.where}" if step.where else ""
+            where = f", emitted {step.where}" if step.where else ""
+            if rule is None:  # refused when the function is lifted, dead or not (SPEC section 8)
                 raise AutogradError(
                     f"rf.lift: no backward rule for the primitive '{name}' (in {self.name}{where}); "
                     + NO_RULE_BECAUSE.get(
@@ -348,8 +354,10 @@ class Program:
                     )
                 )
             if any(_reduced(sh) for sh in (*step.in_shardings, *step.out_shardings)):
-                where = f", emitted {step.where}" if step.where else ""
-                raise _reduced_refusal(f"'{name}' (in {self.name}{where}) reads or makes a value")
+                refusal = _reduced_refusal(f"'{name}' (in {self.name}{where}) reads or makes a value")
+                if not dead:
+                    raise refusal
+                rule = _refusing(step, str(refusal))
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
                 rule = _refusing_complex(step, rule, self.name)
             step.rule = rule
@@ -365,6 +373,11 @@ class Program:
                         step.sub = prepare(step)
                     if out_tracked is not None:
                         outs_tracked = out_tracked(step)
+                except AutogradError as e:
+                    if not dead:
+                        raise
+                    step.sub, outs_tracked = None, None
+                    rule = step.rule = _refusing(step, str(e))
                 finally:
                     ENCLOSING.reset(token)
             si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
@@ -386,6 +399,24 @@ class Program:
                 res.setdefault(st.outs[k], len(res))
         self.residual_slots = list(res)
         self.residual_index = res
+
+    def _live_slots(self) -> set[int]:
+        """The slots a gradient can reach from the program's float outputs: the steps
+        that read them, back to the inputs, except through a step that carries no
+        gradient (``stop_gradient``, a comparison, integer outputs). A step whose
+        outputs are all outside this set is dead code for the gradient, unless it has
+        effects (a write to a reference from outside, a callback): those are live."""
+        live = {r for r, a in zip(self.out_refs, self.out_avals) if isinstance(r, int) and is_float(a)}
+        for st in reversed(self.steps):
+            if st.effects:
+                live.update(st.outs)
+                live.update(x for x in st.ins if isinstance(x, int))
+                continue
+            if st.prim.name in NON_DIFFERENTIABLE:
+                continue
+            if any(s in live and is_float(a) for s, a in zip(st.outs, st.out_avals)):
+                live.update(x for x in st.ins if isinstance(x, int))
+        return live
 
     # -- running ----------------------------------------------------------------
     def run(self, inputs: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
@@ -789,6 +820,44 @@ def _onto_type(x: Any, sharding: Any, mesh: Any) -> Any:
     if jax.typeof(x).sharding.mesh == sharding.mesh:
         return x
     return jax.sharding.reshard(x, sharding)
+
+
+# Note [A refusal no gradient reaches]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A step whose rule refuses its parameters in ``prepare`` (a ragged dot with a ragged
+# contracting axis) or whose values have reduced mesh axes stops the program when it
+# is built, naming the primitive, where a gradient can reach it from an output of the
+# program. Where none can (dead code: a value the function computes and drops, or
+# reads only through ``stop_gradient`` or an integer result; jax.jvp of jax.grad of a
+# ragged dot computes such a dot as a primal output nobody reads), jax.grad succeeds,
+# since it transposes only the linear equations the outputs need: so the step refuses
+# only if a gradient reaches it, as a complex step outside ``COMPLEX_OK`` does. Its
+# float outputs stay tracked, so a custom rule closing over one still refuses, and a
+# gradient that reached it would raise in ``Program.backward``: never a silent zero.
+# A primitive with no rule at all is refused when the function is lifted, dead or not
+# (SPEC section 8; jax.grad, which needs a JVP rule for every equation, fails on it
+# too). Steps with effects (a write to a reference, a callback) are never dead.
+# Test: tests/lift/test_unused_outputs.py.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RefusedBackward(PrimitiveRecord):
+    """The record of a step rf cannot differentiate that no gradient reaches
+    (Note [A refusal no gradient reaches]): ``Program.backward`` raises before its
+    rule would run."""
+
+
+def _refused_vjp(r: Any, g: Any) -> tuple:  # pragma: no cover - Program.backward raises first
+    raise AutogradError(r._step.refusal)
+
+
+def _refusing(step: Step, message: str) -> Rule:
+    """A rule for a step that refuses when a gradient reaches it (``step.refusal``):
+    it saves nothing and runs the primitive itself forward."""
+    step.refusal = message
+    return Rule(
+        step.prim.name, RefusedBackward, _refused_vjp, lambda needs, params: ((), ()), None, step.prim.multiple_results
+    )
 
 
 def _refusing_complex(step: Step, rule: Rule, program: str) -> Rule:

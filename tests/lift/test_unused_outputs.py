@@ -205,3 +205,85 @@ CONSTANT_OF = {
 @pytest.mark.parametrize("name", list(CONSTANT_OF))
 def test_a_value_used_through_a_zero_derivative_adds_nothing(name, jit):
     _check(CONSTANT_OF[name], X, jit)
+
+
+# Note [A refusal no gradient reaches] (rumus_fx/lift/program.py): a step rf cannot
+# differentiate refuses only where a gradient can reach it. lax.ragged_dot_general with
+# a ragged contracting axis has a JVP rule in jax but no transpose; its value dropped,
+# or read only through argmax, is dead code for jax.grad, which succeeds; rf refused it
+# when it built the program. (jax.jvp of jax.grad of a ragged dot computes such a dot
+# as a primal output nobody reads: rf.grad over it was refused.)
+_CONTRACTING = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (0,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+)
+_GROUPS = np.array([2, 0, 1], np.int32)
+
+
+def _ragged_contracting(a, b):
+    return lax.ragged_dot_general(a, b, jnp.asarray(_GROUPS), _CONTRACTING)
+
+
+DEAD = {
+    "dropped": lambda a, b: (_ragged_contracting(a, b), jnp.sum(jnp.sin(a) * a) + jnp.sum(b * b))[1],
+    "through_argmax": lambda a, b: jnp.sum(jnp.sin(a)) * jnp.argmax(_ragged_contracting(a, b)).astype(a.dtype),
+    "under_stop_gradient": lambda a, b: jnp.sum(lax.stop_gradient(_ragged_contracting(a, b))) * jnp.sum(a) * jnp.sum(b),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1)], ids=["a", "b", "both"])
+@pytest.mark.parametrize("name", list(DEAD))
+def test_a_step_without_a_gradient_no_gradient_reaches(name, argnums, jit):
+    f = DEAD[name]
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        a, b = jnp.asarray(rng.standard_normal((3, 3))), jnp.asarray(rng.standard_normal((3, 2)))
+        g = rf.grad(rf.lift(f), argnums=argnums)
+        got = (jax.jit(g) if jit else g)(a, b)
+        want = jax.grad(f, argnums=argnums)(a, b)
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+        if name != "under_stop_gradient":  # stop_gradient: not the value's derivative
+            check_fd(rf.lift(f), (a, b), argnums=argnums, grads=got)
+
+
+def test_a_step_without_a_gradient_refuses_where_one_reaches_it():
+    """The same dot whose value reaches the output, directly, or only through a
+    custom_jvp rule closing over it (its output stays tracked): refused by name."""
+    rng = np.random.default_rng(1)
+    a, b = jnp.asarray(rng.standard_normal((3, 3))), jnp.asarray(rng.standard_normal((3, 2)))
+
+    @jax.custom_jvp
+    def scaled(x):
+        return 2.0 * x
+
+    def closes_over(a, b):
+        r = _ragged_contracting(a, b)
+
+        @scaled.defjvp
+        def _(primals, tangents):
+            return scaled(primals[0]), 2.0 * tangents[0] + 0.0 * jnp.sum(r)
+
+        return jnp.sum(scaled(a))
+
+    used = lambda a, b: jnp.sum(_ragged_contracting(a, b) ** 2)  # noqa: E731
+    with pytest.raises(rf.AutogradError, match="ragged axis"):
+        rf.grad(rf.lift(used), argnums=(0, 1))(a, b)
+    with pytest.raises(rf.AutogradError, match="closes over a tracked value"):
+        rf.grad(rf.lift(closes_over), argnums=(0, 1))(a, b)
+
+
+def test_a_primitive_without_a_rule_is_refused_even_where_its_value_is_dropped():
+    """A primitive with no rule at all (``householder_product``) is refused when the
+    function is lifted, its value used or dropped (SPEC section 8); jax.grad, which
+    has no JVP rule for it, fails on both as well."""
+
+    def dropped(x):
+        _ = lax.linalg.householder_product(x, jnp.array([0.5, 0.2], x.dtype))
+        return jnp.sum(jnp.sin(x) * x)
+
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 3)))
+    with pytest.raises(NotImplementedError):
+        jax.grad(dropped)(x)
+    with pytest.raises(rf.AutogradError, match="'householder_product'"):
+        rf.grad(rf.lift(dropped))(x)
