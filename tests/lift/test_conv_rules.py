@@ -254,3 +254,32 @@ def test_jax_derivatives_of_a_pool_per_example_and_second_order(kind):
         want = jax.jvp(jax.grad(loss, argnums=(0, 1)), (x, v), (tx, tv))[1]
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_jax_jvp_of_a_window_dilated_pool():
+    """jax.jvp of a pool with window and base dilation: jax.grad cannot transpose its
+    ``select_and_gather_add`` (NotImplementedError); rf's gradient in the tangent is the
+    exact adjoint of the selection, nan and -inf entries included."""
+    rng = np.random.default_rng(9)
+
+    def pool(y):
+        return lax.reduce_window(
+            y, -jnp.inf, lax.max, (2, 3), (1, 2), ((1, 0), (1, 1)), base_dilation=(1, 2), window_dilation=(2, 1)
+        )
+
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.round(rng.standard_normal((5, 4)) * 1.5)).at[0, 1].set(jnp.nan).at[2, 2].set(-jnp.inf)
+        t = jnp.asarray(rng.standard_normal((5, 4)))
+        w = jnp.asarray(rng.standard_normal(jax.eval_shape(pool, x).shape))
+        prog = lambda x, t: jax.jvp(pool, (x,), (t,))[1]  # noqa: E731
+
+        def loss(x, t):
+            return jnp.sum(prog(x, t) * w)
+
+        with pytest.raises(NotImplementedError, match="window dilation"):
+            jax.grad(loss, argnums=1)(x, t)
+        for jit in (False, True):
+            g = rf.grad(rf.lift(loss), argnums=(0, 1))
+            gx, gt = (jax.jit(g) if jit else g)(x, t)
+            np.testing.assert_array_equal(gx, np.zeros(x.shape))
+            np.testing.assert_allclose(gt, _adjoint(prog, x, t, w), rtol=1e-12, atol=1e-12)
