@@ -357,7 +357,7 @@ class Program:
                 refusal = _reduced_refusal(f"'{name}' (in {self.name}{where}) reads or makes a value")
                 if not dead:
                     raise refusal
-                rule = _refusing(step, str(refusal))
+                rule = _refusing(step, rule, str(refusal))
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
                 rule = _refusing_complex(step, rule, self.name)
             step.rule = rule
@@ -377,7 +377,7 @@ class Program:
                     if not dead:
                         raise
                     step.sub, outs_tracked = None, None
-                    rule = step.rule = _refusing(step, str(e))
+                    rule = step.rule = _refusing(step, rule, str(e))
                 finally:
                     ENCLOSING.reset(token)
             si, so = rule.saves(step.needs, step.params)  # (prepare may have added inputs)
@@ -840,24 +840,16 @@ def _onto_type(x: Any, sharding: Any, mesh: Any) -> Any:
 # Test: tests/lift/test_unused_outputs.py.
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class RefusedBackward(PrimitiveRecord):
-    """The record of a step rf cannot differentiate that no gradient reaches
-    (Note [A refusal no gradient reaches]): ``Program.backward`` raises before its
-    rule would run."""
-
-
 def _refused_vjp(r: Any, g: Any) -> tuple:  # pragma: no cover - Program.backward raises first
     raise AutogradError(r._step.refusal)
 
 
-def _refusing(step: Step, message: str) -> Rule:
-    """A rule for a step that refuses when a gradient reaches it (``step.refusal``):
-    it saves nothing and runs the primitive itself forward."""
+def _refusing(step: Step, rule: Rule, message: str) -> Rule:
+    """``rule`` for a step that refuses when a gradient reaches it (``step.refusal``):
+    it keeps its record type, saves nothing, runs the primitive itself forward, and
+    its backward (no prepared bodies) never runs (Note [A refusal no gradient reaches])."""
     step.refusal = message
-    return Rule(
-        step.prim.name, RefusedBackward, _refused_vjp, lambda needs, params: ((), ()), None, step.prim.multiple_results
-    )
+    return dataclasses.replace(rule, vjp=_refused_vjp, saves=lambda needs, params: ((), ()), forward=None)
 
 
 def _refusing_complex(step: Step, rule: Rule, program: str) -> Rule:
