@@ -57,28 +57,25 @@ def operands(arity: int, dtype, mode: str, values: str = "special") -> tuple[np.
         return _operands(arity, dtype, mode, values)
 
 
+def _pairs(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair of the values ``v`` as two square operands."""
+    n = len(v)
+    return np.repeat(v, n).reshape(n, n), np.tile(v, n).reshape(n, n)
+
+
 def _operands(arity, dtype, mode, values_set="special"):
+    complex_dtype = np.result_type(dtype, np.complex64)
     if values_set == "ties":
-        if arity == 1:
-            z = np.array(TIES, dtype)
-            return (z.astype(np.result_type(dtype, np.complex64)) * (1 + 0.5j) if mode.startswith("complex") else z,)
-        v = np.array(TIE_PAIRS, dtype)
+        ops = (np.array(TIES, dtype),) if arity == 1 else _pairs(np.array(TIE_PAIRS, dtype))
         if mode.startswith("complex"):
-            v = v.astype(np.result_type(dtype, np.complex64)) * (1 + 0.5j)
-        n = len(v)
-        return np.repeat(v, n).reshape(n, n), np.tile(v, n).reshape(n, n)
+            ops = tuple(o.astype(complex_dtype) * (1 + 0.5j) for o in ops)
+        return ops
     if mode.startswith("complex"):
         parts = np.array(COMPLEX_PARTS, dtype)
-        z = (parts[:, None] + 1j * parts[None, :]).astype(np.result_type(dtype, np.complex64))
-        if arity == 1:
-            return (z,)
-        flat = z.ravel()[::5]
-        return np.repeat(flat, len(flat)).reshape(len(flat), -1), np.tile(flat, len(flat)).reshape(len(flat), -1)
+        z = (parts[:, None] + 1j * parts[None, :]).astype(complex_dtype)
+        return (z,) if arity == 1 else _pairs(z.ravel()[::5])
     values = np.array(SPECIAL, dtype)
-    if arity == 1:
-        return (values.reshape(4, 4),)
-    n = len(values)
-    return np.repeat(values, n).reshape(n, n), np.tile(values, n).reshape(n, n)
+    return (values.reshape(4, 4),) if arity == 1 else _pairs(values)
 
 
 def differences(got, wants, dtype) -> str | None:

@@ -330,7 +330,14 @@ class Program:
         tracked = self.tracked = [False] * self.nslots
         for s, t in zip(self.in_slots, tracked_in, strict=True):
             tracked[s] = bool(t) and is_float(self.in_avals[self.in_slots.index(s)])
-        live = self._live_slots()
+        live: set[int] | None = None  # computed at the first refusal (Note [A refusal no gradient reaches])
+
+        def reachable(step: Step) -> bool:
+            nonlocal live
+            if live is None:
+                live = self._live_slots()
+            return any(s in live for s in step.outs)
+
         for step in self.steps:
             needs = tuple(isinstance(x, int) and tracked[x] for x in step.ins)
             if not any(needs):
@@ -338,9 +345,6 @@ class Program:
             name = step.prim.name
             if name in NON_DIFFERENTIABLE or not any(is_float(a) for a in step.out_avals):
                 continue
-            # a step no gradient can reach from the program's outputs refuses only if
-            # one does (Note [A refusal no gradient reaches])
-            dead = not any(s in live for s in step.outs)
             rule = rule_for(step.prim)
             where = f", emitted {step.where}" if step.where else ""
             if rule is None:  # refused when the function is lifted, dead or not (SPEC section 8)
@@ -355,7 +359,7 @@ class Program:
                 )
             if any(_reduced(sh) for sh in (*step.in_shardings, *step.out_shardings)):
                 refusal = _reduced_refusal(f"'{name}' (in {self.name}{where}) reads or makes a value")
-                if not dead:
+                if reachable(step):  # else it refuses only if a gradient reaches it
                     raise refusal
                 rule = _refusing(step, rule, str(refusal))
             if name not in COMPLEX_OK and any(is_complex(a) for a in (*step.in_avals, *step.out_avals)):
@@ -374,7 +378,7 @@ class Program:
                     if out_tracked is not None:
                         outs_tracked = out_tracked(step)
                 except AutogradError as e:
-                    if not dead:
+                    if reachable(step):  # else it refuses only if a gradient reaches it
                         raise
                     step.sub, outs_tracked = None, None
                     rule = step.rule = _refusing(step, rule, str(e))
@@ -844,12 +848,13 @@ def _refused_vjp(r: Any, g: Any) -> tuple:  # pragma: no cover - Program.backwar
     raise AutogradError(r._step.refusal)
 
 
-def _refusing(step: Step, rule: Rule, message: str) -> Rule:
+def _refusing(step: Step, rule: Rule, message: str, vjp: Callable = _refused_vjp) -> Rule:
     """``rule`` for a step that refuses when a gradient reaches it (``step.refusal``):
     it keeps its record type, saves nothing, runs the primitive itself forward, and
-    its backward (no prepared bodies) never runs (Note [A refusal no gradient reaches])."""
+    its backward (by default one that never runs: no prepared bodies) is ``vjp``
+    (Note [A refusal no gradient reaches])."""
     step.refusal = message
-    return dataclasses.replace(rule, vjp=_refused_vjp, saves=lambda needs, params: ((), ()), forward=None)
+    return dataclasses.replace(rule, vjp=vjp, saves=lambda needs, params: ((), ()), forward=None)
 
 
 def _refusing_complex(step: Step, rule: Rule, program: str) -> Rule:
@@ -858,12 +863,12 @@ def _refusing_complex(step: Step, rule: Rule, program: str) -> Rule:
     reaches the step (``step.refusal``). A step no gradient reaches (its output only
     under ``stop_gradient``, as the maximum ``jax.nn.softmax`` subtracts) does not
     stop the program, as it does not in jax.grad."""
-    step.refusal = (
+    message = (
         f"rf.lift: the backward rule of the primitive '{step.prim.name}' (in {program}) is not "
         "defined for complex values, and the gradient of a complex value reaches it; "
         "compute it on the real and imaginary parts (jnp.real, jnp.imag)."
     )
-    return dataclasses.replace(rule, saves=lambda needs, params: ((), ()), forward=None)
+    return _refusing(step, rule, message, rule.vjp)
 
 
 def _is_internal(path: str) -> bool:
