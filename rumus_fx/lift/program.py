@@ -33,6 +33,8 @@ ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosi
 
 # call primitives inlined into the program (their body is run with rf's rules)
 INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call"}
+# the identity on values, dropped from rf's programs (Note [Layout constraints dropped])
+IDENTITIES = {"layout_constraint"}
 
 # primitives with no rule whose refusal says more than "no backward rule"
 NO_RULE_BECAUSE = {
@@ -274,6 +276,11 @@ class Program:
                 call_ins = tuple(x for x in ins if isinstance(x, int))
                 call_outs = tuple(r for r in refs if isinstance(r, int))
                 self.calls.append((start, len(self.steps), call_ins, call_outs))
+                continue
+            if name in IDENTITIES:  # Note [Layout constraints dropped]
+                for v, x in zip(eqn.outvars, ins, strict=True):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = x
                 continue
             if name in _KEEPS_NO_REFS and any(is_ref(getattr(v, "aval", None)) for v in eqn.invars):
                 raise AutogradError(
@@ -617,6 +624,26 @@ class Program:
             if dropped:
                 for x in ins:
                     grads.setdefault(x, _REACHED)
+
+
+# Note [Layout constraints dropped]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``jax.experimental.layout.with_layout_constraint`` (the primitive
+# ``layout_constraint``) is the identity on values: it asks the compiler for a
+# memory layout (column-major, say), and jax.grad's transpose puts the same
+# constraint on the cotangent. rf drops it from the programs it builds, forward and
+# backward: the lifted function's values and gradients are the same, in the
+# default row-major layout. Keeping it is not safe with jax 0.10.2 on CPU: an
+# array that leaves a compiled call with a layout of its own is read by the next
+# compiled call (a jitted function, an eager jnp op) as if it were row-major, its
+# elements permuted, with no error. jax.grad never meets this (eagerly it runs
+# primitive by primitive; under jit it is one program), but an eager lifted call
+# hands its residuals from its compiled forward to its compiled backward, and with
+# the constraint kept, the gradient of ``sin(with_layout_constraint(x,
+# column_major)) * x`` came out permuted (constraining the values that leave the
+# program back to row-major did not help: XLA merged the two constraints on the
+# same value). A layout is a performance hint; dropping it costs at most a copy
+# the compiler would have placed differently. (``tests/lift/test_layouts.py``.)
 
 
 # Note [A program's compiled calls]

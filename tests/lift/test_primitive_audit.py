@@ -2,7 +2,9 @@
 one class for ``rf.lift`` —
 
 * rule: rf has a hand-written backward rule for it (or runs through it, as
-  for ``jit``), tested by the primitive table (``tests/lift/test_ptable.py``);
+  for ``jit``, or drops it as the identity it is on values, as for
+  ``layout_constraint``: ``tests/lift/test_layouts.py``), tested by the primitive
+  table (``tests/lift/test_ptable.py``);
 * pass-through: provably no float derivative (integer/boolean/key/token
   outputs, random bits, rounding whose derivative is zero almost everywhere,
   ``stop_gradient``); its outputs are untracked;
@@ -33,7 +35,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import rumus_fx as rf
-from rumus_fx.lift.program import INLINE_CALLS, Program
+from rumus_fx.lift.program import IDENTITIES, INLINE_CALLS, Program
 from rumus_fx.lift.rules import NON_DIFFERENTIABLE, RULES
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
@@ -74,7 +76,7 @@ PRIMS = jax_primitives()
 
 
 def classify(name: str) -> str:
-    if name in RULES or name in INLINE_CALLS:
+    if name in RULES or name in INLINE_CALLS or name in IDENTITIES:
         return "rule"
     if name in NON_DIFFERENTIABLE:
         return "pass-through"
