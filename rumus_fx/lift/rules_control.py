@@ -33,7 +33,7 @@ from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
 from .concrete import needs_values
 from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
-from .program import Program, ReachedInputs, custom_function_name, trace_custom_rule
+from .program import Program, ReachedInputs, custom_function_name, trace_custom_rule, without_identities
 from .rules import defrule, is_float
 from .rules_custom import closure_input
 
@@ -512,6 +512,7 @@ def _custom_vjp_prepare(step):
     perturbed = [bool(n) for n in step.needs[nc:]]
     name = custom_function_name(p)
     fwd_jaxpr, fwd_consts = trace_custom_rule(p["fwd_jaxpr_thunk"], perturbed, f"fwd of jax.custom_vjp '{name}'")
+    fwd_jaxpr = without_identities(fwd_jaxpr)  # Note [Layout constraints dropped] in program.py
     out_tree, res_tree, input_fwds = p["out_trees"]()
     if out_tree.num_leaves != len(step.out_avals):
         raise AutogradError(

@@ -2,7 +2,8 @@
 identity on values, dropped from rf's programs (Note [Layout constraints dropped]
 in rumus_fx/lift/program.py). Kept, an eager lifted call handed a column-major
 residual from its compiled forward to its compiled backward, which read it as
-row-major (jax 0.10.2 on CPU): a permuted gradient with no error. Each program
+row-major (jax 0.10.2 on CPU): a permuted gradient with no error; so did a
+custom_vjp's fwd that returns constrained residuals. Each program
 under ``rf.grad(rf.lift(f))``, eagerly and under jit, against the compiled
 ``jax.grad(f)`` and float64 central differences, each argument alone and both."""
 
@@ -36,6 +37,24 @@ def _scan_rows(x, y):
     return c.sum() + ys.sum()
 
 
+@jax.custom_vjp
+def _scaled_sin(a, b):
+    return jnp.sin(a) * b
+
+
+def _scaled_sin_fwd(a, b):
+    c = _cm(a)  # the residuals themselves constrained
+    return jnp.sin(c) * b, (c, _cm(b))
+
+
+def _scaled_sin_bwd(res, g):
+    c, b = res
+    return g * jnp.cos(c) * b, g * jnp.sin(c)
+
+
+_scaled_sin.defvjp(_scaled_sin_fwd, _scaled_sin_bwd)
+
+
 PROGRAMS = {
     # the constrained value saved for the product (the case that came out permuted)
     "times_itself": lambda x, y: jnp.sum(_cm(x) * x * y),
@@ -43,6 +62,8 @@ PROGRAMS = {
     "untracked_constant": lambda x, y: jnp.sum(_cm(jnp.asarray(_C) * 2.0) * jnp.sin(x) * y),
     "matmul": lambda x, y: jnp.sum(jnp.tanh(_cm(x) @ _cm(y.T))),
     "in_scan_body": _scan_rows,
+    # a custom_vjp's fwd, which rf evaluates as it is, returns constrained residuals
+    "custom_vjp_residuals": lambda x, y: jnp.sum(_scaled_sin(x, y) * x),
     "in_checkpoint": lambda x, y: jax.checkpoint(lambda a, b: jnp.sum(jnp.exp(_cm(a * b)) * a))(x, y),
 }
 
