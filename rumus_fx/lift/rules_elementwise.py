@@ -148,7 +148,9 @@ def _plus_one_and_a_half(rng, *shape):
 # -- unary ---------------------------------------------------------------------
 _unary("neg", lambda r, g: formulas.neg(g), ((), ()), program=lambda x: -x, vmap=True)
 _unary("exp", lambda r, g: formulas.exp(g, _output(r)), saves_outputs(0), program=jnp.exp, vmap=True)
-_unary("exp2", lambda r, g: g * _output(r) * jnp.asarray(math.log(2.0), g.dtype), saves_outputs(0), program=jnp.exp2)
+# (g * log 2) * 2**x, in jax's order: g * 2**x first overflowed a complex g's two parts
+# to infinities, and their product by log 2 (a complex number) to nan where jax's was inf
+_unary("exp2", lambda r, g: g * jnp.asarray(math.log(2.0), g.dtype) * _output(r), saves_outputs(0), program=jnp.exp2)
 _unary("log", lambda r, g: formulas.log(g, _input(r)), saves_inputs(0), program=jnp.log, gen=positive)
 _unary("log1p", lambda r, g: g / (_input(r) + 1), saves_inputs(0), program=jnp.log1p, gen=positive)
 if hasattr(lax, "log2_p"):  # jax 0.11's own primitive (0.10's jnp.log2 divides a log by log(2))

@@ -587,3 +587,29 @@ def test_inverse_derivative_follows_the_side_the_value_is_on(name):
             np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=f"{name} at {z}")
         # the sides these points cover: both, so the conjugating branch is exercised
         assert {_side_of(fn_np, z, name) for z in pts} == {1, -1}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_exp2_at_overflow_multiplies_in_jaxs_order(jit):
+    """Second order through a complex ``exp2`` whose value overflows (``2 ** 1e300``):
+    the rule multiplied ``g * 2**x`` first, which made both parts of a complex ``g``
+    infinite, and then by ``log 2`` (a complex number), which made them nan where
+    jax.grad's ``(g * log 2) * 2**x`` is infinite (``tools/special_values.py --mode
+    complex-second``). Below overflow the two orders agree with jax to rounding."""
+
+    def first(z):
+        e = jnp.exp2(z)
+        return jnp.sum(jnp.real(e)) + 0.5 * jnp.sum(jnp.imag(e))
+
+    def loss(z):
+        g = jax.grad(first)(z)
+        return jnp.sum(jnp.real(g)) + 0.5 * jnp.sum(jnp.imag(g))
+
+    with jax.enable_x64(True):
+        z = jnp.asarray([1e300 + 0j, 1e300 - 0j, 3.0 + 1.5j, -2.0 - 0.5j])
+        grad = rf.grad(rf.lift(loss))
+        got = np.asarray((jax.jit(grad) if jit else grad)(z))
+        want = np.asarray(jax.grad(loss)(z))
+        assert not np.isnan(got).any(), got
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        np.testing.assert_allclose(got, np.asarray(jax.jit(jax.grad(loss))(z)), rtol=1e-12)
