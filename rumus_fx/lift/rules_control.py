@@ -496,6 +496,92 @@ defrule(
 )
 
 
+# -- compute_on (jax.experimental.compute_on) -------------------------------------------
+
+
+def _compute_on(params, fun, out_memory_spaces):
+    """``fun`` run as ``compute_on`` runs its body: on the step's compute type
+    (``device_host``: the host), its outputs in ``out_memory_spaces`` (a prefix
+    of its outputs' tree)."""
+    import json
+
+    from jax.experimental.compute_on import compute_on2
+
+    options = params.get("compiler_options_json")
+    return compute_on2(
+        fun,
+        compute_type=params["compute_type"],
+        out_memory_spaces=out_memory_spaces,
+        compiler_options=None if options is None else json.loads(options),
+    )
+
+
+def _compute_on_prepare(step):
+    return _program(step.params["jaxpr"], list(step.needs), "compute_on body")
+
+
+def _compute_on_forward(step, vals):
+    """The body's program where the body ran, its residuals kept in device memory
+    (as jax's linearization of ``compute_on`` keeps them)."""
+    prog = step.sub
+
+    def run(*ins):
+        outs, res = prog.run(list(ins))
+        return tuple(outs), res
+
+    spaces = (tuple(step.params["out_memory_spaces"]), jax.memory.Space.Device)
+    outs, res = _compute_on(step.params, run, spaces)(*vals)
+    return list(outs), res
+
+
+def _compute_on_vjp(r, g):
+    """The body's backward where the body ran, each gradient in its operand's
+    memory space (jax's transpose of ``compute_on`` does the same)."""
+    prog = r._step.sub
+
+    def backward(res, gs):
+        grads = prog.backward(res, list(gs))
+        return [gr if n else None for gr, n in zip(grads, r.needs)]
+
+    spaces = [getattr(a, "memory_space", jax.memory.Space.Device) for a in r.in_avals]
+    return tuple(_compute_on(r.params, backward, spaces)(r.extra, tuple(g)))
+
+
+_compute_on_vjp.prepare = _compute_on_prepare
+_compute_on_vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
+_compute_on_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
+
+
+def _compute_on_program(x, y):
+    from jax.experimental.compute_on import compute_on2
+
+    body = compute_on2(
+        lambda a, b: (jnp.sin(a @ b) * a, jnp.exp(b)),
+        compute_type="device_host",
+        out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device),
+    )
+    u, v = body(x, y)
+    return u * v
+
+
+defrule(
+    "compute_on",
+    _compute_on_vjp,
+    ((), ()),
+    forward=_compute_on_forward,
+    multiple_results=True,
+    record_name="ComputeOnBackward",
+    table=(
+        TableEntry(
+            "compute_on",
+            _compute_on_program,
+            lambda r: [Sample((normal(r, 3, 3), normal(r, 3, 3)), diff=(0, 1))],
+            vmap=True,
+        ),
+    ),
+)
+
+
 # -- custom_vjp_call --------------------------------------------------------------------
 
 
