@@ -94,7 +94,7 @@ class MemoryBudgetWarning(RuntimeWarning):
 
 # primitives whose step is an atom of its own (expensive to recompute)
 _HEAVY = frozenset(
-    {"dot_general", "conv_general_dilated", "scan", "while", "cond", "remat2", "checkpoint", "custom_vjp_call",
+    {"dot_general", "conv_general_dilated", "scan", "while", "cond", "remat2", "checkpoint", "compute_on", "custom_vjp_call",
      "custom_vjp_call_jaxpr", "custom_jvp_call", "fft", "triangular_solve", "cholesky", "lu", "eigh", "svd", "qr"}
 )  # fmt: skip
 
