@@ -446,3 +446,98 @@ defrule(
         TableEntry("custom_jvp_call_pair", lambda x, y: sum(_pair(x, y)), _binary_samples),
     ),
 )
+
+
+# -- linear_call (jax.custom_derivatives.linear_call) -----------------------------------
+#
+# ``linear_call(fun, fun_transpose, residual_args, linear_args)`` is linear in its linear
+# arguments, and ``fun_transpose`` is its transpose there: the gradient of the linear
+# arguments is ``fun_transpose(residual_args, cotangents)``, bound as a ``linear_call``
+# itself with ``fun`` as its transpose (jax's transpose rule does the same, so a second
+# derivative pairs the two again). The residual arguments get no gradient: jax's JVP
+# rule asserts their tangents are zero, and rf refuses a tracked one by name.
+
+
+def _linear_call_prepare(step):
+    p = step.params
+    n = p["num_callee_consts"] + p["num_res"]
+    if any(step.needs[:n]):
+        raise AutogradError(
+            "rf.lift: a residual argument of jax.custom_derivatives.linear_call depends on a tracked value; "
+            "the call is linear in its linear arguments only and defines no derivative in its residual "
+            "arguments (jax.grad fails on it too, with an AssertionError). Pass the value as a linear argument, or stop its "
+            "gradient (lax.stop_gradient) if none should flow."
+        )
+    try:
+        return p["transpose_thunk"]()  # (the transpose's closed jaxpr, its constants)
+    except jax.errors.UnexpectedTracerError as e:
+        raise AutogradError(
+            "rf.lift: the transpose function of jax.custom_derivatives.linear_call closes over a value the "
+            "lifted function computed, which is gone when rf traces it; pass the value as a residual argument."
+        ) from e
+
+
+def _linear_call_vjp(r, g):
+    p = r.params
+    nc, nr = p["num_callee_consts"], p["num_res"]
+    transpose, t_consts = r._step.sub
+    f_consts, res = r.ins[:nc], r.ins[nc : nc + nr]
+    callee = p["callee"]
+    cts = r._step.prim.bind(
+        *t_consts,
+        *res,
+        *g,
+        callee=transpose,
+        transpose_thunk=lambda: (callee, f_consts),
+        num_callee_consts=len(t_consts),
+        num_res=nr,
+    )
+    return (None,) * (nc + nr) + tuple(ct if n else None for ct, n in zip(cts, r.needs[nc + nr :]))
+
+
+_linear_call_vjp.prepare = _linear_call_prepare
+
+
+def _divided(r, a):
+    return a / r * 2.0
+
+
+def _linear_call_program(x, d):
+    """``sin(x) / (cos(d) + 2) * 2 * x`` with the division a linear call in
+    ``sin(x)`` (``d``, a residual, is data)."""
+    from jax.custom_derivatives import linear_call
+
+    return linear_call(_divided, _divided, jnp.cos(d) + 2.0, jnp.sin(x)) * x
+
+
+def _linear_call_errors():
+    def tracked_residual(x, d):
+        return _linear_call_program(x, d)
+
+    ones = np.ones(3)
+    return [
+        BadProgram(
+            "a tracked residual argument",
+            tracked_residual,
+            (ones, ones),
+            AutogradError,
+            ("residual argument of jax.custom_derivatives.linear_call",),
+            argnums=1,  # (jax.grad fails with a bare AssertionError in its JVP rule)
+        )
+    ]
+
+
+defrule(
+    "linear_call",
+    _linear_call_vjp,
+    lambda needs, params: (tuple(range(params["num_callee_consts"] + params["num_res"])), ()),
+    multiple_results=True,
+    errors=_linear_call_errors,
+    table=(
+        TableEntry(
+            "linear_call",
+            _linear_call_program,
+            lambda r: [Sample((normal(r, 3), normal(r, 3)), diff=(0,))],
+        ),
+    ),
+)

@@ -26,7 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import rumus_fx as rf
 from rumus_fx.lift.tracing import clear_programs
-from rumus_fx.testing import check_grads
+from rumus_fx.testing import check_fd, check_grads
 
 
 def _x64():
@@ -1016,3 +1016,67 @@ def test_forward_mode_of_a_custom_vjp_inside_the_function_is_refused_by_name(tra
     g = rf.grad(rf.lift(loss), argnums=(0, 1))
     with pytest.raises(rf.AutogradError, match=r"'custom_lin'.*jax\.custom_vjp function.*jax\.custom_jvp"):
         (jax.jit(g) if jit else g)(x, t)
+
+
+# -- jax.custom_derivatives.linear_call -------------------------------------------------
+
+
+def _lin_pair(r, a):
+    return a[0] * r + a[1], a[1] * 3.0
+
+
+def _lin_pair_transpose(r, ct):
+    return ct[0] * r, ct[0] + ct[1] * 3.0
+
+
+def _lin_pair_transpose_7(r, ct):
+    return ct[0] * r * 7.0, ct[0] + ct[1] * 3.0  # not the transpose: the rule defines it
+
+
+def _linear_call_loss(transpose):
+    from jax.custom_derivatives import linear_call
+
+    def loss(x, y):
+        u, v = linear_call(_lin_pair, transpose, jnp.cos(jnp.arange(3.0)), (jnp.sin(x), y * y))
+        return jnp.sum(u * x) + jnp.sum(jnp.tanh(v))
+
+    return loss
+
+
+_LIN_ARGS = (np.linspace(-1.0, 1.0, 3), np.linspace(0.5, 2.0, 3))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1)], ids=["x", "y", "both"])
+def test_linear_call_gradient_is_its_transpose_functions(argnums, jit):
+    """The linear arguments' gradient is what the transpose function gives, as under
+    jax.grad, even where it is not the callee's true transpose; each linear argument
+    alone and both (jax.grad of one argument alone fails: it binds the other's
+    symbolic zero tangent into the call)."""
+    loss = _linear_call_loss(_lin_pair_transpose_7)
+    with jax.enable_x64(True):
+        x, y = (jnp.asarray(a) for a in _LIN_ARGS)
+        want = jax.grad(loss, argnums=(0, 1))(x, y)
+        g = rf.grad(rf.lift(loss), argnums=argnums)
+        got = (jax.jit(g) if jit else g)(x, y)
+        for a, k in zip(got, argnums, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(want[k]), rtol=1e-13)
+        with pytest.raises(TypeError, match="linear_call"):
+            jax.grad(loss, argnums=1)(x, y)
+
+
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1)], ids=["x", "y", "both"])
+def test_linear_call_first_and_second_order_by_finite_differences(argnums):
+    """With the true transpose: rf's gradient, and rf's gradient of jax.grad's
+    (whose program holds the transposed call, paired back with the callee), against
+    central differences."""
+    loss = _linear_call_loss(_lin_pair_transpose)
+
+    def grad_norm(x, y):
+        gx, gy = jax.grad(loss, argnums=(0, 1))(x, y)
+        return jnp.sum(gx**2) + jnp.sum(jnp.sin(gy))
+
+    with jax.enable_x64(True):
+        args = tuple(jnp.asarray(a) for a in _LIN_ARGS)
+        check_fd(rf.lift(loss), args, argnums=argnums, directions=3)
+        check_fd(rf.lift(grad_norm), args, argnums=argnums, directions=3)

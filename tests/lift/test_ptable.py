@@ -41,12 +41,13 @@ VMAP = [
 ]
 
 
-# jax.experimental.sparse's COO and CSR primitives and spsolve have no batching rule, and
+# jax.experimental.sparse's COO and CSR primitives, spsolve and linear_call have no batching rule, and
 # kfac-jax's loss tag fails under jax.vmap: jax's own vmap raises for these entries
 JAX_VMAP_RAISES = {
     *(f"{fmt}_{op}" for fmt in ("coo", "csr") for op in ("todense", "fromdense", "matvec", "matmat")),
     *(f"{fmt}_{op}_transposed" for fmt in ("coo", "csr") for op in ("matvec", "matmat")),
     "spsolve",
+    "linear_call",
     "kfac_loss_tag",
 }
 
