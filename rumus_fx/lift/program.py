@@ -32,7 +32,11 @@ _Tracer = jax.core.Tracer
 ENCLOSING: contextvars.ContextVar[Any] = contextvars.ContextVar("rf_lift_enclosing", default=None)
 
 # call primitives inlined into the program (their body is run with rf's rules)
-INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call"}
+INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call", "remat_opt"}
+# (``remat_opt``: the fwd of a ``custom_vjp`` defined with ``optimize_remat=True``, as
+# jax's own derivative of the function runs it. The fwd is an ordinary function, and
+# its derivative is the one jax's JVP rule takes; jax has no transpose for it, so rf's
+# reverse mode of jax.grad's program goes where jax.grad of it cannot.)
 # the identity on values, dropped from rf's programs (Note [Layout constraints dropped])
 IDENTITIES = {"layout_constraint"}
 
@@ -276,7 +280,7 @@ class Program:
             name = eqn.primitive.name
             ins = [self._read(env, v) for v in eqn.invars]
             if name in INLINE_CALLS:
-                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr", eqn.params.get("fwd_jaxpr")))
                 if isinstance(inner, jcore.ClosedJaxpr):
                     inner_jaxpr, consts = inner.jaxpr, inner.consts
                 else:
