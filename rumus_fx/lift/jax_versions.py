@@ -153,3 +153,21 @@ def discharge(closed_jaxpr: Any) -> Any:
     """``closed_jaxpr`` with the references it makes and frees itself turned into
     values threaded through it (jax's state discharge: a pure program)."""
     return _discharge.discharge_state(closed_jaxpr)
+
+
+# -- primitives whose parameters rf reads by name ---------------------------------------
+
+
+def require_params(step: Any, names: Sequence[str], what: str) -> None:
+    """Refuse by name a step of ``what`` whose parameters are not the ones rf's
+    rule was written for (checked with jax 0.10.2: a later jax may rename them),
+    rather than crash inside the rule."""
+    missing = [n for n in names if n not in step.params]
+    if missing:
+        from ..errors import AutogradError
+
+        raise AutogradError(
+            f"rf.lift: {what} (the primitive '{step.prim.name}') has no parameter {', '.join(map(repr, missing))} "
+            f"in jax {jax.__version__}: rf's rule for it was written for jax 0.10.2's parameters, so rf "
+            "does not differentiate it here."
+        )

@@ -32,7 +32,7 @@ from ..errors import AutogradError
 from ..ops._declare import normal, positive, unary_samples
 from .apart import barrier, kept_apart, recompute
 from .concrete import needs_values
-from .jax_versions import bwd_cotangents, closed, scan_counts, vary_over, varying_axes, varying_like
+from .jax_versions import bwd_cotangents, closed, require_params, scan_counts, vary_over, varying_axes, varying_like
 from .program import Program, ReachedInputs, custom_function_name, trace_custom_rule, without_identities
 from .rules import defrule, is_float
 from .rules_custom import closure_input
@@ -517,6 +517,14 @@ def _compute_on(params, fun, out_memory_spaces):
 
 
 def _compute_on_prepare(step):
+    require_params(step, ("jaxpr", "compute_type", "out_memory_spaces"), "jax.experimental.compute_on")
+    try:
+        from jax.experimental.compute_on import compute_on2  # noqa: F401  (what the rule binds with)
+    except ImportError as e:
+        raise AutogradError(
+            f"rf.lift: jax {jax.__version__} has no jax.experimental.compute_on.compute_on2, which rf's rule "
+            "for 'compute_on' runs the body and its backward with; rf does not differentiate it here."
+        ) from e
     return _program(step.params["jaxpr"], list(step.needs), "compute_on body")
 
 

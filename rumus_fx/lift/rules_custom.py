@@ -48,7 +48,7 @@ from ..autograd.registry import BadProgram, Sample, TableEntry
 from ..errors import AutogradError
 from ..ops._declare import normal, unary_samples
 from .concrete import symbolic
-from .jax_versions import closed, manual_spec, scan_counts, varying_like
+from .jax_versions import closed, manual_spec, require_params, scan_counts, varying_like
 from .program import IN_JVP_RULE, Program, custom_function_name, trace_custom_rule
 from .rules import defrule, is_float
 
@@ -459,6 +459,8 @@ defrule(
 
 
 def _linear_call_prepare(step):
+    what = "jax.custom_derivatives.linear_call"
+    require_params(step, ("callee", "transpose_thunk", "num_callee_consts", "num_res"), what)
     p = step.params
     n = p["num_callee_consts"] + p["num_res"]
     if any(step.needs[:n]):

@@ -69,3 +69,36 @@ def test_closed_keeps_a_closed_jaxpr_and_closes_an_open_one():
     if not ONE_JAXPR_CLASS:
         with pytest.raises(ValueError):
             closed(closed_jaxpr, [c])
+
+
+@pytest.mark.parametrize("dropped", ["num_res", "transpose_thunk"])
+def test_a_primitive_whose_parameters_changed_is_refused_by_name(dropped, monkeypatch):
+    """A rule that reads parameters by name (``linear_call``, ``compute_on``) refuses,
+    naming the primitive and the parameter, a step that lacks one (as a later jax
+    may rename it), rather than crash inside the rule: the parameter is dropped
+    here from this jax's own ``linear_call`` step as the program is built."""
+    import rumus_fx as rf
+    from rumus_fx.lift import program as program_module
+    from rumus_fx.lift.tracing import clear_programs
+
+    from .test_custom_rules import _lin_pair, _lin_pair_transpose
+
+    def loss(x):
+        from jax.custom_derivatives import linear_call
+
+        u, v = linear_call(_lin_pair, _lin_pair_transpose, jnp.ones(3), (jnp.sin(x), x))
+        return jnp.sum(u * v)
+
+    real = program_module.Params
+
+    def without(params):
+        out = real(params)
+        return real({k: v for k, v in out.items() if k != dropped}) if "num_callee_consts" in out else out
+
+    monkeypatch.setattr(program_module, "Params", without)
+    clear_programs()
+    try:
+        with pytest.raises(rf.AutogradError, match=f"'linear_call'.*{dropped!r}"):
+            rf.grad(rf.lift(loss))(jnp.linspace(0.1, 1.0, 3))
+    finally:
+        clear_programs()
