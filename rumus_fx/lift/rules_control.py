@@ -17,6 +17,7 @@ and re-runs the body's forward in backward. ``custom_vjp_call`` runs the user's
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import jax
@@ -496,13 +497,62 @@ defrule(
 )
 
 
-# -- compute_on (jax.experimental.compute_on) -------------------------------------------
+# -- calls that run their body somewhere or somehow (compute_on, xla_metadata_call) ----
+#
+# ``jax.experimental.compute_on.compute_on2`` runs its body on the host
+# (``device_host``); ``jax.experimental.scheduling_groups.xla_metadata_call`` (and
+# ``scheduling_group``) attaches XLA metadata to it. Each is a call of one jaxpr. rf runs
+# the body's program inside the same call (``wrap``: jax's own function for it,
+# retracing ``run``), and its backward inside another, as jax's transpose does; the
+# residuals leave the call as outputs (in device memory).
 
 
-def _compute_on(params, fun, out_memory_spaces):
-    """``fun`` run as ``compute_on`` runs its body: on the step's compute type
-    (``device_host``: the host), its outputs in ``out_memory_spaces`` (a prefix
-    of its outputs' tree)."""
+def _wrapped_call_rule(name: str, wrap, params_read: tuple[str, ...], what: str, **options: Any) -> None:
+    """Declare the rule of the call primitive ``name``: ``wrap(params, fun, spaces)``
+    is ``fun`` run as the primitive with these parameters runs its body (``spaces``:
+    the memory spaces of its outputs, a prefix of their tree), with jax's function
+    ``what`` (``module.function``)."""
+
+    def prepare(step):
+        require_params(step, ("jaxpr", *params_read), what)
+        module, _, function = what.rpartition(".")
+        if not hasattr(importlib.import_module(module), function):
+            raise AutogradError(
+                f"rf.lift: jax {jax.__version__} has no {what}, which rf's rule for '{name}' runs the body and "
+                "its backward with; rf does not differentiate it here."
+            )
+        return _program(step.params["jaxpr"], list(step.needs), f"{name} body")
+
+    def forward(step, vals):
+        prog = step.sub
+
+        def run(*ins):
+            outs, res = prog.run(list(ins))
+            return tuple(outs), res
+
+        spaces = (tuple(step.params.get("out_memory_spaces", ())), jax.memory.Space.Device)
+        outs, res = wrap(step.params, run, spaces)(*vals)
+        return list(outs), res
+
+    def vjp(r, g):
+        prog = r._step.sub
+
+        def backward(res, gs):
+            grads = prog.backward(res, list(gs))
+            return [gr if n else None for gr, n in zip(grads, r.needs)]
+
+        # each gradient in its operand's memory space (jax's transpose of compute_on does the same)
+        spaces = [getattr(a, "memory_space", jax.memory.Space.Device) for a in r.in_avals]
+        return tuple(wrap(r.params, backward, spaces)(r.extra, tuple(g)))
+
+    vjp.__name__ = f"_{name}_vjp"
+    vjp.prepare = prepare
+    vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
+    vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
+    defrule(name, vjp, ((), ()), forward=forward, multiple_results=True, **options)
+
+
+def _compute_on(params, fun, spaces):
     import json
 
     from jax.experimental.compute_on import compute_on2
@@ -511,82 +561,55 @@ def _compute_on(params, fun, out_memory_spaces):
     return compute_on2(
         fun,
         compute_type=params["compute_type"],
-        out_memory_spaces=out_memory_spaces,
+        out_memory_spaces=spaces,
         compiler_options=None if options is None else json.loads(options),
     )
 
 
-def _compute_on_prepare(step):
-    require_params(step, ("jaxpr", "compute_type", "out_memory_spaces"), "jax.experimental.compute_on")
-    try:
-        from jax.experimental.compute_on import compute_on2  # noqa: F401  (what the rule binds with)
-    except ImportError as e:
-        raise AutogradError(
-            f"rf.lift: jax {jax.__version__} has no jax.experimental.compute_on.compute_on2, which rf's rule "
-            "for 'compute_on' runs the body and its backward with; rf does not differentiate it here."
-        ) from e
-    return _program(step.params["jaxpr"], list(step.needs), "compute_on body")
+def _xla_metadata_call(params, fun, spaces):
+    from jax.experimental.scheduling_groups import xla_metadata_call
+
+    return xla_metadata_call(fun, **{k: v for k, v in params.items() if k != "jaxpr"})
 
 
-def _compute_on_forward(step, vals):
-    """The body's program where the body ran, its residuals kept in device memory
-    (as jax's linearization of ``compute_on`` keeps them)."""
-    prog = step.sub
-
-    def run(*ins):
-        outs, res = prog.run(list(ins))
-        return tuple(outs), res
-
-    spaces = (tuple(step.params["out_memory_spaces"]), jax.memory.Space.Device)
-    outs, res = _compute_on(step.params, run, spaces)(*vals)
-    return list(outs), res
-
-
-def _compute_on_vjp(r, g):
-    """The body's backward where the body ran, each gradient in its operand's
-    memory space (jax's transpose of ``compute_on`` does the same)."""
-    prog = r._step.sub
-
-    def backward(res, gs):
-        grads = prog.backward(res, list(gs))
-        return [gr if n else None for gr, n in zip(grads, r.needs)]
-
-    spaces = [getattr(a, "memory_space", jax.memory.Space.Device) for a in r.in_avals]
-    return tuple(_compute_on(r.params, backward, spaces)(r.extra, tuple(g)))
-
-
-_compute_on_vjp.prepare = _compute_on_prepare
-_compute_on_vjp.out_tracked = lambda step: list(step.sub.out_tracked)  # as its body's (Note [Tracked outputs])
-_compute_on_vjp.unused_as_none = True  # Note [An unused output adds nothing] in program.py
+def _two_outputs(a, b):
+    return jnp.sin(a @ b) * a, jnp.exp(b)
 
 
 def _compute_on_program(x, y):
     from jax.experimental.compute_on import compute_on2
 
-    body = compute_on2(
-        lambda a, b: (jnp.sin(a @ b) * a, jnp.exp(b)),
-        compute_type="device_host",
-        out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Device),
-    )
-    u, v = body(x, y)
+    device = jax.memory.Space.Device
+    u, v = compute_on2(_two_outputs, compute_type="device_host", out_memory_spaces=(device, device))(x, y)
     return u * v
 
 
-defrule(
+def _scheduling_group_program(x, y):
+    from jax.experimental.scheduling_groups import scheduling_group
+
+    u, v = scheduling_group("rf_table")(_two_outputs)(x, y)
+    return u * v
+
+
+def _square_samples(r):
+    return [Sample((normal(r, 3, 3), normal(r, 3, 3)), diff=(0, 1))]
+
+
+_wrapped_call_rule(
     "compute_on",
-    _compute_on_vjp,
-    ((), ()),
-    forward=_compute_on_forward,
-    multiple_results=True,
+    _compute_on,
+    ("compute_type", "out_memory_spaces"),
+    "jax.experimental.compute_on.compute_on2",
     record_name="ComputeOnBackward",
-    table=(
-        TableEntry(
-            "compute_on",
-            _compute_on_program,
-            lambda r: [Sample((normal(r, 3, 3), normal(r, 3, 3)), diff=(0, 1))],
-            vmap=True,
-        ),
-    ),
+    table=(TableEntry("compute_on", _compute_on_program, _square_samples, vmap=True),),
+)
+_wrapped_call_rule(
+    "xla_metadata_call",
+    _xla_metadata_call,
+    (),
+    "jax.experimental.scheduling_groups.xla_metadata_call",
+    record_name="XlaMetadataCallBackward",
+    table=(TableEntry("xla_metadata_call", _scheduling_group_program, _square_samples, vmap=True),),
 )
 
 

@@ -47,7 +47,7 @@ JAX_MODULES = (
     "jax.scipy.linalg", "jax.scipy.signal", "jax.random", "jax.extend", "jax.ad_checkpoint",
     "jax.experimental", "jax.experimental.pallas", "jax.experimental.shard_map", "jax.experimental.sparse",
     "jax.experimental.custom_partitioning", "jax.experimental.multihost_utils", "jax.experimental.compute_on",
-    "jax.experimental.layout",
+    "jax.experimental.layout", "jax.experimental.scheduling_groups",
 )  # fmt: skip
 
 _LIST = """

@@ -1,10 +1,13 @@
-"""``jax.experimental.compute_on.compute_on2`` inside a lifted function (the primitive
-``compute_on``, refused by name before): the body's program runs where the body ran
-(``device_host``), its backward too, as jax's transpose runs it; residuals stay in
-device memory and each gradient comes in its operand's memory space. Each program
-under ``rf.grad(rf.lift(f))``, eagerly and under jit, each argument alone and both,
-against ``jax.grad`` (of the same function, or of it without the placement where
-jax.grad itself fails) and float64 central differences."""
+"""Calls that run their body somewhere or somehow, inside a lifted function (both
+refused by name before): ``jax.experimental.compute_on.compute_on2`` (the primitive
+``compute_on``: the body runs on the host) and
+``jax.experimental.scheduling_groups.scheduling_group`` (``xla_metadata_call``: XLA
+metadata on the body). rf runs the body's program inside the same call and its
+backward inside another, as jax's transpose does; residuals stay in device memory and
+each gradient comes in its operand's memory space. Each program under
+``rf.grad(rf.lift(f))``, eagerly and under jit, each argument alone and both, against
+``jax.grad`` (of the same function, or of it without the placement where jax.grad
+itself fails) and float64 central differences."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.compute_on import compute_on2
+from jax.experimental.scheduling_groups import scheduling_group
 
 import rumus_fx as rf
 from rumus_fx.testing import check_fd
@@ -58,6 +62,10 @@ PROGRAMS = {
     "closes_over_a_constant": lambda x, y: jnp.sum(_on_host(lambda a, b: jnp.cos(a * _W) * b)(x, y) ** 2),
     "scan_in_body": _scan_in_body,
     "host_output": _host_output,
+    "scheduling_group": lambda x, y: jnp.sum(scheduling_group("g1")(lambda a, b: jnp.sin(a) * b**2)(x, y) * x),
+    "scheduling_group_in_compute_on": lambda x, y: jnp.sum(
+        _on_host(lambda a, b: scheduling_group("g2")(lambda c: jnp.tanh(c) * b)(a) * a)(x, y)
+    ),
 }
 # the same programs without the placement, for jax.grad where it fails with it
 _PLAIN = {"host_output": lambda x, y: jnp.sum(jnp.exp(x) * y * x)}
@@ -91,18 +99,23 @@ def test_jax_grad_itself_fails_on_a_host_output():
             jax.grad(_host_output)(x, y)
 
 
-def test_the_backward_runs_where_the_body_ran():
-    """The compiled gradient program places as many computations on the host as
-    jax.grad's: the forward's body and its backward, each a host call."""
-    f = PROGRAMS["closes_over_a_constant"]
+@pytest.mark.parametrize(
+    "name,attribute",
+    [("closes_over_a_constant", '_xla_compute_type = "host"'), ("scheduling_group", 'scheduling_group = "g1"')],
+)
+def test_the_backward_runs_where_and_as_the_body_ran(name, attribute):
+    """The compiled gradient program has as many calls with the body's attribute
+    (on the host; in a scheduling group) as jax.grad's: the forward's body and its
+    backward."""
+    f = PROGRAMS[name]
 
-    def host_calls(fun):
+    def calls(fun):
         text = jax.jit(fun).lower(x, x).as_text()
-        return sum("call @" in line and '_xla_compute_type = "host"' in line for line in text.splitlines())
+        return sum("call @" in line and attribute in line for line in text.splitlines())
 
     # in float64 as the other tests: jax caches the body's trace by function, not by
     # the 64-bit mode, and the body closes over a float64 constant
     with jax.enable_x64(True):
         x = jnp.ones((3, 4))
-        ours = host_calls(rf.grad(rf.lift(f), argnums=(0, 1)))
-        assert ours == host_calls(jax.grad(f, argnums=(0, 1))) == 2
+        ours = calls(rf.grad(rf.lift(f), argnums=(0, 1)))
+        assert ours == calls(jax.grad(f, argnums=(0, 1))) == 2
