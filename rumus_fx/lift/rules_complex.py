@@ -172,6 +172,9 @@ COMPLEX_OK.update(
         "eig",
         # calls and control flow (their bodies' rules are checked one by one)
         "scan", "cond", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr",
+        "compute_on", "xla_metadata_call",
+        # the user's transpose function, bound as given (a transpose, not an adjoint)
+        "linear_call",
         # a custom JVP rule's reverse walk: every step of it is checked as above
         "custom_jvp_call",
         "optimization_barrier", "sharding_constraint", "reshard", "device_put", "shard_alike",

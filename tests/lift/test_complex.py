@@ -19,6 +19,9 @@ import pytest
 from equinox.internal._loop import common as _eqx_loop
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import linear_call
+from jax.experimental.compute_on import compute_on2
+from jax.experimental.scheduling_groups import scheduling_group
 from jax.experimental import sparse
 from jax.experimental.shard_alike import shard_alike
 
@@ -156,6 +159,14 @@ BINARY = {
     "scan": lambda z, w: lax.scan(lambda c, x: (c * x + 1, c * w[0]), jnp.ones(4, z.dtype), z)[1],
     "cond": lambda z, w: lax.cond(True, lambda: z * w, lambda: z),
     "checkpoint": lambda z, w: jax.checkpoint(lambda a, b: jnp.sin(a) * b)(z, w),
+    # calls that run their body somewhere or somehow, and a linear call (transposed, not conjugated)
+    "compute_on": lambda z, w: compute_on2(
+        lambda a, b: jnp.sin(a) * b, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device
+    )(z, w),
+    "scheduling_group": lambda z, w: scheduling_group("complex")(lambda a, b: jnp.exp(a) * b)(z, w),
+    "linear_call": lambda z, w: linear_call(
+        lambda r, a: a * r, lambda r, ct: ct * r, jnp.asarray(1.5 - 0.5j, z.dtype), jnp.sin(z) * w
+    ),
 }
 
 
