@@ -20,9 +20,9 @@ from equinox.internal._loop import common as _eqx_loop
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import linear_call
+from jax.experimental import sparse
 from jax.experimental.compute_on import compute_on2
 from jax.experimental.scheduling_groups import scheduling_group
-from jax.experimental import sparse
 from jax.experimental.shard_alike import shard_alike
 
 import rumus_fx as rf
