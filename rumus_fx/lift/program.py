@@ -37,6 +37,7 @@ INLINE_CALLS = {"jit", "pjit", "closed_call", "core_call", "call", "remat_opt"}
 # jax's own derivative of the function runs it. The fwd is an ordinary function, and
 # its derivative is the one jax's JVP rule takes; jax has no transpose for it, so rf's
 # reverse mode of jax.grad's program goes where jax.grad of it cannot.)
+
 # the identity on values, dropped from rf's programs (Note [Layout constraints dropped])
 IDENTITIES = {"layout_constraint"}
 

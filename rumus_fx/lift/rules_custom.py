@@ -465,17 +465,17 @@ def _linear_call_prepare(step):
     n = p["num_callee_consts"] + p["num_res"]
     if any(step.needs[:n]):
         raise AutogradError(
-            "rf.lift: a residual argument of jax.custom_derivatives.linear_call depends on a tracked value; "
-            "the call is linear in its linear arguments only and defines no derivative in its residual "
-            "arguments (jax.grad fails on it too, with an AssertionError). Pass the value as a linear argument, or stop its "
-            "gradient (lax.stop_gradient) if none should flow."
+            f"rf.lift: a residual argument of {what} depends on a tracked value; the call is linear in its "
+            "linear arguments only and defines no derivative in its residual arguments (jax.grad fails on it "
+            "too, with an AssertionError). Pass the value as a linear argument, or stop its gradient "
+            "(lax.stop_gradient) if none should flow."
         )
     try:
         return p["transpose_thunk"]()  # (the transpose's closed jaxpr, its constants)
     except jax.errors.UnexpectedTracerError as e:
         raise AutogradError(
-            "rf.lift: the transpose function of jax.custom_derivatives.linear_call closes over a value the "
-            "lifted function computed, which is gone when rf traces it; pass the value as a residual argument."
+            f"rf.lift: the transpose function of {what} closes over a value the lifted function computed, "
+            "which is gone when rf traces it; pass the value as a residual argument."
         ) from e
 
 
@@ -513,14 +513,11 @@ def _linear_call_program(x, d):
 
 
 def _linear_call_errors():
-    def tracked_residual(x, d):
-        return _linear_call_program(x, d)
-
     ones = np.ones(3)
     return [
         BadProgram(
             "a tracked residual argument",
-            tracked_residual,
+            _linear_call_program,
             (ones, ones),
             AutogradError,
             ("residual argument of jax.custom_derivatives.linear_call",),
