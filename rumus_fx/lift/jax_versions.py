@@ -35,6 +35,8 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
+from ..errors import AutogradError
+
 # jax's state discharge (a program transformation, not differentiation) has no public
 # name; rf uses it for the mutable array references a lifted function makes itself
 from jax._src.state import discharge as _discharge  # isort: skip
@@ -164,8 +166,6 @@ def require_params(step: Any, names: Sequence[str], what: str) -> None:
     rather than crash inside the rule."""
     missing = [n for n in names if n not in step.params]
     if missing:
-        from ..errors import AutogradError
-
         raise AutogradError(
             f"rf.lift: {what} (the primitive '{step.prim.name}') has no parameter {', '.join(map(repr, missing))} "
             f"in jax {jax.__version__}: rf's rule for it was written for jax 0.10.2's parameters, so rf "
